@@ -1,0 +1,36 @@
+# Two entry points, both safe on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install --quiet --constraint constraints.txt
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) -e '.[test,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check clipopt tests examples benchmarks
+	$(BIN)/ruff format --check clipopt tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy clipopt
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

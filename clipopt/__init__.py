@@ -1,0 +1,21 @@
+"""clipopt: gradient-norm clipping for PyTorch, exact, fast and drop-in."""
+
+from clipopt.functional import (
+    NonFiniteNormError,
+    clip_grad_norm,
+    clip_grad_norm_,
+    clip_grad_value_,
+    clip_grads_with_norm_,
+    get_total_norm,
+)
+
+__all__ = [
+    "NonFiniteNormError",
+    "clip_grad_norm",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "clip_grads_with_norm_",
+    "get_total_norm",
+]
+
+__version__ = "0.1.0"

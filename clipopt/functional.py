@@ -1,0 +1,294 @@
+"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions.
+
+Same names and signatures, so switching is one import. What differs, and why:
+
+- Half-precision grads are reduced in float32: fp16 grads whose norm exceeds 65504 get
+  their true norm instead of ``inf`` (which makes torch zero every grad).
+- Large float32 tensors on CPU are reduced blockwise, accurate to ~1e-8 relative at
+  40M elements where torch drifts by ~3e-3.
+- Bad ``max_norm`` / ``norm_type`` / ``clip_value`` raise before any grad is touched
+  (torch flips the sign of every grad for a negative ``max_norm``).
+- Sparse COO and complex grads work; empty grads and None grads are skipped for every
+  norm type; a generator of parameters is consumed exactly once.
+- :func:`clip_grad_norm` (no trailing underscore) does not mutate: it returns clipped
+  copies. torch's function of that name is a deprecated in-place alias.
+
+Nothing here reads a tensor's value on the host unless ``error_if_nonfinite=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TypeAlias
+
+import torch
+from torch import Tensor
+
+from clipopt import _kernels
+
+__all__ = [
+    "NonFiniteNormError",
+    "clip_grad_norm",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "clip_grads_with_norm_",
+    "get_total_norm",
+]
+
+TensorOrTensors: TypeAlias = Tensor | Iterable[Tensor]
+NormType: TypeAlias = float | int | str
+MaxNorm: TypeAlias = float | int | Tensor
+
+
+class NonFiniteNormError(RuntimeError, FloatingPointError):
+    """The total gradient norm is NaN or infinite and the caller asked to raise.
+
+    A ``RuntimeError`` like torch's, so existing ``except RuntimeError`` code keeps
+    working, and a ``FloatingPointError`` for code written against ``ClippedOptimizer``.
+    """
+
+
+def _as_list(tensors: TensorOrTensors) -> list[Tensor]:
+    """Materialise a tensor, list or generator exactly once."""
+    if isinstance(tensors, Tensor):
+        return [tensors]
+    return list(tensors)
+
+
+def _grads(parameters: list[Tensor]) -> list[Tensor]:
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def check_norm_type(norm_type: NormType) -> float:
+    """Validate a norm order and return it as a float (``math.inf`` for ``'inf'``)."""
+    if isinstance(norm_type, str):
+        if norm_type.lower() in ("inf", "+inf", "infinity"):
+            return math.inf
+        raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(f"norm_type must be a number or 'inf', got {norm_type!r}")
+    p = float(norm_type)
+    if math.isnan(p) or p <= 0:
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
+    return p
+
+
+def check_positive(name: str, value: MaxNorm, allow_tensor: bool = True) -> None:
+    """Raise unless ``value`` is a number > 0 (``inf`` allowed) or a 0-dim real tensor.
+
+    A tensor's value is not inspected: that would wait on its device.
+    """
+    if isinstance(value, Tensor) and allow_tensor:
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} tensor must be a 0-dim real tensor, got {value!r}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number, got {value!r}")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0 (inf allowed), got {value!r}")
+
+
+def _raise_if_nonfinite(norm: Tensor, norm_type: float) -> None:
+    if not torch.isfinite(norm).item():  # the caller asked for this sync
+        raise NonFiniteNormError(
+            f"The total norm of order {norm_type} for gradients is non-finite ({norm.item()}), "
+            "so it cannot be clipped. To clip anyway, pass error_if_nonfinite=False."
+        )
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: TensorOrTensors,
+    norm_type: NormType = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """The norm of all ``tensors`` together, as if concatenated into one vector.
+
+    Args:
+      tensors: a tensor or an iterable of tensors (usually grads), read once; None
+        entries are skipped. Devices, dtypes and sparse COO layouts may mix.
+      norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
+      error_if_nonfinite: raise :class:`NonFiniteNormError` if the norm is NaN or inf.
+        This reads the norm on the host, so it waits for the device.
+      foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest
+        available for each device (None).
+
+    Returns:
+      A 0-dim float32 tensor (float64 if any input is) on the first tensor's device;
+      ``tensor(0.)`` when there is nothing to measure.
+
+    Example:
+      >>> import torch, clipopt
+      >>> clipopt.get_total_norm([torch.tensor([3.0]), torch.tensor([4.0])])
+      tensor(5.)
+      >>> clipopt.get_total_norm([torch.full((1000,), 3000.0, dtype=torch.float16)])
+      tensor(94868.3125)
+    """
+    p = check_norm_type(norm_type)
+    present = [t for t in _as_list(tensors) if t is not None]
+    norm = _kernels.total_norm(present, p, foreach)
+    if error_if_nonfinite:
+        _raise_if_nonfinite(norm, p)
+    return norm
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: TensorOrTensors,
+    max_norm: MaxNorm,
+    total_norm: Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """Scale grads in place by ``min(1, max_norm / (total_norm + 1e-6))``.
+
+    The coefficient is computed on the device; grads under the threshold are multiplied
+    by exactly 1.0 and so stay bit-identical. ``max_norm=inf`` scales nothing.
+
+    Args:
+      parameters: a tensor or an iterable of tensors whose ``.grad`` is scaled, read once.
+      max_norm: the largest allowed norm, > 0 (``inf`` allowed), or a 0-dim tensor.
+      total_norm: the norm to clip against, e.g. from :func:`get_total_norm`.
+      foreach: as in :func:`get_total_norm`.
+
+    Example:
+      >>> import torch, clipopt
+      >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+      >>> clipopt.clip_grads_with_norm_([w], 1.0, torch.tensor(5.0))
+      >>> w.grad
+      tensor([0.6000, 0.8000])
+    """
+    check_positive("max_norm", max_norm)
+    grads = _grads(_as_list(parameters))
+    if not grads or (isinstance(max_norm, (int, float)) and math.isinf(max_norm)):
+        return
+    _kernels.scale_(grads, _kernels.clip_coefficient(max_norm, total_norm), foreach)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: TensorOrTensors,
+    max_norm: MaxNorm,
+    norm_type: NormType = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Clip the grads' total norm to ``max_norm`` in place; return the pre-clip norm.
+
+    Drop-in for :func:`torch.nn.utils.clip_grad_norm_` (Pascanu et al., 2013, "On the
+    difficulty of training recurrent neural networks"). Arguments are validated before
+    any grad is read, and a non-finite norm with ``error_if_nonfinite=True`` raises
+    before any grad is written.
+
+    Args:
+      parameters: a tensor or an iterable of tensors (read once); grads that are None
+        are skipped.
+      max_norm: the largest allowed total norm, > 0 (``inf``: measure only).
+      norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
+      error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN/inf norm (a sync).
+      foreach: as in :func:`get_total_norm`.
+
+    Returns:
+      The total norm before clipping, a 0-dim float32 tensor (float64 for double grads).
+
+    Example:
+      >>> import torch, clipopt
+      >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([30.0, 40.0])
+      >>> clipopt.clip_grad_norm_(w, max_norm=1.0)
+      tensor(50.)
+      >>> w.grad
+      tensor([0.6000, 0.8000])
+    """
+    check_positive("max_norm", max_norm)
+    p = check_norm_type(norm_type)
+    params = _as_list(parameters)
+    norm = get_total_norm(_grads(params), p, error_if_nonfinite, foreach)
+    clip_grads_with_norm_(params, max_norm, norm, foreach)
+    return norm
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    parameters: TensorOrTensors,
+    max_norm: MaxNorm,
+    norm_type: NormType = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> tuple[list[Tensor | None], Tensor]:
+    """The out-of-place twin of :func:`clip_grad_norm_`: no ``.grad`` is modified.
+
+    Unlike torch's deprecated ``clip_grad_norm`` (an in-place alias), this follows the
+    convention that a name without a trailing underscore does not mutate.
+
+    Args:
+      parameters, max_norm, norm_type, error_if_nonfinite, foreach: as in
+        :func:`clip_grad_norm_`.
+
+    Returns:
+      ``(clipped, total_norm)``: ``clipped[i]`` is a new tensor holding the clipped grad
+      of the i-th parameter (None where it has no grad), and ``total_norm`` is the
+      pre-clip norm.
+
+    Example:
+      >>> import torch, clipopt
+      >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([30.0, 40.0])
+      >>> clipped, norm = clipopt.clip_grad_norm([w], max_norm=1.0)
+      >>> clipped[0], norm, w.grad
+      (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
+    """
+    check_positive("max_norm", max_norm)
+    p = check_norm_type(norm_type)
+    params = _as_list(parameters)
+    norm = get_total_norm(_grads(params), p, error_if_nonfinite, foreach)
+    copies = [None if q.grad is None else q.grad.clone() for q in params]
+    present = [c for c in copies if c is not None]
+    if present and not (isinstance(max_norm, (int, float)) and math.isinf(max_norm)):
+        _kernels.scale_(present, _kernels.clip_coefficient(max_norm, norm), foreach)
+    return copies, norm
+
+
+@torch.no_grad()
+def clip_grad_value_(
+    parameters: TensorOrTensors,
+    clip_value: float,
+    foreach: bool | None = None,
+) -> None:
+    """Clamp every grad element into ``[-clip_value, clip_value]`` in place.
+
+    Drop-in for :func:`torch.nn.utils.clip_grad_value_`, with ``clip_value`` validated
+    (torch accepts a negative value and produces a meaningless clamp).
+
+    Args:
+      parameters: a tensor or an iterable of tensors (read once).
+      clip_value: the largest allowed magnitude, > 0 (``inf``: nothing changes).
+      foreach: one ``_foreach_clamp`` per (device, dtype) group (True/None) or
+        per-tensor ops (False).
+
+    Example:
+      >>> import torch, clipopt
+      >>> w = torch.nn.Parameter(torch.zeros(3)); w.grad = torch.tensor([-5.0, 0.5, 5.0])
+      >>> clipopt.clip_grad_value_(w, 1.0)
+      >>> w.grad
+      tensor([-1.0000,  0.5000,  1.0000])
+    """
+    check_positive("clip_value", clip_value, allow_tensor=False)
+    value = float(clip_value)
+    params = _as_list(parameters)
+    if any(g.is_complex() for g in _grads(params)):
+        raise TypeError("clip_grad_value_ needs real grads; a complex grad has no order")
+    for q in params:
+        if q.grad is not None and q.grad.is_sparse:
+            q.grad = q.grad.coalesce()  # clamping duplicates separately would be wrong
+    grads = _grads(params)
+    dense = [g for g in grads if not g.is_sparse]
+    for group in _kernels.group_by_device_and_dtype(dense).values():
+        if foreach is False:
+            for g in group:
+                g.clamp_(-value, value)
+        else:
+            torch._foreach_clamp_min_(group, -value)
+            torch._foreach_clamp_max_(group, value)
+    for g in grads:
+        if g.is_sparse:
+            g.values().clamp_(-value, value)
