@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch import Tensor
 
-from clipopt import _kernels
+from clipopt import _kernels, distributed
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "NonFiniteNormError",
@@ -58,6 +61,23 @@ def _as_list(tensors: TensorOrTensors) -> list[Tensor]:
 
 def _grads(parameters: list[Tensor]) -> list[Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
+
+
+def _replicated_grads(
+    parameters: list[Tensor], replicated_params: TensorOrTensors | None
+) -> list[Tensor]:
+    """The grads of ``replicated_params``, each of which must be one of ``parameters``."""
+    if replicated_params is None:
+        return []
+    known = {id(p) for p in parameters}
+    replicated = _as_list(replicated_params)
+    for q in replicated:
+        if id(q) not in known:
+            raise ValueError(
+                f"replicated_params holds a tensor of shape {tuple(q.shape)} that is not one "
+                "of parameters"
+            )
+    return _grads(replicated)
 
 
 def check_norm_type(norm_type: NormType) -> float:
@@ -103,8 +123,15 @@ def get_total_norm(
     norm_type: NormType = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: ProcessGroup | None = None,
+    replicated: TensorOrTensors | None = None,
 ) -> Tensor:
     """The norm of all ``tensors`` together, as if concatenated into one vector.
+
+    DTensors (FSDP2, HSDP, tensor parallel) are measured across their device mesh; plain
+    tensors across ``process_group`` when one is given; see :mod:`clipopt.distributed`.
+    Either way every rank gets the same plain tensor, at the cost of one ``all_reduce``.
 
     Args:
       tensors: a tensor or an iterable of tensors (usually grads), read once; None
@@ -114,6 +141,12 @@ def get_total_norm(
         This reads the norm on the host, so it waits for the device.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest
         available for each device (None).
+      process_group: the group plain ``tensors`` are split across (model parallel):
+        ``norm**p`` is summed over it (max for inf). None: local tensors, or DTensors,
+        which carry their mesh.
+      replicated: those of ``tensors`` (by identity) that are identical on every rank of
+        ``process_group`` (tied embeddings, layer norms under tensor parallel): they
+        count once, not once per rank.
 
     Returns:
       A 0-dim float32 tensor (float64 if any input is) on the first tensor's device;
@@ -128,7 +161,10 @@ def get_total_norm(
     """
     p = check_norm_type(norm_type)
     present = [t for t in _as_list(tensors) if t is not None]
-    norm = _kernels.total_norm(present, p, foreach)
+    shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
+    norm = distributed.total_norm(
+        present, p, foreach, process_group=process_group, replicated=shared
+    )
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
     return norm
@@ -173,6 +209,9 @@ def clip_grad_norm_(
     norm_type: NormType = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: ProcessGroup | None = None,
+    replicated_params: TensorOrTensors | None = None,
 ) -> Tensor:
     """Clip the grads' total norm to ``max_norm`` in place; return the pre-clip norm.
 
@@ -188,6 +227,10 @@ def clip_grad_norm_(
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
       error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN/inf norm (a sync).
       foreach: as in :func:`get_total_norm`.
+      process_group: the group the parameters are split across (model parallel), as in
+        :func:`get_total_norm`; DTensor grads need none.
+      replicated_params: those of ``parameters`` that are identical on every rank of
+        ``process_group``: their grads count once.
 
     Returns:
       The total norm before clipping, a 0-dim float32 tensor (float64 for double grads).
@@ -203,7 +246,15 @@ def clip_grad_norm_(
     check_positive("max_norm", max_norm)
     p = check_norm_type(norm_type)
     params = _as_list(parameters)
-    norm = get_total_norm(_grads(params), p, error_if_nonfinite, foreach)
+    shared = _replicated_grads(params, replicated_params)
+    norm = get_total_norm(
+        _grads(params),
+        p,
+        error_if_nonfinite,
+        foreach,
+        process_group=process_group,
+        replicated=shared,
+    )
     clip_grads_with_norm_(params, max_norm, norm, foreach)
     return norm
 
@@ -215,6 +266,9 @@ def clip_grad_norm(
     norm_type: NormType = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: ProcessGroup | None = None,
+    replicated_params: TensorOrTensors | None = None,
 ) -> tuple[list[Tensor | None], Tensor]:
     """The out-of-place twin of :func:`clip_grad_norm_`: no ``.grad`` is modified.
 
@@ -222,8 +276,8 @@ def clip_grad_norm(
     convention that a name without a trailing underscore does not mutate.
 
     Args:
-      parameters, max_norm, norm_type, error_if_nonfinite, foreach: as in
-        :func:`clip_grad_norm_`.
+      parameters, max_norm, norm_type, error_if_nonfinite, foreach, process_group,
+        replicated_params: as in :func:`clip_grad_norm_`.
 
     Returns:
       ``(clipped, total_norm)``: ``clipped[i]`` is a new tensor holding the clipped grad
@@ -240,7 +294,15 @@ def clip_grad_norm(
     check_positive("max_norm", max_norm)
     p = check_norm_type(norm_type)
     params = _as_list(parameters)
-    norm = get_total_norm(_grads(params), p, error_if_nonfinite, foreach)
+    shared = _replicated_grads(params, replicated_params)
+    norm = get_total_norm(
+        _grads(params),
+        p,
+        error_if_nonfinite,
+        foreach,
+        process_group=process_group,
+        replicated=shared,
+    )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
     present = [c for c in copies if c is not None]
     if present and not (isinstance(max_norm, (int, float)) and math.isinf(max_norm)):

@@ -1,0 +1,512 @@
+"""The true global gradient norm under ``torch.distributed``, and checkpoints that keep it.
+
+Three layouts, one rule: every element of the model's gradient counts exactly once.
+
+- **DDP** (and anything else that leaves every rank with the full, already averaged
+  grads, such as ``ZeroRedundancyOptimizer``): the local norm is the global norm; nothing
+  here is needed and no communication is added.
+- **DTensor grads** (FSDP2 ``fully_shard``, HSDP meshes, tensor parallel): the norm of
+  each grad's local shard is raised to ``p`` and weighted by ``1 / (product of the mesh
+  sizes over its Replicate dims)``, so replicas count once; one ``all_reduce(SUM)``
+  (``MAX`` for the inf-norm) over the mesh gives the total. Shard and ``_StridedShard``
+  dims count as sharded; a Partial grad is an error (its local values are not a shard of
+  the gradient).
+- **Plain tensors split across a process group** (model parallel): pass
+  ``process_group``; each rank's ``norm**p`` is summed across the group, and tensors
+  declared replicated across it (tied embeddings, layer norms under tensor parallel)
+  are weighted by ``1 / group size`` so they count once.
+
+The reduction runs in float64 whatever the grads' dtype: every rank must send the same
+dtype (gloo aborts otherwise), and ``norm**p`` of a float32 norm overflows float32 from
+``norm > 1.8e19`` at ``p = 2``. The result is a plain tensor, identical on every rank.
+
+Gradient norm clipping: Pascanu et al., 2013, "On the difficulty of training recurrent
+neural networks"; global norms over sharded and replicated parameters as in Megatron-LM
+(Shoeybi et al., 2019) and FSDP (Zhao et al., 2023).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from clipopt import _kernels
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "ClippedOptimizerState",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+    "total_norm",
+    "total_norms",
+]
+
+_INF = math.inf
+
+CLIP_KEY = "clip"
+"""The top-level key of the clip state in a ClippedOptimizer's state dict."""
+
+_REDUCE_DTYPE = torch.float64
+"""The dtype every rank sends: fixed, so ranks agree; wide, so ``norm**p`` cannot overflow."""
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def _dtensor_type() -> type[DTensor] | None:
+    """The DTensor class if it has been imported, else None: no grad can be one then.
+
+    Importing ``torch.distributed.tensor`` costs about a second, so it is never imported
+    here just to answer "is this a DTensor?".
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return []
+    return [t for t in tensors if isinstance(t, dtensor)]
+
+
+def check_process_group(process_group: object) -> None:
+    """Raise a TypeError unless ``process_group`` is None or a ``ProcessGroup``."""
+    if process_group is None:
+        return
+    if not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
+        )
+
+
+# --------------------------------------------------------------------------- DTensor
+
+
+def _replica_count(grad: DTensor) -> int:
+    """How many ranks hold a copy of each element of ``grad``'s local shard.
+
+    Raises:
+      ValueError: ``grad`` has a Partial placement: its local values are summands of the
+        gradient, not a shard of it, so no local norm is meaningful.
+    """
+    count = 1
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"a gradient of shape {tuple(grad.shape)} has placements {grad.placements} "
+                f"on {grad.device_mesh}: a Partial grad has no norm until it is reduced; "
+                "redistribute it to Shard or Replicate first"
+            )
+        if placement.is_replicate():
+            count *= grad.device_mesh.size(dim)
+    return count
+
+
+def _common_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
+    """The one device mesh all ``grads`` live on; a ValueError if there are several."""
+    mesh = grads[0].device_mesh
+    for g in grads[1:]:
+        if g.device_mesh is not mesh and g.device_mesh != mesh:
+            raise ValueError(
+                "all DTensor grads must live on one device mesh to be reduced together, "
+                f"got {mesh} and {g.device_mesh}; compute one norm per mesh instead"
+            )
+    return mesh
+
+
+def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    """The global ranks of ``mesh``, sorted (host metadata, no device access)."""
+    return sorted(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def _mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
+    """The groups to all_reduce over, in order, so that every rank of ``mesh`` is summed.
+
+    One group when possible: ``process_group`` (which must span exactly the mesh), the
+    default group when the mesh spans the world, the mesh's own group when it is 1-D.
+    An N-D mesh that is a strict subset of the world needs one all_reduce per dimension
+    (sum over dim 0, then dim 1, ... is the sum over the mesh); pass a ``process_group``
+    spanning it to make that one.
+    """
+    ranks = _mesh_ranks(mesh)
+    if process_group is not None:
+        group_ranks = sorted(dist.get_process_group_ranks(process_group))
+        if group_ranks != ranks:
+            raise ValueError(
+                f"process_group spans ranks {group_ranks} but the grads' device mesh {mesh} "
+                f"spans ranks {ranks}; pass a group over exactly the mesh, or None"
+            )
+        return [process_group]
+    if ranks == list(range(dist.get_world_size())):
+        return [None]
+    if mesh.ndim == 1:
+        return [mesh.get_group()]
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
+def _weighted_dtensor_shards(grads: Sequence[DTensor]) -> list[tuple[float, list[Tensor]]]:
+    """The local shards of ``grads`` grouped by weight ``1 / replica count``."""
+    by_count: dict[int, list[Tensor]] = {}
+    for g in grads:
+        by_count.setdefault(_replica_count(g), []).append(g.to_local())
+    return [(1.0 / count, shards) for count, shards in by_count.items()]
+
+
+# --------------------------------------------------------------------------- plain tensors
+
+
+def _weighted_plain_tensors(
+    tensors: Sequence[Tensor], replicated_ids: set[int], group_size: int
+) -> list[tuple[float, list[Tensor]]]:
+    """``tensors`` split into (1, sharded) and (1 / group size, replicated)."""
+    own = [t for t in tensors if id(t) not in replicated_ids]
+    shared = [t for t in tensors if id(t) in replicated_ids]
+    return [(1.0, own), (1.0 / group_size, shared)]
+
+
+def _check_replicated(
+    flat: Sequence[Tensor], replicated: Collection[Tensor], process_group: object
+) -> None:
+    if not replicated:
+        return
+    if process_group is None:
+        raise ValueError("replicated tensors need a process_group to be replicated across")
+    known = {id(t) for t in flat}
+    for t in replicated:
+        if id(t) not in known:
+            raise ValueError(
+                f"replicated holds a tensor of shape {tuple(t.shape)} that is not among the "
+                "tensors to measure"
+            )
+
+
+# --------------------------------------------------------------------------- reduction
+
+
+def _collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch.device:
+    """The device the reduction runs on: the grads', or the group's when a rank has none."""
+    if tensors:
+        return tensors[0].device
+    device_types = getattr(groups[0] or dist.group.WORLD, "_device_types", [])
+    if not device_types or torch.device("cpu") in device_types:
+        return torch.device("cpu")
+    kind = device_types[0].type
+    module = getattr(torch, kind)
+    return torch.device(kind, module.current_device())
+
+
+def _local_contribution(
+    classes: Sequence[tuple[float, list[Tensor]]], p: float, foreach: bool | None
+) -> Tensor:
+    """This rank's share of the bucket: ``sum w * norm**p``, or ``max norm`` for inf.
+
+    A 1-element float64 tensor on the first tensor's device (CPU when there is none).
+    Empty shards are skipped by the kernel, which the inf-norm needs.
+    """
+    parts: list[Tensor] = []
+    for weight, tensors in classes:
+        if not tensors:
+            continue
+        norm = _kernels.total_norm(tensors, p, foreach).to(_REDUCE_DTYPE)
+        parts.append(norm if p == _INF else norm.pow(p).mul(weight))
+    if not parts:
+        return torch.zeros(1, dtype=_REDUCE_DTYPE)
+    device = parts[0].device
+    stacked = torch.stack([part.to(device) for part in parts])
+    return (stacked.amax() if p == _INF else stacked.sum()).reshape(1)
+
+
+def _all_reduce(values: Tensor, op: dist.ReduceOp.RedOpType, groups: Sequence[Any]) -> None:
+    for group in groups:
+        dist.all_reduce(values, op=op, group=group)
+
+
+def _reduce_sum(contributions: list[Tensor], groups: Sequence[Any], device: torch.device) -> Tensor:
+    values = torch.cat([c.to(device) for c in contributions])
+    _all_reduce(values, dist.ReduceOp.SUM, groups)
+    return values
+
+
+def _reduce_max(contributions: list[Tensor], groups: Sequence[Any], device: torch.device) -> Tensor:
+    """MAX that keeps NaN: reduction backends may drop it, and then ranks would disagree."""
+    values = torch.cat([c.to(device) for c in contributions])
+    is_nan = values.isnan()
+    packed = torch.cat([values.nan_to_num(nan=_INF), is_nan.to(values.dtype)])
+    _all_reduce(packed, dist.ReduceOp.MAX, groups)
+    count = values.numel()
+    return torch.where(packed[count:] > 0, math.nan, packed[:count])
+
+
+# --------------------------------------------------------------------------- public
+
+
+def total_norms(
+    buckets: Sequence[Sequence[Tensor]],
+    norm_types: Sequence[float],
+    foreach: bool | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    replicated: Collection[Tensor] = (),
+) -> list[Tensor]:
+    """The global p-norm of each bucket of tensors, with at most one collective per reduce op.
+
+    Every bucket's local share is computed first, then all finite-p buckets travel in one
+    ``all_reduce(SUM)`` and all inf-norm buckets in one ``all_reduce(MAX)``: a single
+    collective per step unless finite and inf orders are mixed across buckets. Without
+    DTensors and without ``process_group`` nothing is communicated and the result is
+    :func:`clipopt._kernels.total_norm` of each bucket.
+
+    Every rank of the group (or mesh) must call this with the same number of buckets and
+    the same norm types, since it is a collective.
+
+    Args:
+      buckets: lists of tensors (usually grads); DTensors and plain tensors may not mix.
+      norm_types: the validated order of each bucket, ``> 0`` or ``math.inf``.
+      foreach: as in :func:`clipopt.get_total_norm`.
+      process_group: for plain tensors, the group they are split across; for DTensors,
+        optionally a group spanning exactly their mesh (saves one all_reduce per mesh
+        dimension when the mesh is an N-D strict subset of the world).
+      replicated: plain tensors (by identity) that hold the same values on every rank of
+        ``process_group``; they count once instead of once per rank.
+
+    Returns:
+      One 0-dim tensor per bucket on its first tensor's device, float32 (float64 if any
+      tensor of the bucket is), plain and identical on every rank.
+
+    Raises:
+      TypeError: ``process_group`` is not a ProcessGroup.
+      ValueError: DTensors mixed with plain tensors, DTensors on several meshes, a Partial
+        DTensor, ``replicated`` without ``process_group`` or with DTensors, a group that
+        does not span the mesh.
+    """
+    check_process_group(process_group)
+    if len(buckets) != len(norm_types):
+        raise ValueError(f"got {len(buckets)} buckets but {len(norm_types)} norm types")
+    flat = [t for bucket in buckets for t in bucket]
+    _check_replicated(flat, replicated, process_group)
+    dtensors = _dtensors(flat)
+    if not dtensors and process_group is None:
+        pairs = zip(buckets, norm_types, strict=True)
+        return [_kernels.total_norm(list(b), p, foreach) for b, p in pairs]
+    if dtensors:
+        if len(dtensors) != len(flat):
+            raise ValueError(
+                f"{len(dtensors)} of {len(flat)} grads are DTensors: DTensor and plain grads "
+                "cannot be reduced together (the plain ones have no placement saying whether "
+                "they are sharded or replicated); shard every parameter or none"
+            )
+        if replicated:
+            raise ValueError(
+                "replicated applies to plain tensors; a DTensor's replicas follow from its "
+                "Replicate placements"
+            )
+        groups = _mesh_groups(_common_mesh(dtensors), process_group)
+        classes = [_weighted_dtensor_shards(_dtensors(list(b))) for b in buckets]
+    else:
+        groups = [process_group]
+        size = dist.get_world_size(process_group)
+        ids = {id(t) for t in replicated}
+        classes = [_weighted_plain_tensors(list(b), ids, size) for b in buckets]
+    contributions = [
+        _local_contribution(c, p, foreach) for c, p in zip(classes, norm_types, strict=True)
+    ]
+    return _finish(buckets, norm_types, contributions, groups, flat)
+
+
+def _finish(
+    buckets: Sequence[Sequence[Tensor]],
+    norm_types: Sequence[float],
+    contributions: list[Tensor],
+    groups: Sequence[Any],
+    flat: Sequence[Tensor],
+) -> list[Tensor]:
+    """Reduce the local contributions (one collective per op) and take the p-th roots."""
+    device = _collective_device(flat, groups)
+    sum_at = [i for i, p in enumerate(norm_types) if p != _INF]
+    max_at = [i for i, p in enumerate(norm_types) if p == _INF]
+    reduced: dict[int, Tensor] = {}
+    if sum_at:
+        sums = _reduce_sum([contributions[i] for i in sum_at], groups, device)
+        for k, i in enumerate(sum_at):
+            reduced[i] = sums[k].pow(1.0 / norm_types[i])
+    if max_at:
+        maxes = _reduce_max([contributions[i] for i in max_at], groups, device)
+        for k, i in enumerate(max_at):
+            reduced[i] = maxes[k]
+    results = []
+    for i, bucket in enumerate(buckets):
+        out_device = bucket[0].device if bucket else device
+        out_dtype = _kernels.result_dtype([t.dtype for t in bucket])
+        results.append(reduced[i].to(device=out_device, dtype=out_dtype))
+    return results
+
+
+def total_norm(
+    tensors: Sequence[Tensor],
+    p: float,
+    foreach: bool | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    replicated: Collection[Tensor] = (),
+) -> Tensor:
+    """The global p-norm of ``tensors`` across ranks: :func:`total_norms` of one bucket.
+
+    Example:
+      >>> import torch
+      >>> from clipopt import distributed
+      >>> distributed.total_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0)
+      tensor(5.)
+    """
+    norms = total_norms([tensors], [p], foreach, process_group=process_group, replicated=replicated)
+    return norms[0]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer) or not hasattr(optimizer, "clip_state_dict"):
+        raise TypeError(
+            f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}"
+        )
+    return inner
+
+
+def _encode_clip_state(clip_state: Mapping[str, Any]) -> bytes:
+    """The clip state as one opaque leaf, so DCP's load needs no template of its shape.
+
+    DCP loads tensors in place into a template of the same structure, which a fresh
+    optimizer cannot provide (``last_norm`` is None before the first step, adaptive
+    thresholds grow history buffers). The clip state is small and identical on every
+    rank, so it travels as bytes that DCP writes once and every rank reads.
+    """
+    buffer = io.BytesIO()
+    torch.save(_to_cpu(clip_state), buffer)
+    return buffer.getvalue()
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _decode_clip_state(blob: object) -> dict[str, Any]:
+    if not isinstance(blob, bytes):
+        raise TypeError(
+            f"optim_state_dict[{CLIP_KEY!r}] must be the bytes written by "
+            f"clipopt.distributed.get_optimizer_state_dict, got {type(blob).__name__}"
+        )
+    state = torch.load(io.BytesIO(blob), weights_only=True)
+    if not isinstance(state, dict):
+        raise TypeError(f"the encoded clip state must be a dict, got {type(state).__name__}")
+    return state
+
+
+def get_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    options: Any = None,
+) -> dict[str, Any]:
+    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` that keeps "clip".
+
+    The inner optimizer goes through torch's function (FQN keys, FSDP2 DTensor state,
+    and its initialisation ``step()`` on zero grads, which therefore never reaches the
+    clipping wrapper and leaves its counters and ``last_norm`` untouched); the clip state
+    is added under ``"clip"`` as one opaque leaf.
+
+    Args:
+      model: the module the optimizer trains.
+      optimizer: a :class:`clipopt.ClippedOptimizer`.
+      options: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``.
+
+    Returns:
+      torch's optimizer state dict plus ``"clip"``; pass it to ``dcp.save``.
+    """
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    inner = _inner_optimizer(optimizer)
+    clip_state = optimizer.clip_state_dict()  # type: ignore[attr-defined]
+    state = dcp_state_dict.get_optimizer_state_dict(model, inner, options=options)
+    return {**state, CLIP_KEY: _encode_clip_state(clip_state)}
+
+
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    optim_state_dict: Mapping[str, Any],
+    *,
+    options: Any = None,
+) -> None:
+    """Load what :func:`get_optimizer_state_dict` made (after ``dcp.load``) into ``optimizer``.
+
+    The clip entry is decoded and validated before anything is loaded, then the inner
+    optimizer's state goes through torch's ``set_optimizer_state_dict`` and the clip state
+    through the wrapper. A dict without ``"clip"`` (a run that started unwrapped) loads
+    the inner state and leaves the clip state as it is.
+
+    Args:
+      model: the module the optimizer trains.
+      optimizer: a :class:`clipopt.ClippedOptimizer`.
+      optim_state_dict: the loaded dict.
+      options: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``.
+    """
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    inner = _inner_optimizer(optimizer)
+    clip_state = (
+        _decode_clip_state(optim_state_dict[CLIP_KEY]) if CLIP_KEY in optim_state_dict else None
+    )
+    if clip_state is not None:
+        optimizer.check_clip_state_dict(clip_state)  # type: ignore[attr-defined]
+    inner_state = {k: v for k, v in optim_state_dict.items() if k != CLIP_KEY}
+    dcp_state_dict.set_optimizer_state_dict(model, inner, inner_state, options=options)
+    if clip_state is not None:
+        optimizer.load_clip_state_dict(clip_state)  # type: ignore[attr-defined]
+
+
+class ClippedOptimizerState:
+    """A DCP ``Stateful`` for a :class:`clipopt.ClippedOptimizer`, clip state included.
+
+    ``dcp.save`` and ``dcp.load`` call ``state_dict`` / ``load_state_dict`` on it, which
+    go through :func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`.
+
+    Args:
+      model: the module the optimizer trains.
+      optimizer: a :class:`clipopt.ClippedOptimizer`.
+      options: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options: Any = None,
+    ) -> None:
+        _inner_optimizer(optimizer)
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self.options)
