@@ -129,7 +129,7 @@ def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None)
       A 0-dim tensor on the first tensor's device, float32 (float64 if any input is
       double precision); ``tensor(0.)`` on CPU when there is nothing to measure.
     """
-    nonempty = [t for t in tensors if t.numel() > 0]
+    nonempty = [t for t in tensors if t.numel() > 0 and not (t.is_sparse and t._nnz() == 0)]
     if not nonempty:
         return torch.tensor(0.0)
     out_device = nonempty[0].device
