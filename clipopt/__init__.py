@@ -8,8 +8,10 @@ from clipopt.functional import (
     clip_grads_with_norm_,
     get_total_norm,
 )
+from clipopt.optimizer import ClippedOptimizer
 
 __all__ = [
+    "ClippedOptimizer",
     "NonFiniteNormError",
     "clip_grad_norm",
     "clip_grad_norm_",
