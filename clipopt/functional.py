@@ -19,6 +19,7 @@ Nothing here reads a tensor's value on the host unless ``error_if_nonfinite=True
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -86,10 +87,10 @@ def check_norm_type(norm_type: NormType) -> float:
         if norm_type.lower() in ("inf", "+inf", "infinity"):
             return math.inf
         raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}")
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
         raise TypeError(f"norm_type must be a number or 'inf', got {norm_type!r}")
     p = float(norm_type)
-    if math.isnan(p) or p <= 0:
+    if not p > 0:  # also catches NaN; math.isnan would break a torch.compile graph
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
     return p
 
@@ -97,16 +98,22 @@ def check_norm_type(norm_type: NormType) -> float:
 def check_positive(name: str, value: MaxNorm, allow_tensor: bool = True) -> None:
     """Raise unless ``value`` is a number > 0 (``inf`` allowed) or a 0-dim real tensor.
 
-    A tensor's value is not inspected: that would wait on its device.
+    A tensor's value is not inspected: that would wait on its device. Any real number
+    type is accepted (numpy scalars too), as torch does.
     """
     if isinstance(value, Tensor) and allow_tensor:
         if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} tensor must be a 0-dim real tensor, got {value!r}")
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a positive number, got {value!r}")
-    if math.isnan(value) or value <= 0:
+    if not value > 0:  # also catches NaN; math.isnan would break a torch.compile graph
         raise ValueError(f"{name} must be > 0 (inf allowed), got {value!r}")
+
+
+def _measures_only(max_norm: MaxNorm) -> bool:
+    """True for a numeric ``max_norm`` of inf: the norm is measured, nothing is scaled."""
+    return not isinstance(max_norm, Tensor) and max_norm == math.inf
 
 
 def _raise_if_nonfinite(norm: Tensor, norm_type: float) -> None:
@@ -197,7 +204,7 @@ def clip_grads_with_norm_(
     """
     check_positive("max_norm", max_norm)
     grads = _grads(_as_list(parameters))
-    if not grads or (isinstance(max_norm, (int, float)) and math.isinf(max_norm)):
+    if not grads or _measures_only(max_norm):
         return
     _kernels.scale_(grads, _kernels.clip_coefficient(max_norm, total_norm), foreach)
 
@@ -305,7 +312,7 @@ def clip_grad_norm(
     )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
     present = [c for c in copies if c is not None]
-    if present and not (isinstance(max_norm, (int, float)) and math.isinf(max_norm)):
+    if present and not _measures_only(max_norm):
         _kernels.scale_(present, _kernels.clip_coefficient(max_norm, norm), foreach)
     return copies, norm
 
