@@ -27,10 +27,11 @@ neural networks"; global norms over sharded and replicated parameters as in Mega
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import sys
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,8 +44,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
+    from clipopt.optimizer import ClippedOptimizer
+
 __all__ = [
     "ClippedOptimizerState",
+    "NormScope",
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
     "total_norm",
@@ -372,16 +376,101 @@ def total_norm(
     return norms[0]
 
 
+class NormScope:
+    """Where a clipping norm is reduced: a process group and the parameters replicated on it.
+
+    :class:`clipopt.ClippedOptimizer` holds one. DTensor grads need neither (their
+    placements say it all); plain grads split across ranks need the group, and
+    parameters that every rank of it holds in full (tied embeddings, layer norms under
+    tensor parallel) must be declared so they count once.
+
+    A copy (``copy.deepcopy``) shares the process group, which is a live connection, not
+    data; pickling a scope that holds a group raises a TypeError (save a state dict).
+
+    Args:
+      process_group: the group the parameters are split across, or None.
+      replicated_params: parameters identical on every rank of ``process_group``.
+      params: when given, every replicated parameter must be one of these.
+
+    Raises:
+      TypeError: ``process_group`` is not a ProcessGroup or a replicated entry is not a
+        tensor.
+      ValueError: replicated parameters without a group, or not among ``params``.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        replicated_params: Iterable[Tensor] | None = None,
+        *,
+        params: Iterable[Tensor] | None = None,
+    ) -> None:
+        check_process_group(process_group)
+        replicated = [] if replicated_params is None else list(replicated_params)
+        for t in replicated:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"replicated_params must hold tensors, got {t!r}")
+        if replicated and process_group is None:
+            raise ValueError("replicated_params need a process_group to be replicated across")
+        if params is not None:
+            known = {id(q) for q in params}
+            for t in replicated:
+                if id(t) not in known:
+                    raise ValueError(
+                        f"replicated_params holds a tensor of shape {tuple(t.shape)} that is "
+                        "not a parameter of the optimizer"
+                    )
+        self.process_group = process_group
+        self.replicated_params = replicated
+
+    def total_norms(
+        self,
+        buckets: Sequence[Sequence[Tensor]],
+        norm_types: Sequence[float],
+        foreach: bool | None = None,
+    ) -> list[Tensor]:
+        """:func:`total_norms` of the buckets, with the replicated parameters' grads."""
+        present = {id(t) for bucket in buckets for t in bucket}
+        shared = [
+            q.grad for q in self.replicated_params if q.grad is not None and id(q.grad) in present
+        ]
+        return total_norms(
+            buckets, norm_types, foreach, process_group=self.process_group, replicated=shared
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NormScope:
+        twin = NormScope.__new__(NormScope)
+        twin.process_group = self.process_group
+        twin.replicated_params = copy.deepcopy(self.replicated_params, memo)
+        return twin
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not None:
+            raise TypeError(
+                "a NormScope holding a process_group cannot be pickled: a process group is a "
+                "live connection; save the optimizer's state_dict() instead"
+            )
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return (
+            f"NormScope(process_group={self.process_group!r}, "
+            f"replicated_params={len(self.replicated_params)})"
+        )
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer) or not hasattr(optimizer, "clip_state_dict"):
+def _checked_wrapper(optimizer: object) -> ClippedOptimizer:
+    from clipopt.optimizer import ClippedOptimizer
+
+    if not isinstance(optimizer, ClippedOptimizer):
         raise TypeError(
-            f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}"
+            f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}; "
+            "for a plain optimizer use torch.distributed.checkpoint.state_dict directly"
         )
-    return inner
+    return optimizer
 
 
 def _encode_clip_state(clip_state: Mapping[str, Any]) -> bytes:
@@ -442,9 +531,9 @@ def get_optimizer_state_dict(
     """
     from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
-    inner = _inner_optimizer(optimizer)
-    clip_state = optimizer.clip_state_dict()  # type: ignore[attr-defined]
-    state = dcp_state_dict.get_optimizer_state_dict(model, inner, options=options)
+    wrapper = _checked_wrapper(optimizer)
+    clip_state = wrapper._clip_state_dict()
+    state = dcp_state_dict.get_optimizer_state_dict(model, wrapper.optimizer, options=options)
     return {**state, CLIP_KEY: _encode_clip_state(clip_state)}
 
 
@@ -470,16 +559,14 @@ def set_optimizer_state_dict(
     """
     from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
-    inner = _inner_optimizer(optimizer)
-    clip_state = (
-        _decode_clip_state(optim_state_dict[CLIP_KEY]) if CLIP_KEY in optim_state_dict else None
-    )
-    if clip_state is not None:
-        optimizer.check_clip_state_dict(clip_state)  # type: ignore[attr-defined]
+    wrapper = _checked_wrapper(optimizer)
+    clip_state = None
+    if CLIP_KEY in optim_state_dict:
+        clip_state = wrapper._parse_clip_state(_decode_clip_state(optim_state_dict[CLIP_KEY]))
     inner_state = {k: v for k, v in optim_state_dict.items() if k != CLIP_KEY}
-    dcp_state_dict.set_optimizer_state_dict(model, inner, inner_state, options=options)
+    dcp_state_dict.set_optimizer_state_dict(model, wrapper.optimizer, inner_state, options=options)
     if clip_state is not None:
-        optimizer.load_clip_state_dict(clip_state)  # type: ignore[attr-defined]
+        wrapper._apply_clip_state(clip_state)
 
 
 class ClippedOptimizerState:
@@ -500,7 +587,7 @@ class ClippedOptimizerState:
         optimizer: torch.optim.Optimizer,
         options: Any = None,
     ) -> None:
-        _inner_optimizer(optimizer)
+        _checked_wrapper(optimizer)
         self.model = model
         self.optimizer = optimizer
         self.options = options

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast, overload
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _kernels
+from clipopt import _kernels, distributed
 from clipopt.functional import NonFiniteNormError, check_norm_type, check_positive
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["ClippedOptimizer"]
 
@@ -174,6 +177,12 @@ class ClippedOptimizer(Optimizer):
       max_consecutive_skips: with ``nonfinite="skip"``, the non-finite step that
         follows this many skipped steps in a row raises
         :class:`clipopt.NonFiniteNormError` instead of skipping again; None never raises.
+      process_group: the group plain (non-DTensor) parameters are split across in
+        model parallelism: the norm is reduced over it with one ``all_reduce``. DTensor
+        grads (FSDP2, HSDP, tensor parallel) are reduced over their mesh without it, and
+        DDP needs nothing. See :mod:`clipopt.distributed`.
+      replicated_params: parameters identical on every rank of ``process_group`` (tied
+        embeddings, layer norms under tensor parallel); they count once.
 
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
@@ -200,6 +209,8 @@ class ClippedOptimizer(Optimizer):
         foreach: bool | None = None,
         nonfinite: NonFinite = "propagate",
         max_consecutive_skips: int | None = 10,
+        process_group: ProcessGroup | None = None,
+        replicated_params: Iterable[Tensor] | None = None,
     ) -> None:
         _check_inner(optimizer)
         settings = _validated_settings(
@@ -212,10 +223,16 @@ class ClippedOptimizer(Optimizer):
                 _group_max_norm(index, group["max_norm"])
             if "norm_type" in group:
                 _group_norm_type(index, group["norm_type"])
+        scope = distributed.NormScope(
+            process_group,
+            replicated_params,
+            params=[p for group in optimizer.param_groups for p in group["params"]],
+        )
         # Nothing has been touched above this line.
         self._init_hooks()
         self.optimizer = optimizer
         self._foreach = foreach
+        self._norm_scope = scope
         self._apply_settings(settings)
         for group in optimizer.param_groups:
             group.setdefault("max_norm", settings.max_norm)
@@ -481,7 +498,11 @@ class ClippedOptimizer(Optimizer):
 
     def _total_norm(self, grads: list[Tensor], norm_type: float) -> Tensor:
         """The p-norm of ``grads`` taken together: the one place a norm is computed."""
-        return _kernels.total_norm(grads, norm_type, self._foreach)
+        return self._total_norms([grads], [norm_type])[0]
+
+    def _total_norms(self, buckets: list[list[Tensor]], norm_types: list[float]) -> list[Tensor]:
+        """The p-norm of each bucket of grads, across ranks in one ``all_reduce`` if needed."""
+        return self._norm_scope.total_norms(buckets, norm_types, self._foreach)
 
     def _measure(
         self, grads: list[list[Tensor]], norm_types: list[float]
@@ -496,7 +517,7 @@ class ClippedOptimizer(Optimizer):
         if not self._per_group:
             norm = self._total_norm([g for group in grads for g in group], norm_types[0])
             return norm, [norm] * len(grads)
-        own = [self._total_norm(g, p) for g, p in zip(grads, norm_types, strict=True)]
+        own = self._total_norms(grads, norm_types)
         device = next((g[0].device for g in grads if g), own[0].device)
         dtype = _kernels.result_dtype([n.dtype for n in own])
         group_norms = [n.to(device=device, dtype=dtype) for n in own]
