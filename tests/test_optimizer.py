@@ -1,0 +1,874 @@
+"""The ClippedOptimizer contract: transparency, clipping, closures, non-finite norms,
+hooks, copies, errors and state-dict validation.
+
+References are computed independently: float64 norms of the concatenated grads, and
+the same optimizer driven by :func:`clipopt.clip_grad_norm_` + ``step()`` by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import pickle
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import clipopt
+from clipopt import ClippedOptimizer, NonFiniteNormError
+
+EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _backward(model: nn.Module, scale: float = 10.0, seed: int = 1) -> Tensor:
+    data = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 4, generator=data)
+    loss = model(x).pow(2).sum() * scale
+    loss.backward()
+    return loss.detach()
+
+
+def _grads(model: nn.Module) -> list[Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _params(model: nn.Module) -> list[Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _ref_norm(tensors: list[Tensor], p: float) -> float:
+    """The p-norm of the concatenated tensors, in float64."""
+    flat = torch.cat([t.detach().double().reshape(-1) for t in tensors])
+    return torch.linalg.vector_norm(flat, p).item()
+
+
+def _assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Recursive bit-exact equality (NaN equals NaN) of nested dicts, lists, tensors."""
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, path
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=path)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for key in a:
+            _assert_same(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), path
+    else:
+        assert a == b, path
+
+
+def _full_state(opt: ClippedOptimizer, model: nn.Module) -> dict[str, Any]:
+    """Everything a step or a load could change, copied."""
+    return {
+        "optimizer": copy.deepcopy(opt.state_dict()),
+        "params": _params(model),
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "identity": (id(opt.param_groups), id(opt.state)),
+    }
+
+
+@contextmanager
+def _no_host_reads() -> Iterator[None]:
+    """Fail on any read of a tensor's value by the host (item, tolist, bool, float, int)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("host read of a tensor value in the step path")
+
+    names = ("item", "tolist", "__bool__", "__float__", "__int__")
+    saved = {name: getattr(Tensor, name) for name in names}
+    try:
+        for name in names:
+            setattr(Tensor, name, refuse)
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(Tensor, name, method)
+
+
+def _sgd(model: nn.Module, **kwargs: Any) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **kwargs)
+
+
+# ---------------------------------------------------------------------------- transparency
+
+
+def test_is_a_transparent_optimizer() -> None:
+    model = _model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = ClippedOptimizer(inner, max_norm=2.0, norm_type=3)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.optimizer is inner
+    assert opt.param_groups is inner.param_groups
+    assert opt.state is inner.state
+    assert opt.defaults is inner.defaults
+    assert opt.defaults["betas"] == (0.9, 0.999)
+    assert (opt.defaults["max_norm"], opt.defaults["norm_type"]) == (2.0, 3.0)
+    assert opt.param_groups[0]["max_norm"] == 2.0
+    assert "step" not in vars(opt), "step must be the class's method"
+    assert opt.step.__func__ is ClippedOptimizer.step  # type: ignore[attr-defined]
+
+
+def test_identity_survives_load_state_dict() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=1.0)
+    _backward(model)
+    opt.step()
+    saved = opt.state_dict()
+    groups_before = opt.param_groups
+    opt.load_state_dict(saved)
+    assert opt.param_groups is not groups_before, "torch's load replaces the list"
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.state is opt.optimizer.state
+
+
+def test_inner_holds_no_reference_to_wrapper() -> None:
+    model = _model()
+    inner = _sgd(model)
+    opt = ClippedOptimizer(inner, max_norm=1.0)
+    _backward(model)
+    opt.step()
+    opt.state_dict()
+    alive = weakref.ref(opt)
+    del opt
+    assert alive() is None, "no cycle: refcounting alone frees the wrapper"
+    assert "max_norm" in inner.param_groups[0]
+
+
+@pytest.mark.parametrize("via", ["wrapper", "inner"])
+def test_add_param_group_fills_clip_defaults(via: str) -> None:
+    model = _model()
+    extra = nn.Parameter(torch.randn(3))
+    pinned = nn.Parameter(torch.randn(2))
+    opt = ClippedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), max_norm=0.5)
+    target = opt if via == "wrapper" else opt.optimizer
+    target.add_param_group({"params": [extra]})
+    target.add_param_group({"params": [pinned], "max_norm": 0.25, "lr": 0.2})
+    assert len(opt.param_groups) == len(opt.optimizer.param_groups) == 3
+    assert opt.param_groups[1]["max_norm"] == 0.5 and opt.param_groups[1]["norm_type"] == 2.0
+    assert opt.param_groups[2]["max_norm"] == 0.25 and opt.param_groups[2]["lr"] == 0.2
+
+
+def test_add_param_group_rejects_bad_clip_values_before_adding() -> None:
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), max_norm=0.5)
+    with pytest.raises(ValueError, match=r"max_norm.*-1"):
+        opt.add_param_group({"params": list(model[2].parameters()), "max_norm": -1.0})
+    with pytest.raises(ValueError, match=r"norm_type.*'l3'"):
+        opt.add_param_group({"params": list(model[2].parameters()), "norm_type": "l3"})
+    assert len(opt.param_groups) == 1
+
+
+def test_scheduler_sees_no_step_order_warning_and_sets_lr() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            _backward(model)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    assert opt.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3
+    assert getattr(opt, "_opt_called", False)
+    assert not hasattr(opt.optimizer, "_opt_called"), "the scheduler patched the wrapper"
+
+
+def test_zero_grad_delegates() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=1.0)
+    _backward(model)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------- clipping
+
+
+def test_last_norm_none_before_first_step_then_matches_hand_driven_bit_for_bit() -> None:
+    model_a, model_b = _model(), _model()
+    opt = ClippedOptimizer(_sgd(model_a), max_norm=1.0)
+    ref_opt = _sgd(model_b)
+    assert opt.last_norm is None
+    for step in range(4):
+        _backward(model_a, seed=step)
+        _backward(model_b, seed=step)
+        opt.step()
+        hand_norm = clipopt.clip_grad_norm_(model_b.parameters(), 1.0)
+        ref_opt.step()
+        assert opt.last_norm is not None
+        assert opt.last_norm.dtype == torch.float32 and opt.last_norm.dim() == 0
+        assert torch.equal(opt.last_norm, hand_norm)
+        _assert_same(_grads(model_a), _grads(model_b))
+        _assert_same(_params(model_a), _params(model_b))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert int(opt.step_count) == 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3), min_size=1, max_size=4),
+    norm_type=st.sampled_from([1.0, 2.0, 3.5, math.inf, 0.5]),
+    max_norm=st.floats(0.01, 100.0),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_clips_to_float64_reference(
+    shapes: list[list[int]], norm_type: float, max_norm: float, scale: float, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * scale
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    ref = _ref_norm(before, norm_type) if any(g.numel() for g in before) else 0.0
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=0.0), max_norm, norm_type)
+    opt.step()
+    assert opt.last_norm is not None
+    assert math.isclose(opt.last_norm.item(), ref, rel_tol=1e-5, abs_tol=1e-30)
+    coef = min(1.0, max_norm / (ref + EPS))
+    for p, g in zip(params, before, strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad.double(), g.double() * coef, rtol=1e-5, atol=1e-30)
+
+
+def test_per_group_max_norm_with_one_global_norm() -> None:
+    model = _model()
+    inner = torch.optim.SGD(
+        [
+            {"params": model[0].parameters(), "max_norm": 0.5},
+            {"params": model[2].parameters()},
+        ],
+        lr=0.0,
+    )
+    opt = ClippedOptimizer(inner, max_norm=2.0)
+    _backward(model)
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    before = [p.grad.clone() for p in first + second]  # type: ignore[union-attr]
+    total = _ref_norm(before, 2.0)
+    opt.step()
+    assert opt.last_norm is not None
+    assert math.isclose(opt.last_norm.item(), total, rel_tol=1e-6)
+    for p, g in zip(first + second, before, strict=True):
+        limit = 0.5 if any(p is q for q in first) else 2.0
+        expected = g.double() * min(1.0, limit / (total + EPS))
+        torch.testing.assert_close(p.grad.double(), expected, rtol=1e-6, atol=0)  # type: ignore[union-attr]
+
+
+def test_mixed_norm_types_need_per_group_and_touch_nothing() -> None:
+    model = _model()
+    inner = torch.optim.SGD(
+        [{"params": model[0].parameters(), "norm_type": 1.0}, {"params": model[2].parameters()}],
+        lr=0.1,
+    )
+    opt = ClippedOptimizer(inner, max_norm=0.1)
+    _backward(model)
+    before = _full_state(opt, model)
+    with pytest.raises(ValueError, match=r"norm_type.*per_group=True"):
+        opt.step()
+    _assert_same(before, _full_state(opt, model))
+
+
+@pytest.mark.parametrize("norm_types", [(2.0, 2.0), (1.0, math.inf)])
+def test_per_group_norms_match_float64_references(norm_types: tuple[float, float]) -> None:
+    model = _model()
+    groups = [list(model[0].parameters()), list(model[2].parameters())]
+    inner = torch.optim.SGD(
+        [
+            {"params": groups[0], "norm_type": norm_types[0], "max_norm": 0.3},
+            {"params": groups[1], "norm_type": norm_types[1]},
+        ],
+        lr=0.0,
+    )
+    opt = ClippedOptimizer(inner, max_norm=1.5, per_group=True)
+    _backward(model)
+    before = [[p.grad.clone() for p in g] for g in groups]  # type: ignore[union-attr]
+    refs = [_ref_norm(b, p) for b, p in zip(before, norm_types, strict=True)]
+    opt.step()
+    assert opt.last_group_norms is not None and opt.last_group_norms.shape == (2,)
+    for got, ref in zip(opt.last_group_norms.tolist(), refs, strict=True):
+        assert math.isclose(got, ref, rel_tol=1e-6)
+    assert opt.last_norm is not None
+    assert math.isclose(opt.last_norm.item(), math.hypot(*refs), rel_tol=1e-6)
+    for params, grads, limit, ref in zip(groups, before, (0.3, 1.5), refs, strict=True):
+        for p, g in zip(params, grads, strict=True):
+            expected = g.double() * min(1.0, limit / (ref + EPS))
+            torch.testing.assert_close(p.grad.double(), expected, rtol=1e-6, atol=0)  # type: ignore[union-attr]
+
+
+def test_max_norm_inf_leaves_grads_bit_identical_and_still_measures() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=math.inf)
+    _backward(model, scale=1e4)
+    before = _grads(model)
+    opt.step()
+    _assert_same(_grads(model), before)
+    assert opt.last_norm is not None
+    assert math.isclose(opt.last_norm.item(), _ref_norm(before, 2.0), rel_tol=1e-6)
+
+
+def test_tensor_threshold_in_a_group() -> None:
+    model_a, model_b = _model(), _model()
+    inner = torch.optim.SGD(model_a.parameters(), lr=0.1)
+    opt = ClippedOptimizer(inner, max_norm=100.0)
+    opt.param_groups[0]["max_norm"] = torch.tensor(0.5)
+    _backward(model_a)
+    _backward(model_b)
+    opt.step()
+    clipopt.clip_grad_norm_(model_b.parameters(), 0.5)
+    _assert_same(_grads(model_a), _grads(model_b))
+
+
+def test_no_grads_at_all_steps_and_records_zero() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=1.0)
+    opt.step()
+    assert opt.last_norm is not None and opt.last_norm.item() == 0.0
+    assert int(opt.step_count) == 1
+
+
+def test_propagate_step_reads_nothing_on_the_host() -> None:
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=0.1)
+    _backward(model)
+    with _no_host_reads():
+        opt.step()
+        opt.step()
+    assert int(opt.step_count) == 2
+
+
+# ---------------------------------------------------------------------------- closures
+
+
+def test_closure_is_clipped_and_its_loss_returned() -> None:
+    model_a, model_b = _model(), _model()
+    opt = ClippedOptimizer(_sgd(model_a), max_norm=0.2)
+    ref_opt = _sgd(model_b)
+    calls = [0]
+
+    def closure() -> Tensor:
+        calls[0] += 1
+        opt.zero_grad()
+        return _backward(model_a)
+
+    loss = opt.step(closure)
+    assert calls[0] == 1
+    ref_loss = _backward(model_b)
+    hand_norm = clipopt.clip_grad_norm_(model_b.parameters(), 0.2)
+    ref_opt.step()
+    assert torch.equal(loss, ref_loss)
+    assert opt.last_norm is not None and torch.equal(opt.last_norm, hand_norm)
+    _assert_same(_params(model_a), _params(model_b))
+
+
+def test_lbfgs_closure_is_clipped_at_every_evaluation() -> None:
+    model_a, model_b = _model(), _model()
+    opt = ClippedOptimizer(torch.optim.LBFGS(model_a.parameters(), lr=0.5), max_norm=0.3)
+    ref_opt = torch.optim.LBFGS(model_b.parameters(), lr=0.5)
+    calls, hand_norms = [0], []
+
+    def closure() -> Tensor:
+        calls[0] += 1
+        opt.zero_grad()
+        return _backward(model_a)
+
+    def hand_closure() -> Tensor:
+        ref_opt.zero_grad()
+        loss = _backward(model_b)
+        hand_norms.append(clipopt.clip_grad_norm_(model_b.parameters(), 0.3))
+        return loss
+
+    for _ in range(2):
+        assert torch.equal(opt.step(closure), ref_opt.step(hand_closure))
+    assert calls[0] == len(hand_norms) > 2, "LBFGS evaluated the closure several times"
+    assert opt.last_norm is not None and torch.equal(opt.last_norm, hand_norms[-1])
+    _assert_same(_params(model_a), _params(model_b))
+    assert int(opt.step_count) == 2
+
+
+# ---------------------------------------------------------------------------- non-finite
+
+
+def _poison(model: nn.Module, value: float) -> None:
+    first = next(model.parameters())
+    assert first.grad is not None
+    first.grad.view(-1)[0] = value
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_propagate_lets_nonfinite_through_like_torch(bad: float) -> None:
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0)
+    _backward(model)
+    _poison(model, bad)
+    opt.step()
+    assert opt.last_norm is not None and not torch.isfinite(opt.last_norm)
+    assert not torch.isfinite(next(model.parameters())).all()
+    assert int(opt.step_count) == 1 and int(opt.skip_count) == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+@pytest.mark.parametrize("per_group", [False, True])
+def test_skip_leaves_params_state_and_grads_untouched(bad: float, per_group: bool) -> None:
+    model = _model()
+    inner = torch.optim.Adam(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1
+    )
+    opt = ClippedOptimizer(inner, max_norm=0.1, nonfinite="skip", per_group=per_group)
+    _backward(model)
+    opt.step()
+    opt.zero_grad()
+    _backward(model, seed=2)
+    _poison(model, bad)
+    before = _full_state(opt, model)
+    assert opt.step() is None
+    after = _full_state(opt, model)
+    for key in ("params", "grads", "identity"):
+        _assert_same(before[key], after[key])
+    _assert_same(before["optimizer"]["state"], after["optimizer"]["state"])
+    clip = after["optimizer"]["clip"]
+    assert (int(clip["step_count"]), int(clip["skip_count"]), int(clip["consecutive_skips"])) == (
+        1,
+        1,
+        1,
+    )
+    assert opt.last_norm is not None and not torch.isfinite(opt.last_norm)
+    opt.zero_grad()
+    _backward(model, seed=3)
+    opt.step()
+    assert (int(opt.step_count), int(opt.skip_count), int(opt.consecutive_skips)) == (2, 1, 0)
+
+
+def test_skip_with_closure_returns_loss_without_stepping() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=0.1, nonfinite="skip")
+    params = _params(model)
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = _backward(model)
+        _poison(model, math.nan)
+        return loss
+
+    assert torch.isfinite(opt.step(closure))
+    _assert_same(params, _params(model))
+    assert int(opt.skip_count) == 1
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_nonfinite_in_a_later_lbfgs_evaluation_raises(nonfinite: str) -> None:
+    model = _model()
+    opt = ClippedOptimizer(
+        torch.optim.LBFGS(model.parameters(), lr=0.5), max_norm=0.3, nonfinite=nonfinite
+    )
+    calls = [0]
+
+    def closure() -> Tensor:
+        calls[0] += 1
+        opt.zero_grad()
+        loss = _backward(model)
+        if calls[0] == 2:
+            _poison(model, math.nan)
+        return loss
+
+    with pytest.raises(NonFiniteNormError, match="non-finite"):
+        opt.step(closure)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_raise_touches_nothing(bad: float) -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=0.1, nonfinite="raise")
+    _backward(model)
+    opt.step()
+    _backward(model, seed=2)
+    _poison(model, bad)
+    before = _full_state(opt, model)
+    with pytest.raises(FloatingPointError, match="non-finite") as raised:
+        opt.step()
+    assert isinstance(raised.value, RuntimeError) and isinstance(raised.value, NonFiniteNormError)
+    _assert_same(before, _full_state(opt, model))
+
+
+def test_max_consecutive_skips_raises_then_none_never_does() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=0.1, nonfinite="skip", max_consecutive_skips=3)
+    _backward(model)
+    _poison(model, math.nan)
+    for _ in range(3):
+        opt.step()
+    before = _full_state(opt, model)
+    with pytest.raises(NonFiniteNormError, match=r"3 skipped steps in a row"):
+        opt.step()
+    _assert_same(before, _full_state(opt, model))
+    assert int(opt.consecutive_skips) == 3
+
+    patient = ClippedOptimizer(
+        opt.optimizer.__class__(model.parameters(), lr=0.1),
+        max_norm=0.1,
+        nonfinite="skip",
+        max_consecutive_skips=None,
+    )
+    for _ in range(25):
+        patient.step()
+    assert int(patient.skip_count) == 25 and int(patient.step_count) == 0
+
+
+def test_a_finite_step_resets_the_streak() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=0.1, nonfinite="skip", max_consecutive_skips=2)
+    for _ in range(3):
+        opt.zero_grad()
+        _backward(model)
+        _poison(model, math.nan)
+        opt.step()
+        opt.step()
+        opt.zero_grad()
+        _backward(model)
+        opt.step()
+    assert (int(opt.skip_count), int(opt.step_count), int(opt.consecutive_skips)) == (6, 3, 0)
+
+
+# ---------------------------------------------------------------------------- hooks
+
+
+def test_step_hooks_fire_around_the_whole_clipped_step() -> None:
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=0.1)
+    _backward(model)
+    raw_norm = _ref_norm(_grads(model), 2.0)
+    events: list[tuple[str, float]] = []
+
+    def norm_now() -> float:
+        return _ref_norm(_grads(model), 2.0)
+
+    opt.register_step_pre_hook(lambda o, a, k: events.append(("wrapper pre", norm_now())))
+    opt.optimizer.register_step_pre_hook(lambda o, a, k: events.append(("inner pre", norm_now())))
+    opt.optimizer.register_step_post_hook(lambda o, a, k: events.append(("inner post", norm_now())))
+    opt.register_step_post_hook(lambda o, a, k: events.append(("wrapper post", norm_now())))
+    opt.step()
+    assert [name for name, _ in events] == [
+        "wrapper pre",
+        "inner pre",
+        "inner post",
+        "wrapper post",
+    ]
+    assert math.isclose(events[0][1], raw_norm, rel_tol=1e-6)
+    for _, seen in events[1:]:
+        assert math.isclose(seen, 0.1, rel_tol=1e-4), "later hooks see clipped grads"
+
+
+def test_step_pre_hook_may_replace_the_closure() -> None:
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=0.1)
+    used = []
+
+    def replacement() -> Tensor:
+        used.append(True)
+        opt.zero_grad()
+        return _backward(model)
+
+    handle = opt.register_step_pre_hook(lambda o, a, k: ((replacement,), {}))
+    opt.step(lambda: torch.tensor(0.0))
+    assert used == [True]
+    handle.remove()
+    with pytest.raises(RuntimeError, match="pre-hook must return"):
+        opt.register_step_pre_hook(lambda o, a, k: "oops")  # type: ignore[arg-type, return-value]
+        opt.step()
+
+
+def test_state_dict_and_load_hooks_run_on_the_wrapper() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=1.0)
+    seen: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("save pre"))
+
+    def add_note(o: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        seen.append("save post")
+        return {**sd, "note": "kept"}
+
+    opt.register_state_dict_post_hook(add_note)
+
+    def drop_note(o: Any, sd: dict[str, Any]) -> None:
+        seen.append("load pre")
+        del sd["note"]
+
+    opt.register_load_state_dict_pre_hook(drop_note)
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("load post"))
+    saved = opt.state_dict()
+    assert saved["note"] == "kept" and "clip" in saved
+    opt.load_state_dict(saved)
+    assert seen == ["save pre", "save post", "load pre", "load post"]
+    assert "note" in saved, "load works on a shallow copy"
+
+
+# ---------------------------------------------------------------------------- repr, copies
+
+
+def test_repr_shows_settings_and_inner() -> None:
+    opt = ClippedOptimizer(_sgd(_model()), max_norm=1.0, norm_type="inf", nonfinite="skip")
+    text = repr(opt)
+    assert text.startswith(
+        "ClippedOptimizer(max_norm=1.0, norm_type=inf, per_group=False, nonfinite='skip', "
+        "max_consecutive_skips=10) wrapping\nSGD ("
+    )
+    assert "momentum: 0.9" in text
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_are_independent_and_equivalent(how: str) -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=0.2, per_group=True)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # patches opt.step on the instance
+    opt.register_step_post_hook(lambda o, a, k: None)
+    _backward(model)
+    opt.step()
+    clone = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert clone.param_groups is clone.optimizer.param_groups
+    assert clone.param_groups is not opt.param_groups
+    assert not clone._optimizer_step_post_hooks, "hooks are not copied, as in torch"
+    _assert_same(opt.state_dict(), clone.state_dict())
+    clone_params = [p for g in clone.param_groups for p in g["params"]]
+    for p, q in zip(model.parameters(), clone_params, strict=True):
+        assert p is not q
+        q.grad = p.grad.clone()  # type: ignore[union-attr]
+    opt.step()
+    clone.step()
+    _assert_same(opt.state_dict(), clone.state_dict())
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_refuses_what_it_cannot_wrap() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=1.0)
+    with pytest.raises(TypeError, match="already a ClippedOptimizer"):
+        ClippedOptimizer(opt, max_norm=1.0)
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer, got Sequential"):
+        ClippedOptimizer(model, max_norm=1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got list"):
+        ClippedOptimizer(list(model.parameters()), max_norm=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="SGD has no parameters"):
+        ClippedOptimizer(torch.optim.SGD([{"params": []}], lr=0.1), max_norm=1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"max_norm": -1.0}, ValueError, r"max_norm.*-1\.0"),
+        ({"max_norm": 0}, ValueError, r"max_norm.*0"),
+        ({"max_norm": math.nan}, ValueError, r"max_norm.*nan"),
+        ({"max_norm": "1"}, TypeError, r"max_norm.*'1'"),
+        ({"max_norm": True}, TypeError, r"max_norm.*True"),
+        ({"max_norm": torch.tensor(1.0)}, TypeError, r"max_norm.*tensor"),
+        ({"norm_type": 0}, ValueError, r"norm_type.*0"),
+        ({"norm_type": "l2"}, ValueError, r"norm_type.*'l2'"),
+        ({"nonfinite": "ignore"}, ValueError, r"nonfinite.*'ignore'"),
+        ({"max_consecutive_skips": 0}, ValueError, r"max_consecutive_skips.*0"),
+        ({"max_consecutive_skips": 1.5}, TypeError, r"max_consecutive_skips.*1\.5"),
+        ({"per_group": "yes"}, TypeError, r"per_group.*'yes'"),
+        ({"foreach": 1}, TypeError, r"foreach.*1"),
+    ],
+)
+def test_bad_settings_raise_naming_the_value_and_touch_nothing(
+    kwargs: dict[str, Any], error: type[Exception], pattern: str
+) -> None:
+    inner = _sgd(_model())
+    defaults, groups = dict(inner.defaults), copy.deepcopy(inner.state_dict()["param_groups"])
+    arguments = {"max_norm": 1.0, **kwargs}
+    with pytest.raises(error, match=pattern):
+        ClippedOptimizer(inner, **arguments)
+    assert inner.defaults == defaults
+    assert inner.state_dict()["param_groups"] == groups
+
+
+def test_bad_group_value_raises_at_step_naming_the_group() -> None:
+    model = _model()
+    opt = ClippedOptimizer(_sgd(model), max_norm=1.0)
+    opt.param_groups[0]["max_norm"] = -3.0
+    _backward(model)
+    before = _full_state(opt, model)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['max_norm'\].*-3\.0"):
+        opt.step()
+    _assert_same(before, _full_state(opt, model))
+
+
+# ---------------------------------------------------------------------------- state dicts
+
+
+def _trained(per_group: bool = False) -> tuple[ClippedOptimizer, nn.Module]:
+    model = _model()
+    inner = torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.05}],
+        lr=0.1,
+        momentum=0.9,
+    )
+    opt = ClippedOptimizer(inner, max_norm=0.5, per_group=per_group, nonfinite="skip")
+    for seed in range(3):
+        opt.zero_grad()
+        _backward(model, seed=seed)
+        opt.step()
+    _poison(model, math.nan)
+    opt.step()
+    return opt, model
+
+
+def test_state_dict_layout_and_weights_only_round_trip() -> None:
+    opt, _ = _trained(per_group=True)
+    saved = opt.state_dict()
+    assert set(saved) == {"state", "param_groups", "clip"}
+    clip = saved["clip"]
+    assert clip["settings"] == {
+        "max_norm": 0.5,
+        "norm_type": 2.0,
+        "per_group": True,
+        "nonfinite": "skip",
+        "max_consecutive_skips": 10,
+    }
+    assert clip["last_group_norms"].shape == (2,)
+    assert [int(clip[k]) for k in ("step_count", "skip_count", "consecutive_skips")] == [3, 1, 1]
+    assert clip["last_norm"] is not opt.last_norm, "a copy, not the live tensor"
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    _assert_same(saved, torch.load(buffer, weights_only=True))
+
+
+def test_load_restores_clip_state_and_settings() -> None:
+    opt, _ = _trained(per_group=True)
+    saved = copy.deepcopy(opt.state_dict())
+    fresh_model = _model(seed=5)
+    fresh = ClippedOptimizer(
+        torch.optim.SGD(
+            [{"params": fresh_model[0].parameters()}, {"params": fresh_model[2].parameters()}],
+            lr=1.0,
+            momentum=0.9,
+        ),
+        max_norm=9.0,
+    )
+    fresh.load_state_dict(saved)
+    _assert_same(saved, fresh.state_dict())
+    assert fresh.per_group and fresh.nonfinite == "skip" and fresh.defaults["max_norm"] == 0.5
+    assert fresh.param_groups[1]["lr"] == 0.05
+
+
+def test_load_a_plain_inner_state_dict() -> None:
+    model = _model()
+    plain = _sgd(model)
+    _backward(model)
+    plain.step()
+    inner_saved = plain.state_dict()
+    fresh_model = _model()
+    opt = ClippedOptimizer(_sgd(fresh_model), max_norm=0.7)
+    opt.load_state_dict(inner_saved)
+    assert opt.param_groups[0]["max_norm"] == 0.7 and opt.param_groups[0]["norm_type"] == 2.0
+    assert opt.last_norm is None and int(opt.step_count) == 0
+    _assert_same(inner_saved["state"], opt.state_dict()["state"])
+    plain.load_state_dict(opt.state_dict())  # and a wrapped dict loads into a bare optimizer
+
+
+def _corruptions() -> list[tuple[str, Callable[[dict[str, Any]], None], type[Exception], str]]:
+    def set_path(*path: Any, value: Any) -> Callable[[dict[str, Any]], None]:
+        def apply(sd: dict[str, Any]) -> None:
+            target = sd
+            for key in path[:-1]:
+                target = target[key]
+            target[path[-1]] = value
+
+        return apply
+
+    def pop(*path: Any) -> Callable[[dict[str, Any]], None]:
+        def apply(sd: dict[str, Any]) -> None:
+            target = sd
+            for key in path[:-1]:
+                target = target[key]
+            del target[path[-1]]
+
+        return apply
+
+    return [
+        ("one group", lambda sd: sd["param_groups"].pop(), ValueError, "1 param groups"),
+        ("group size", lambda sd: sd["param_groups"][1]["params"].pop(), ValueError, "1 params"),
+        ("groups type", set_path("param_groups", value="x"), TypeError, "list of dicts"),
+        ("state type", set_path("state", value=[1]), TypeError, "dict of dicts"),
+        ("clip type", set_path("clip", value=[1]), TypeError, r"\['clip'\] must be a dict"),
+        ("clip key", pop("clip", "skip_count"), ValueError, "must have the keys"),
+        ("clip extra", set_path("clip", "extra", value=1), ValueError, "must have the keys"),
+        ("max_norm", set_path("clip", "settings", "max_norm", value="x"), TypeError, "max_norm"),
+        ("mode", set_path("clip", "settings", "nonfinite", value="x"), ValueError, "nonfinite"),
+        ("settings", pop("clip", "settings", "per_group"), ValueError, "settings"),
+        ("last_norm", set_path("clip", "last_norm", value=1.0), TypeError, "last_norm"),
+        ("norm shape", set_path("clip", "last_norm", value=torch.ones(2)), TypeError, "last_norm"),
+        ("group norms", set_path("clip", "last_group_norms", value=torch.ones(3)), ValueError, "3"),
+        ("counter", set_path("clip", "step_count", value=torch.tensor(1.0)), TypeError, "int64"),
+        ("negative", set_path("clip", "skip_count", value=torch.tensor(-1)), ValueError, ">= 0"),
+        ("group max", set_path("param_groups", 0, "max_norm", value=-2.0), ValueError, "-2.0"),
+        ("group p", set_path("param_groups", 1, "norm_type", value="l1"), ValueError, "'l1'"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "error", "pattern"),
+    [c[1:] for c in _corruptions()],
+    ids=[c[0] for c in _corruptions()],
+)
+def test_bad_state_dict_raises_and_changes_nothing(
+    corrupt: Callable[[dict[str, Any]], None], error: type[Exception], pattern: str
+) -> None:
+    opt, model = _trained(per_group=True)
+    bad = copy.deepcopy(opt.state_dict())
+    for group in bad["param_groups"]:
+        group["lr"] = 123.0
+    bad["clip"]["step_count"] = torch.tensor(77)
+    corrupt(bad)
+    before = _full_state(opt, model)
+    with pytest.raises(error, match=pattern):
+        opt.load_state_dict(bad)
+    _assert_same(before, _full_state(opt, model))
+
+
+def test_inner_load_failure_rolls_back() -> None:
+    opt, model = _trained()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["lr"] = 5.0
+    before = _full_state(opt, model)
+
+    def fail(o: Any) -> None:
+        raise RuntimeError("disk on fire")
+
+    opt.optimizer.register_load_state_dict_post_hook(fail)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        opt.load_state_dict(saved)
+    _assert_same(before, _full_state(opt, model))
+
+
+def test_non_mapping_state_dict_is_refused() -> None:
+    opt, _ = _trained()
+    with pytest.raises(TypeError, match="state_dict must be a dict, got list"):
+        opt.load_state_dict([])  # type: ignore[arg-type]
