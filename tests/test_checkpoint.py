@@ -1,0 +1,196 @@
+"""Resuming a ClippedOptimizer from a file is bit-exact.
+
+Each case trains N steps in one go, and separately trains k steps, saves model,
+optimizer and scheduler to a file, builds fresh objects (with different initial
+weights, so nothing leaks through), loads the file with ``weights_only=True`` and trains
+N - k more. Parameters, learning rates, ``last_norm``, counters and the whole optimizer
+state dict must be bit-identical. ``MAX_NORM`` is below every grad norm of the problem,
+so every step clips.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch_optimizer
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+import clipopt
+from clipopt import ClippedOptimizer
+
+TOTAL_STEPS = 8
+MAX_NORM = 0.05
+POISONED_STEP = 2  # with nonfinite="skip", this step's grads hold a NaN and are skipped
+
+MakeOptimizer = Callable[[list[dict[str, Any]]], Optimizer]
+
+OPTIMIZERS: dict[str, MakeOptimizer] = {
+    "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=1e-2, amsgrad=True),
+    "adamw-fused": lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True),
+    "lamb": lambda groups: torch_optimizer.Lamb(groups, lr=1e-2),
+}
+
+
+def _model(seed: int, device: str = "cpu") -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    return [
+        {"params": list(model[0].parameters())},
+        {"params": list(model[2].parameters()), "max_norm": MAX_NORM / 2},
+    ]
+
+
+def _backward(model: nn.Module, step: int, poison: bool) -> None:
+    device = next(model.parameters()).device
+    data = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 5, generator=data).to(device)
+    y = torch.randn(16, 2, generator=data).to(device)
+    (torch.nn.functional.mse_loss(model(x), y) * 100).backward()
+    if poison and step == POISONED_STEP:
+        first = next(model.parameters())
+        assert first.grad is not None
+        first.grad.view(-1)[0] = math.nan
+
+
+def _build(
+    name: str, seed: int, per_group: bool, nonfinite: str, device: str = "cpu"
+) -> tuple[nn.Module, ClippedOptimizer, LRScheduler]:
+    model = _model(seed, device)
+    inner = OPTIMIZERS[name](_groups(model))
+    opt = ClippedOptimizer(inner, MAX_NORM, per_group=per_group, nonfinite=nonfinite)  # type: ignore[arg-type]
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=inner.defaults["lr"], total_steps=TOTAL_STEPS, cycle_momentum=False
+    )
+    return model, opt, sched
+
+
+def _train(
+    model: nn.Module,
+    opt: ClippedOptimizer,
+    sched: LRScheduler,
+    steps: range,
+    poison: bool,
+) -> None:
+    for step in steps:
+        opt.zero_grad()
+        _backward(model, step, poison)
+        opt.step()
+        sched.step()
+        assert opt.last_norm is not None
+        if torch.isfinite(opt.last_norm):
+            assert opt.last_norm.item() > MAX_NORM, "every step clips"
+
+
+def _assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor) and a.dtype == b.dtype and a.device == b.device, path
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=path)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for key in a:
+            _assert_bit_identical(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_bit_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def _resume_case(
+    tmp_path: Path, name: str, per_group: bool, nonfinite: str, device: str, split: int
+) -> None:
+    poison = nonfinite == "skip"
+    straight = _build(name, seed=0, per_group=per_group, nonfinite=nonfinite, device=device)
+    _train(*straight, range(TOTAL_STEPS), poison)
+
+    first = _build(name, seed=0, per_group=per_group, nonfinite=nonfinite, device=device)
+    _train(*first, range(split), poison)
+    model, opt, sched = first
+    path = tmp_path / "checkpoint.pt"
+    torch.save(
+        {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict()},
+        path,
+    )
+
+    resumed = _build(name, seed=123, per_group=per_group, nonfinite=nonfinite, device=device)
+    checkpoint = torch.load(path, weights_only=True)
+    resumed[0].load_state_dict(checkpoint["model"])
+    resumed[1].load_state_dict(checkpoint["optim"])
+    resumed[2].load_state_dict(checkpoint["sched"])
+    _train(*resumed, range(split, TOTAL_STEPS), poison)
+
+    (model_a, opt_a, sched_a), (model_b, opt_b, sched_b) = straight, resumed
+    _assert_bit_identical(list(model_a.parameters()), list(model_b.parameters()), "params")
+    _assert_bit_identical(sched_a.get_last_lr(), sched_b.get_last_lr(), "lrs")
+    _assert_bit_identical(
+        [g["lr"] for g in opt_a.param_groups], [g["lr"] for g in opt_b.param_groups], "lr"
+    )
+    _assert_bit_identical(opt_a.last_norm, opt_b.last_norm, "last_norm")
+    _assert_bit_identical(opt_a.state_dict(), opt_b.state_dict(), "optimizer")
+    expected_skips = 1 if poison else 0
+    assert int(opt_b.skip_count) == expected_skips
+    assert int(opt_b.step_count) == TOTAL_STEPS - expected_skips
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_resume_is_bit_exact(tmp_path: Path, name: str) -> None:
+    _resume_case(tmp_path, name, per_group=False, nonfinite="propagate", device="cpu", split=3)
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "adamw-fused"])
+def test_resume_is_bit_exact_with_per_group_norms_and_a_skipped_step(
+    tmp_path: Path, name: str
+) -> None:
+    _resume_case(tmp_path, name, per_group=True, nonfinite="skip", device="cpu", split=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_resume_is_bit_exact_on_cuda(tmp_path: Path, name: str) -> None:
+    _resume_case(tmp_path, name, per_group=True, nonfinite="skip", device="cuda", split=3)
+
+
+def test_run_started_unwrapped_resumes_wrapped(tmp_path: Path) -> None:
+    """k steps with clip_grad_norm_ by hand, then N - k wrapped: same as all by hand."""
+
+    def by_hand(model: nn.Module, opt: Optimizer, steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            _backward(model, step, poison=False)
+            clipopt.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+
+    reference = _model(0)
+    reference_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    by_hand(reference, reference_opt, range(TOTAL_STEPS))
+
+    model = _model(0)
+    bare = torch.optim.Adam(model.parameters(), lr=1e-2)
+    by_hand(model, bare, range(3))
+    path = tmp_path / "bare.pt"
+    torch.save({"model": model.state_dict(), "optim": bare.state_dict()}, path)
+
+    fresh = _model(7)
+    opt = ClippedOptimizer(torch.optim.Adam(fresh.parameters(), lr=1e-2), MAX_NORM)
+    checkpoint = torch.load(path, weights_only=True)
+    fresh.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optim"])
+    for step in range(3, TOTAL_STEPS):
+        opt.zero_grad()
+        _backward(fresh, step, poison=False)
+        opt.step()
+    _assert_bit_identical(list(reference.parameters()), list(fresh.parameters()), "params")
+    _assert_bit_identical(reference_opt.state_dict()["state"], opt.state_dict()["state"], "state")
+    assert int(opt.step_count) == TOTAL_STEPS - 3
