@@ -1,0 +1,188 @@
+"""ClippedOptimizer under mixed precision with ``torch.amp.GradScaler``.
+
+The reference is torch's documented recipe for clipping with a scaler: ``scale(loss)
+.backward(); unscale_(opt); clip_grad_norm_(...); step(opt); update()``. Wrapped, the user
+writes ``scale(loss).backward(); step(opt); update()`` (``unscale_`` optional) and the
+wrapper must clip the *unscaled* grads: parameters and norms must be bit-identical to the
+recipe, and ``last_norm`` must be the true unscaled norm, checked against a float64
+reference computed from the scaled grads and the scale. A step that the scaler skips
+because a grad is inf must leave parameters, optimizer state, ``last_norm`` and the step
+count exactly as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+import clipopt
+
+MAX_NORM = 0.05
+STEPS = 5
+INF_STEP = 2
+"""The step whose grads get an inf, so the scaler skips it."""
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+AUTOCAST_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
+
+INNER: dict[str, Callable[[list[nn.Parameter]], Optimizer]] = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "AdamW-fused": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+}
+
+
+def _model(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+
+
+def _loss(model: nn.Module, step: int, device: str) -> Tensor:
+    data = torch.Generator().manual_seed(step)
+    x, y = torch.randn(32, 8, generator=data), torch.randn(32, 4, generator=data)
+    with torch.autocast(device, dtype=AUTOCAST_DTYPE[device]):
+        out = model(x.to(device))
+    return ((out.float() - y.to(device)) ** 2).mean() * 10
+
+
+def _poison(model: nn.Module, step: int) -> None:
+    if step == INF_STEP:
+        first = next(model.parameters())
+        assert first.grad is not None
+        first.grad.view(-1)[0] = float("inf")
+
+
+def _unscaled_norm64(model: nn.Module, scale: float) -> Tensor:
+    """The float64 norm of the grads divided by the loss scale: the truth to compare with."""
+    grads = [p.grad.double().flatten() / scale for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.cat(grads))
+
+
+def _snapshot(opt: Optimizer) -> dict[str, object]:
+    return copy.deepcopy(opt.state_dict())
+
+
+@dataclass
+class Run:
+    params: list[Tensor]
+    norms: list[Tensor | None] = field(default_factory=list)
+    true_norms: list[Tensor] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
+
+
+def _train_by_hand(device: str, inner: str) -> Run:
+    """torch's recipe: unscale_, clip_grad_norm_, step, update."""
+    model = _model(device)
+    opt = INNER[inner](list(model.parameters()))
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**12)
+    run = Run([])
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(_loss(model, step, device)).backward()
+        _poison(model, step)
+        run.scales.append(scaler.get_scale())
+        scaler.unscale_(opt)
+        norm = clipopt.clip_grad_norm_(model.parameters(), MAX_NORM)
+        run.norms.append(None if step == INF_STEP else norm)
+        scaler.step(opt)
+        scaler.update()
+    run.params = [p.detach().clone() for p in model.parameters()]
+    return run
+
+
+def _train_wrapped(device: str, inner: str, explicit_unscale: bool) -> Run:
+    """The wrapper under the scaler, checking the skipped step as it goes."""
+    model = _model(device)
+    opt = clipopt.ClippedOptimizer(INNER[inner](list(model.parameters())), max_norm=MAX_NORM)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**12)
+    run = Run([])
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(_loss(model, step, device)).backward()
+        _poison(model, step)
+        run.scales.append(scaler.get_scale())
+        run.true_norms.append(_unscaled_norm64(model, run.scales[-1]))
+        if explicit_unscale:
+            scaler.unscale_(opt)
+        before = (_snapshot(opt), [p.detach().clone() for p in model.parameters()], opt.last_norm)
+        scaler.step(opt)
+        scaler.update()
+        if step == INF_STEP:
+            _assert_untouched(opt, model, *before)
+        run.norms.append(None if step == INF_STEP else opt.last_norm)
+    assert int(opt.step_count) == STEPS - 1, "the skipped step must not be counted"
+    run.params = [p.detach().clone() for p in model.parameters()]
+    return run
+
+
+def _assert_untouched(
+    opt: clipopt.ClippedOptimizer,
+    model: nn.Module,
+    state: dict[str, object],
+    params: list[Tensor],
+    last_norm: Tensor | None,
+) -> None:
+    """Nothing moved: state dict (inner state, step and skip counts), params, last_norm."""
+    _assert_equal(_snapshot(opt), state)
+    _assert_equal(list(model.parameters()), params)
+    assert last_norm is not None and opt.last_norm is not None
+    assert torch.equal(opt.last_norm, last_norm)
+
+
+def _assert_equal(ours: object, theirs: object, where: str = "") -> None:
+    """Exact equality of nested dicts, sequences, tensors (dtype and bits) and plain values."""
+    if isinstance(theirs, Tensor):
+        assert isinstance(ours, Tensor), where
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), where
+        for key in theirs:
+            _assert_equal(ours[key], theirs[key], f"{where}/{key}")
+    elif isinstance(theirs, (list, tuple)):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            _assert_equal(a, b, f"{where}[{i}]")
+    else:
+        assert ours == theirs, f"{where}: {ours!r} != {theirs!r}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inner", sorted(INNER))
+@pytest.mark.parametrize("explicit_unscale", [False, True], ids=["step-only", "unscale-first"])
+def test_grad_scaler_clips_unscaled_grads(device: str, inner: str, explicit_unscale: bool) -> None:
+    reference = _train_by_hand(device, inner)
+    ours = _train_wrapped(device, inner, explicit_unscale)
+    assert ours.scales == reference.scales
+    assert reference.scales[INF_STEP + 1] < reference.scales[INF_STEP], "the scaler must back off"
+    for step, (norm, truth, theirs) in enumerate(
+        zip(ours.norms, ours.true_norms, reference.norms, strict=True)
+    ):
+        if step == INF_STEP:
+            continue
+        assert norm is not None and theirs is not None
+        assert theirs > MAX_NORM, "every finite step must clip"
+        torch.testing.assert_close(norm, theirs, rtol=0, atol=0)
+        torch.testing.assert_close(norm.double(), truth, rtol=2e-6, atol=0)
+    torch.testing.assert_close(ours.params, reference.params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_skipped_first_step_leaves_no_norm(device: str) -> None:
+    """If the scaler skips the very first step, there is still no last norm to report."""
+    model = _model(device)
+    opt = clipopt.ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), MAX_NORM)
+    scaler = torch.amp.GradScaler(device)
+    scaler.scale(_loss(model, 0, device)).backward()
+    _poison(model, INF_STEP)
+    params = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert opt.last_norm is None
+    assert int(opt.step_count) == 0
+    torch.testing.assert_close(list(model.parameters()), params, rtol=0, atol=0)
