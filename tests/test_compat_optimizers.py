@@ -27,6 +27,13 @@ import clipopt
 MAX_NORM = 0.05
 STEPS = 5
 
+pytestmark = [
+    # Both come from the bare optimizers' own requirements, with or without clipopt:
+    # Adahessian needs backward(create_graph=True), and Ranger calls a deprecated addcmul_.
+    pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning"),
+    pytest.mark.filterwarnings("ignore:This overload of addcmul_ is deprecated:UserWarning"),
+]
+
 
 @dataclass(frozen=True)
 class Case:
