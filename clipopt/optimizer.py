@@ -466,6 +466,7 @@ class ClippedOptimizer(Optimizer):
         grads = self._grads_per_group()
         norm, group_norms = self._measure(grads, norm_types)
         stacked = torch.stack(group_norms) if self._per_group else None
+        self._move_counters(norm.device)
         if self._nonfinite != "propagate" and not self._finite_or_raise(
             stacked if stacked is not None else norm, may_skip
         ):
@@ -559,7 +560,6 @@ class ClippedOptimizer(Optimizer):
         norm that cannot skip, or once ``max_consecutive_skips`` steps were skipped.
         """
         nonfinite = (~torch.isfinite(norms).all()).to(torch.int64)
-        self._move_counters(nonfinite.device)
         is_bad, streak = (
             int(v) for v in torch.stack([nonfinite, self._consecutive_skips]).tolist()
         )
