@@ -9,7 +9,8 @@ code that edits ``group["lr"]`` behave as if the wrapper were not there.
 
 The step is split so that each part can be replaced on its own:
 
-- :meth:`ClippedOptimizer._total_norm` is the only place a norm is computed;
+- :meth:`ClippedOptimizer._total_norms` is the only place grads are reduced to norms
+  (across ranks too, see :mod:`clipopt.distributed`);
 - :meth:`ClippedOptimizer._measure` turns grads into the norm(s) to clip against;
 - :meth:`ClippedOptimizer._clip_coefficients` turns norms and thresholds into on-device
   coefficients (a threshold may be a 0-dim tensor);
