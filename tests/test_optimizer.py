@@ -872,3 +872,90 @@ def test_non_mapping_state_dict_is_refused() -> None:
     opt, _ = _trained()
     with pytest.raises(TypeError, match="state_dict must be a dict, got list"):
         opt.load_state_dict([])  # type: ignore[arg-type]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    max_norm=st.floats(1e-3, 1e3),
+    norm_type=st.sampled_from([1.0, 2.0, 3.0, math.inf]),
+    per_group=st.booleans(),
+    nonfinite=st.sampled_from(["propagate", "skip", "raise"]),
+    max_consecutive_skips=st.one_of(st.none(), st.integers(1, 50)),
+    steps=st.integers(0, 3),
+)
+def test_state_dict_round_trips_through_a_file(
+    max_norm: float,
+    norm_type: float,
+    per_group: bool,
+    nonfinite: str,
+    max_consecutive_skips: int | None,
+    steps: int,
+) -> None:
+    model = _model()
+    inner = torch.optim.Adam(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=1e-3
+    )
+    opt = ClippedOptimizer(
+        inner,
+        max_norm,
+        norm_type,
+        per_group=per_group,
+        nonfinite=nonfinite,  # type: ignore[arg-type]
+        max_consecutive_skips=max_consecutive_skips,
+    )
+    for seed in range(steps):
+        opt.zero_grad()
+        _backward(model, seed=seed)
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    fresh_model = _model(seed=9)
+    fresh = ClippedOptimizer(
+        torch.optim.Adam(
+            [{"params": fresh_model[0].parameters()}, {"params": fresh_model[2].parameters()}]
+        ),
+        max_norm=1.0,
+    )
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    _assert_same(opt.state_dict(), fresh.state_dict())
+    assert repr(fresh).splitlines()[0] == repr(opt).splitlines()[0]
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+def test_mixed_dtypes_are_measured_in_float64(per_group: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    wide = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    narrow = nn.Parameter(torch.zeros(3, dtype=torch.float32))
+    wide.grad = torch.randn(4, generator=gen, dtype=torch.float64) * 5
+    narrow.grad = torch.randn(3, generator=gen) * 5
+    before = [wide.grad.clone(), narrow.grad.clone()]
+    inner = torch.optim.SGD([{"params": [wide]}, {"params": [narrow]}], lr=0.0)
+    opt = ClippedOptimizer(inner, max_norm=0.5, per_group=per_group)
+    opt.step()
+    assert opt.last_norm is not None and opt.last_norm.dtype == torch.float64
+    assert math.isclose(opt.last_norm.item(), _ref_norm(before, 2.0), rel_tol=1e-6)
+    if per_group:
+        assert opt.last_group_norms is not None
+        refs = [_ref_norm([g], 2.0) for g in before]
+        for got, ref in zip(opt.last_group_norms.tolist(), refs, strict=True):
+            assert math.isclose(got, ref, rel_tol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_group", [False, True])
+def test_cuda_step_never_syncs_and_keeps_everything_on_device(per_group: bool) -> None:
+    model = _model().cuda()
+    opt = ClippedOptimizer(_sgd(model, foreach=True), max_norm=0.1, per_group=per_group)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).cuda()
+    for checked in (False, True):  # the first step creates buffers and moves counters
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert opt.last_norm is not None and opt.last_norm.device.type == "cuda"
+    assert opt.step_count.device.type == "cuda" and int(opt.step_count) == 2
