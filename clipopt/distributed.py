@@ -129,30 +129,25 @@ def _common_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
     return mesh
 
 
-def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
-    """The global ranks of ``mesh``, sorted (host metadata, no device access)."""
-    return sorted(int(r) for r in mesh.mesh.flatten().tolist())
-
-
 def _mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
     """The groups to all_reduce over, in order, so that every rank of ``mesh`` is summed.
 
-    One group when possible: ``process_group`` (which must span exactly the mesh), the
-    default group when the mesh spans the world, the mesh's own group when it is 1-D.
-    An N-D mesh that is a strict subset of the world needs one all_reduce per dimension
-    (sum over dim 0, then dim 1, ... is the sum over the mesh); pass a ``process_group``
-    spanning it to make that one.
+    One group when possible: ``process_group`` (which must be as large as the mesh), the
+    default group when the mesh spans the world (a mesh's ranks are distinct, so equal
+    sizes mean the same ranks), the mesh's own group when it is 1-D. An N-D mesh that is a
+    strict subset of the world needs one all_reduce per dimension (sum over dim 0, then
+    dim 1, ... is the sum over the mesh); pass a ``process_group`` spanning it to make
+    that one.
     """
-    ranks = _mesh_ranks(mesh)
     if process_group is not None:
-        group_ranks = sorted(dist.get_process_group_ranks(process_group))
-        if group_ranks != ranks:
+        group_size = dist.get_world_size(process_group)
+        if group_size != mesh.size():
             raise ValueError(
-                f"process_group spans ranks {group_ranks} but the grads' device mesh {mesh} "
-                f"spans ranks {ranks}; pass a group over exactly the mesh, or None"
+                f"process_group has {group_size} ranks but the grads' device mesh {mesh} has "
+                f"{mesh.size()}; pass a group over exactly the mesh's ranks, or None"
             )
         return [process_group]
-    if ranks == list(range(dist.get_world_size())):
+    if mesh.size() == dist.get_world_size():
         return [None]
     if mesh.ndim == 1:
         return [mesh.get_group()]

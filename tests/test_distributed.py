@@ -1,0 +1,799 @@
+"""The global grad norm under real multi-process runs (gloo on 127.0.0.1, world size 2).
+
+Every layout runs in ONE spawn (a spawn costs several seconds here): the workers run each
+case in turn and record "ok" or the traceback per case, and one parametrized test per
+case reads the records. Each case compares against a single-process run of the same
+model and data, which every rank computes itself, to 1e-6 relative: the norms of every
+step and the parameters after several clipped steps.
+
+A case that fails on one rank only leaves the other waiting in a collective; the 60 s
+process-group timeout ends that wait, the workers stop at their first failure, and the
+parent kills anything still alive after ``JOIN_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import importlib.util
+import json
+import math
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import clipopt
+from clipopt import distributed as cdist
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
+)
+
+WORLD_SIZE = 2
+PG_TIMEOUT = datetime.timedelta(seconds=60)
+JOIN_TIMEOUT_S = 240.0
+RTOL = 1e-6
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed_fsdp2.py"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=PG_TIMEOUT,
+    )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def assert_rel(actual: Tensor, expected: Tensor, what: str) -> None:
+    """``actual`` equals ``expected`` to RTOL relative (a tiny atol for values near 0)."""
+    torch.testing.assert_close(
+        actual.detach().double().cpu(),
+        expected.detach().double().cpu(),
+        rtol=RTOL,
+        atol=1e-7,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def full(t: Tensor) -> Tensor:
+    """A parameter's full value: DTensors are gathered (a collective)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def assert_same_on_all_ranks(t: Tensor, what: str) -> None:
+    assert type(t) is Tensor, f"{what} is a {type(t).__name__}, not a plain tensor"
+    mine = t.detach().reshape(1).double()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    for other in gathered:
+        assert torch.equal(other, mine) or (other.isnan().all() and mine.isnan().all()), (
+            f"{what} differs across ranks: {gathered}"
+        )
+
+
+class CountAllReduce:
+    """Counts ``torch.distributed.all_reduce`` calls made while it is active."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = dist.all_reduce
+
+    def __enter__(self) -> CountAllReduce:
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self._original
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """First layer has 1 output row (an empty shard on rank 1), the others split unevenly."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 1), nn.Tanh(), nn.Linear(1, 5), nn.Tanh(), nn.Linear(5, 7))
+
+
+def batches(steps: int, rows: int, width: int, seed: int = 7) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, width, generator=gen) * 3 for _ in range(steps)]
+
+
+def loss_fn(output: Tensor) -> Tensor:
+    """Mean over the batch, so averaging per-rank grads gives the full-batch grad."""
+    return output.pow(2).sum(dim=1).mean() * 10
+
+
+def local_rows(batch: Tensor) -> Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size = batch.shape[0] // world
+    return batch[rank * size : (rank + 1) * size]
+
+
+def train(
+    model: nn.Module,
+    optimizer: clipopt.ClippedOptimizer,
+    inputs: list[Tensor],
+    count_step_all_reduces: bool = False,
+) -> tuple[list[Tensor], list[int]]:
+    """Clipped steps; returns each step's ``last_norm`` and all_reduce count in ``step``."""
+    norms, calls = [], []
+    for x in inputs:
+        optimizer.zero_grad()
+        loss_fn(model(x)).backward()
+        with CountAllReduce() as counter:
+            optimizer.step()
+        calls.append(counter.calls)
+        assert optimizer.last_norm is not None
+        norms.append(optimizer.last_norm.clone())
+    return norms, calls
+
+
+def reference(
+    model: nn.Module,
+    make_inner: Callable[[Any], torch.optim.Optimizer],
+    inputs: list[Tensor],
+    **clip: Any,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The single-process run: same model and full batches. Returns (norms, params)."""
+    optimizer = clipopt.ClippedOptimizer(make_inner(model.parameters()), **clip)
+    norms, _ = train(model, optimizer, inputs)
+    return norms, [p.detach().clone() for p in model.parameters()]
+
+
+def compare_runs(
+    norms: list[Tensor],
+    ref_norms: list[Tensor],
+    params: Iterator[Tensor],
+    ref_params: list[Tensor],
+    what: str,
+) -> None:
+    assert len(norms) == len(ref_norms)
+    for step, (norm, ref) in enumerate(zip(norms, ref_norms, strict=True)):
+        assert_same_on_all_ranks(norm, f"{what} norm at step {step}")
+        assert_rel(norm, ref, f"{what} norm at step {step}")
+    assert any(float(n) > 0.5 for n in ref_norms), "the test data should make clipping happen"
+    for index, (param, ref) in enumerate(zip(params, ref_params, strict=True)):
+        assert_rel(full(param.detach()), ref, f"{what} param {index}")
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def case_ddp() -> None:
+    """DDP averages grads already: no communication is added, the norm is the global one."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inputs = batches(4, 8, 3)
+    ref_norms, ref_params = reference(mlp(), sgd, inputs, max_norm=0.5)
+    model = DistributedDataParallel(mlp())
+    optimizer = clipopt.ClippedOptimizer(sgd(model.parameters()), max_norm=0.5)
+    norms, calls = train(model, optimizer, [local_rows(x) for x in inputs])
+    assert calls == [0] * len(inputs), f"DDP steps made all_reduce calls: {calls}"
+    compare_runs(norms, ref_norms, model.parameters(), ref_params, "ddp")
+
+
+def fully_shard_mlp(model: nn.Sequential, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def case_fsdp2() -> None:
+    """FSDP2 with an empty and uneven shards, for p in {1, 2, 3, inf}: one all_reduce."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    inputs = batches(3, 8, 3)
+    for p in (1.0, 2.0, 3.0, math.inf):
+        ref_norms, ref_params = reference(mlp(), adam, inputs, max_norm=0.5, norm_type=p)
+        model = mlp()
+        fully_shard_mlp(model, mesh)
+        shards = [p_.to_local().shape[0] for p_ in model.parameters()]  # type: ignore[attr-defined]
+        if dist.get_rank() == 1:
+            assert 0 in shards, f"rank 1 should hold an empty shard, has {shards}"
+        optimizer = clipopt.ClippedOptimizer(adam(model.parameters()), max_norm=0.5, norm_type=p)
+        norms, calls = train(model, optimizer, [local_rows(x) for x in inputs])
+        assert calls == [1] * len(inputs), f"p={p}: all_reduce calls per step {calls}"
+        compare_runs(norms, ref_norms, model.parameters(), ref_params, f"fsdp2 p={p}")
+        # The functional API gives the same global norm for the same grads.
+        loss_fn(model(local_rows(inputs[0]))).backward()
+        grads = [q.grad for q in model.parameters()]
+        ours = clipopt.get_total_norm(grads, p)
+        local = [g.to_local() for g in grads]  # type: ignore[union-attr]
+        gathered = [torch.empty(0)] * WORLD_SIZE
+        dist.all_gather_object(gathered, [t.double() for t in local])
+        expected = _sharded_reference(gathered, [g.placements for g in grads], p)  # type: ignore[union-attr]
+        assert_same_on_all_ranks(ours, f"get_total_norm p={p}")
+        assert_rel(ours, expected, f"get_total_norm p={p}")
+
+
+def _sharded_reference(gathered: list[Any], placements: list[Any], p: float) -> Tensor:
+    """The float64 norm of the concatenated shards of every rank (Shard(0) grads only)."""
+    pieces = [shard.flatten() for rank_shards in gathered for shard in rank_shards]
+    assert all(len(pl) == 1 and pl[0].is_shard() for pl in placements)
+    return torch.linalg.vector_norm(torch.cat(pieces), p)
+
+
+def case_hsdp() -> None:
+    """HSDP-like (replicate=2, shard=1) mesh: Replicate dims are weighted so replicas count once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE, 1), mesh_dim_names=("replicate", "shard"))
+    inputs = batches(3, 8, 3)
+    for p in (2.0, math.inf):
+        ref_norms, ref_params = reference(mlp(), sgd, inputs, max_norm=0.5, norm_type=p)
+        model = mlp()
+        fully_shard_mlp(model, mesh)
+        for q in model.parameters():
+            replicate, shard = q.placements  # type: ignore[attr-defined]
+            assert replicate.is_replicate() and shard.is_shard(), q.placements  # type: ignore[attr-defined]
+        optimizer = clipopt.ClippedOptimizer(sgd(model.parameters()), max_norm=0.5, norm_type=p)
+        norms, calls = train(model, optimizer, [local_rows(x) for x in inputs])
+        assert calls == [1] * len(inputs), calls
+        compare_runs(norms, ref_norms, model.parameters(), ref_params, f"hsdp p={p}")
+
+
+def case_tensor_parallel() -> None:
+    """TP on a (2,) mesh: Colwise (Shard(0)), Rowwise (Shard(1)) and a Replicate bias."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    def tp_model() -> nn.Sequential:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    inputs = batches(3, 6, 4, seed=11)  # the same full batch on every TP rank
+    for p in (2.0, 3.0, math.inf):
+        ref_norms, ref_params = reference(tp_model(), sgd, inputs, max_norm=0.5, norm_type=p)
+        model = tp_model()
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        replicated = [q for q in model.parameters() if q.placements[0].is_replicate()]  # type: ignore[attr-defined]
+        assert len(replicated) == 1, "the rowwise bias should be Replicate"
+        optimizer = clipopt.ClippedOptimizer(sgd(model.parameters()), max_norm=0.5, norm_type=p)
+        norms, calls = train(model, optimizer, inputs)
+        assert calls == [1] * len(inputs), calls
+        compare_runs(norms, ref_norms, model.parameters(), ref_params, f"tp p={p}")
+
+
+def _split_rows(full_tensor: Tensor) -> Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return full_tensor.chunk(world)[rank]
+
+
+def case_model_parallel() -> None:
+    """Plain tensors split across a process group, with a replicated bias that counts once."""
+    group = dist.new_group(list(range(WORLD_SIZE)))
+    gen = torch.Generator().manual_seed(5)
+    weight0, bias0 = torch.randn(6, 4, generator=gen), torch.randn(4, generator=gen)
+    grads = [
+        (torch.randn(6, 4, generator=gen) * 4, torch.randn(4, generator=gen)) for _ in range(4)
+    ]
+    for p, per_group in ((2.0, False), (math.inf, False), (3.0, True)):
+        full_w, full_b = nn.Parameter(weight0.clone()), nn.Parameter(bias0.clone())
+        mine_w, mine_b = nn.Parameter(_split_rows(weight0).clone()), nn.Parameter(bias0.clone())
+        settings = {"max_norm": 0.5, "norm_type": p, "per_group": per_group}
+        ref = clipopt.ClippedOptimizer(
+            sgd([{"params": [full_w]}, {"params": [full_b]}]), **settings
+        )
+        ours = clipopt.ClippedOptimizer(
+            sgd([{"params": [mine_w]}, {"params": [mine_b]}]),
+            **settings,
+            process_group=group,
+            replicated_params=[mine_b],
+        )
+        for step, (g_w, g_b) in enumerate(grads):
+            full_w.grad, full_b.grad = g_w.clone(), g_b.clone()
+            mine_w.grad, mine_b.grad = _split_rows(g_w).clone(), g_b.clone()
+            ref.step()
+            with CountAllReduce() as counter:
+                ours.step()
+            assert counter.calls == 1, f"p={p}: {counter.calls} all_reduce calls"
+            assert ours.last_norm is not None and ref.last_norm is not None
+            assert_same_on_all_ranks(ours.last_norm, f"mp p={p} step {step}")
+            assert_rel(ours.last_norm, ref.last_norm, f"mp p={p} step {step}")
+            if per_group:
+                assert ours.last_group_norms is not None and ref.last_group_norms is not None
+                assert_rel(ours.last_group_norms, ref.last_group_norms, f"mp groups p={p}")
+        assert_rel(mine_w.detach(), _split_rows(full_w.detach()), f"mp weight p={p}")
+        assert_rel(mine_b.detach(), full_b.detach(), f"mp bias p={p}")
+    # The functional API: the same declaration, against a float64 reference.
+    g_w, g_b = grads[0]
+    mine_w.grad, mine_b.grad = _split_rows(g_w).clone(), g_b.clone()
+    expected = torch.linalg.vector_norm(torch.cat([g_w.flatten(), g_b]).double(), 3.0)
+    norm = clipopt.clip_grad_norm_(
+        [mine_w, mine_b], 1.0, 3.0, process_group=group, replicated_params=[mine_b]
+    )
+    assert_rel(norm, expected, "clip_grad_norm_ with replicated_params")
+    assert_rel(mine_b.grad, g_b * (1.0 / (expected + 1e-6)), "clipped replicated grad")
+    # Undeclared, the replicated grad counts once per rank: that is what the mark fixes.
+    counted_twice = clipopt.get_total_norm([_split_rows(g_w), g_b], 3.0, process_group=group)
+    twice = (g_w.double().abs().pow(3).sum() + 2 * g_b.double().abs().pow(3).sum()).pow(1 / 3)
+    assert_rel(counted_twice, twice, "undeclared replicated grad")
+
+
+def case_model_parallel_edges() -> None:
+    """Ranks with different dtypes, a rank with no grads, NaN on one rank only."""
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    assert group is not None
+    gen = torch.Generator().manual_seed(9)
+    values = torch.randn(10, generator=gen, dtype=torch.float64)
+    for p in (2.0, math.inf):
+        # rank 0 holds float64 grads, rank 1 none at all: dtypes differ across ranks.
+        mine = [values] if rank == 0 else []
+        norm = clipopt.get_total_norm(mine, p, process_group=group)
+        assert_same_on_all_ranks(norm.float(), f"dtype-mixed p={p}")
+        assert_rel(norm, torch.linalg.vector_norm(values, p), f"dtype-mixed p={p}")
+        # rank 0 half precision, rank 1 float32.
+        half = values[:5].to(torch.bfloat16) if rank == 0 else values[5:].float()
+        norm = clipopt.get_total_norm([half], p, process_group=group)
+        expected = torch.linalg.vector_norm(
+            torch.cat([values[:5].to(torch.bfloat16).double(), values[5:].float().double()]), p
+        )
+        assert_rel(norm, expected, f"bf16/fp32 p={p}")
+        # NaN on rank 1 only: every rank sees NaN (MAX may drop NaN; it must not here).
+        grads = [torch.tensor([1.0, math.nan if rank == 1 else 2.0])]
+        norm = clipopt.get_total_norm(grads, p, process_group=group)
+        assert norm.isnan(), f"p={p}: rank {rank} got {norm}"
+        grads = [torch.tensor([1.0, math.inf if rank == 0 else 2.0])]
+        norm = clipopt.get_total_norm(grads, p, process_group=group)
+        assert norm.isinf(), f"p={p}: rank {rank} got {norm}"
+
+
+def case_zero() -> None:
+    """ZeroRedundancyOptimizer as the inner optimizer: every rank holds all (averaged) grads."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    inputs = batches(4, 8, 3)
+    ref_norms, ref_params = reference(mlp(), adam, inputs, max_norm=0.5)
+    model = DistributedDataParallel(mlp())
+    inner = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    optimizer = clipopt.ClippedOptimizer(inner, max_norm=0.5)
+    norms, calls = train(model, optimizer, [local_rows(x) for x in inputs])
+    assert calls == [0] * len(inputs), calls
+    compare_runs(norms, ref_norms, model.parameters(), ref_params, "zero")
+
+
+def case_dcp_round_trip(checkpoint_dir: str) -> None:
+    """Clip state survives dcp.save/dcp.load with FSDP2; DCP's init step leaves it alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    inputs = [local_rows(x) for x in batches(5, 8, 3, seed=13)]
+
+    def fresh() -> tuple[nn.Module, clipopt.ClippedOptimizer]:
+        model = mlp(seed=21)
+        fully_shard_mlp(model, mesh)
+        inner = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, clipopt.ClippedOptimizer(inner, max_norm=0.5, nonfinite="skip")
+
+    model, optimizer = fresh()
+    train(model, optimizer, inputs[:3])
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": cdist.ClippedOptimizerState(model, optimizer),
+    }
+    dcp.save(state, checkpoint_id=checkpoint_dir)
+    saved_clip = optimizer.state_dict()["clip"]
+
+    restored_model, restored = fresh()
+    # DCP initialises a fresh optimizer's state with a step on zero grads: through the
+    # helper it runs on the inner optimizer only, so the clip state stays fresh.
+    cdist.get_optimizer_state_dict(restored_model, restored)
+    assert restored.last_norm is None and int(restored.step_count) == 0
+    assert len(restored.state) > 0, "DCP should have initialised the inner state"
+    target = {
+        "model": get_model_state_dict(restored_model),
+        "optim": cdist.ClippedOptimizerState(restored_model, restored),
+    }
+    dcp.load(target, checkpoint_id=checkpoint_dir)
+    set_model_state_dict(restored_model, target["model"])
+    loaded_clip = restored.state_dict()["clip"]
+    assert loaded_clip["settings"] == saved_clip["settings"]
+    for key in ("last_norm", "step_count", "skip_count", "consecutive_skips"):
+        assert torch.equal(loaded_clip[key], saved_clip[key]), key
+    assert type(restored.last_norm) is Tensor
+    # Resume is exact: both continue with the same data and stay bit-identical.
+    norms, _ = train(model, optimizer, inputs[3:])
+    restored_norms, _ = train(restored_model, restored, inputs[3:])
+    for a, b in zip(norms, restored_norms, strict=True):
+        assert torch.equal(a, b), (a, b)
+    for a, b in zip(model.parameters(), restored_model.parameters(), strict=True):
+        assert torch.equal(full(a.detach()), full(b.detach()))
+    assert int(restored.step_count) == 5
+
+
+def case_example() -> None:
+    """examples/distributed_fsdp2.py: the same last_norm on every rank, as a single process."""
+    spec = importlib.util.spec_from_file_location("distributed_fsdp2", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    norm = example.train()
+    assert_same_on_all_ranks(norm, "example last_norm")
+    # The single-process run: one model on both ranks' data, with the grads averaged.
+    model = example.build_model()
+    optimizer = clipopt.ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=0.5
+    )
+    data = [torch.Generator().manual_seed(1000 + r) for r in range(WORLD_SIZE)]
+    for _ in range(example.STEPS):
+        pairs = [
+            (
+                torch.randn(example.BATCH, 16, generator=g),
+                torch.randn(example.BATCH, 4, generator=g),
+            )
+            for g in data
+        ]
+        inputs = torch.cat([x for x, _ in pairs])
+        targets = torch.cat([y for _, y in pairs])
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert optimizer.last_norm is not None
+    assert_rel(norm, optimizer.last_norm, "example last_norm")
+
+
+def case_sub_meshes() -> None:
+    """DTensors on a strict sub-mesh of the world: a 1-D one (its own group, one
+    all_reduce) and an N-D one (one all_reduce per dimension)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE, 1, 1), mesh_dim_names=("dp", "a", "b"))
+    local = torch.arange(4.0) + 10 * dist.get_rank()  # a different tensor on each rank
+    for names in (("a",), ("a", "b")):
+        sub = mesh[names]
+        assert sub.size() == 1
+        grad = DTensor.from_local(local.clone(), sub, [Shard(0)] * len(names))
+        with CountAllReduce() as counter:
+            norm = clipopt.get_total_norm([grad], 3.0)
+        assert counter.calls == len(names), (names, counter.calls)
+        assert_rel(norm, torch.linalg.vector_norm(local.double(), 3.0), f"sub-mesh {names}")
+        with pytest.raises(ValueError, match="ranks"):
+            clipopt.get_total_norm([grad], 3.0, process_group=dist.group.WORLD)
+
+
+CASES: dict[str, Callable[..., None]] = {
+    "sub_meshes": case_sub_meshes,
+    "ddp": case_ddp,
+    "fsdp2": case_fsdp2,
+    "hsdp": case_hsdp,
+    "tensor_parallel": case_tensor_parallel,
+    "model_parallel": case_model_parallel,
+    "model_parallel_edges": case_model_parallel_edges,
+    "zero": case_zero,
+    "dcp_round_trip": case_dcp_round_trip,
+    "example": case_example,
+}
+
+
+def all_ranks_failed(control: Any, failed: bool) -> tuple[bool, bool]:
+    """(any rank failed, every rank failed), agreed over the control group."""
+    flags = torch.tensor([float(failed), float(failed)])
+    dist.all_reduce(flags[:1], op=dist.ReduceOp.MAX, group=control)
+    dist.all_reduce(flags[1:], op=dist.ReduceOp.MIN, group=control)
+    return bool(flags[0]), bool(flags[1])
+
+
+def worker(rank: int, port: int, out_dir: str) -> None:
+    """Run every case in order, recording each outcome.
+
+    After each case the ranks agree over a separate control group on who failed: when
+    every rank failed the collectives are still in step and the next case runs; when
+    only some did, the others were stuck in a collective until the timeout, so stop.
+    """
+    results: dict[str, str] = {}
+    try:
+        init_gloo(rank, WORLD_SIZE, port)
+        control = dist.new_group(list(range(WORLD_SIZE)))
+        for name, case in CASES.items():
+            try:
+                if name == "dcp_round_trip":
+                    case(os.path.join(out_dir, "checkpoint"))
+                else:
+                    case()
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc()
+            some, every = all_ranks_failed(control, results[name] != "ok")
+            if some and not every:
+                break
+    except Exception:
+        results["<setup>"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., None], out_dir: str, timeout_s: float = JOIN_TIMEOUT_S
+) -> str | None:
+    """Spawn WORLD_SIZE processes; None when all exit cleanly, else why not. Never hangs."""
+    context = mp.start_processes(
+        fn, args=(free_port(), out_dir), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                return f"workers still running after {timeout_s} s"
+    except Exception as error:  # a worker died or raised outside the recorded cases
+        return f"{type(error).__name__}: {error}"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    return None
+
+
+@pytest.fixture(scope="module")
+def case_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    out_dir = tmp_path_factory.mktemp("distributed")
+    failure = run_workers(worker, str(out_dir))
+    results: dict[str, list[str]] = {name: [] for name in CASES}
+    for rank in range(WORLD_SIZE):
+        path = out_dir / f"rank{rank}.json"
+        recorded = json.loads(path.read_text()) if path.exists() else {}
+        setup = recorded.get("<setup>")
+        for name in CASES:
+            default = setup or failure or "not run: an earlier case failed"
+            results[name].append(recorded.get(name, default))
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layout_matches_single_process(case: str, case_results: dict[str, list[str]]) -> None:
+    outcomes = case_results[case]
+    failures = [f"rank {r}:\n{o}" for r, o in enumerate(outcomes) if o != "ok"]
+    assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- one process
+#
+# A world-size-1 gloo group in this process: the same code paths (the all_reduce runs),
+# no spawn, so properties and error cases can be many and cheap.
+
+
+@pytest.fixture(scope="module")
+def world_of_one() -> Iterator[Any]:
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    init_gloo(0, 1, free_port())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mesh(world_of_one: Any) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1,))
+
+
+def dtensor(local: Tensor, mesh: Any, placement: str = "shard") -> Tensor:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    kind = {"shard": Shard(0), "replicate": Replicate(), "partial": Partial()}[placement]
+    return DTensor.from_local(local, mesh, [kind], run_check=False)
+
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    sizes=st.lists(shapes, min_size=1, max_size=5),
+    p=st.sampled_from([1.0, 1.5, 2.0, 3.0, math.inf]),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_process_group_of_one_matches_float64(
+    world_of_one: Any, float64_norm: Any, sizes: list[list[int]], p: float, seed: int, data: Any
+) -> None:
+    """With one rank, declaring some tensors replicated changes nothing: weights are 1."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(tuple(s), generator=gen) * 5 for s in sizes]
+    shared = data.draw(st.lists(st.sampled_from(tensors), unique_by=id))
+    norm = clipopt.get_total_norm(tensors, p, process_group=world_of_one, replicated=shared)
+    assert norm.dtype == torch.float32 and type(norm) is Tensor
+    assert_rel(norm, torch.tensor(float64_norm(tensors, p)), f"p={p}")
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), min_size=1, max_size=4),
+    placements=st.lists(st.sampled_from(["shard", "replicate"]), min_size=4, max_size=4),
+    p=st.sampled_from([1.0, 2.0, 3.0, math.inf]),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+)
+def test_dtensor_on_mesh_of_one_matches_float64(
+    mesh: Any,
+    float64_norm: Any,
+    sizes: list[list[int]],
+    placements: list[str],
+    p: float,
+    dtype: torch.dtype,
+) -> None:
+    locals_ = [(torch.randn(tuple(s)) * 3).to(dtype) for s in sizes]
+    grads = [dtensor(t, mesh, kind) for t, kind in zip(locals_, placements, strict=False)]
+    norm = clipopt.get_total_norm(grads, p)
+    assert type(norm) is Tensor
+    assert norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_rel(norm, torch.tensor(float64_norm(locals_, p)), f"p={p} {dtype}")
+
+
+def test_one_all_reduce_per_step_whatever_the_dtype_groups(mesh: Any, no_host_sync: Any) -> None:
+    """Three param groups in three dtypes, per-group norms: still a single all_reduce."""
+    params = [
+        nn.Parameter(dtensor(torch.ones(3, dtype=dtype), mesh))
+        for dtype in (torch.float32, torch.float64, torch.bfloat16)
+    ]
+    optimizer = clipopt.ClippedOptimizer(
+        torch.optim.SGD([{"params": [q]} for q in params], lr=0.1), 1.0, per_group=True
+    )
+    for q in params:
+        q.grad = dtensor(torch.full((3,), 2.0, dtype=q.dtype), mesh)
+    with CountAllReduce() as counter, no_host_sync():
+        optimizer.step()
+    assert counter.calls == 1
+    assert optimizer.last_group_norms is not None
+    expected = torch.full((3,), 12.0**0.5, dtype=torch.float64)
+    assert_rel(optimizer.last_group_norms, expected, "per-group norms")
+    # Mixing finite and inf orders across groups needs one SUM and one MAX.
+    optimizer.param_groups[0]["norm_type"] = math.inf
+    with CountAllReduce() as counter:
+        optimizer.step()
+    assert counter.calls == 2
+
+
+def test_local_grads_add_no_collective(world_of_one: Any) -> None:
+    w = nn.Parameter(torch.ones(3))
+    w.grad = torch.ones(3)
+    with CountAllReduce() as counter:
+        clipopt.clip_grad_norm_([w], 1.0)
+        clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.1), 1.0).step()
+    assert counter.calls == 0
+
+
+def test_partial_grad_is_refused_before_anything_is_touched(mesh: Any) -> None:
+    w = nn.Parameter(dtensor(torch.ones(3), mesh))
+    w.grad = dtensor(torch.full((3,), 5.0), mesh, "partial")
+    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.1), 1.0)
+    with pytest.raises(ValueError, match="Partial"):
+        optimizer.step()
+    with pytest.raises(ValueError, match="Partial"):
+        clipopt.clip_grad_norm_([w], 1.0)
+    assert torch.equal(w.grad.to_local(), torch.full((3,), 5.0))  # type: ignore[union-attr]
+    assert torch.equal(w.detach().to_local(), torch.ones(3))  # type: ignore[attr-defined]
+    assert optimizer.last_norm is None
+
+
+def test_mixed_dtensor_and_plain_grads_are_refused(mesh: Any) -> None:
+    grads = [dtensor(torch.ones(2), mesh), torch.ones(2)]
+    with pytest.raises(ValueError, match="DTensor and plain"):
+        clipopt.get_total_norm(grads, math.inf)
+
+
+def test_dtensors_on_two_meshes_are_refused(world_of_one: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    one = init_device_mesh("cpu", (1,), mesh_dim_names=("one",))
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
+    with pytest.raises(ValueError, match="one device mesh"):
+        clipopt.get_total_norm([dtensor(torch.ones(2), one), dtensor(torch.ones(2), other)])
+
+
+def test_bad_process_group_and_replicated_arguments(world_of_one: Any, mesh: Any) -> None:
+    w, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    w.grad, b.grad = torch.ones(2), torch.ones(2)
+    sgd_wb = torch.optim.SGD([w, b], lr=0.1)
+    with pytest.raises(TypeError, match="process_group"):
+        clipopt.get_total_norm([w.grad], process_group="world")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="process_group"):
+        clipopt.ClippedOptimizer(sgd_wb, 1.0, process_group=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="process_group"):
+        clipopt.clip_grad_norm_([w, b], 1.0, replicated_params=[b])
+    with pytest.raises(ValueError, match="process_group"):
+        clipopt.ClippedOptimizer(sgd_wb, 1.0, replicated_params=[b])
+    stranger = nn.Parameter(torch.ones(5))
+    with pytest.raises(ValueError, match="not one of parameters"):
+        clipopt.clip_grad_norm_([w], 1.0, process_group=world_of_one, replicated_params=[b])
+    with pytest.raises(ValueError, match="not a parameter"):
+        clipopt.ClippedOptimizer(
+            sgd_wb, 1.0, process_group=world_of_one, replicated_params=[stranger]
+        )
+    with pytest.raises(ValueError, match="not among"):
+        clipopt.get_total_norm([w.grad], process_group=world_of_one, replicated=[b.grad])
+    shard = dtensor(torch.ones(2), mesh)
+    with pytest.raises(ValueError, match="Replicate placements"):
+        clipopt.get_total_norm([shard], process_group=world_of_one, replicated=[shard])
+    assert torch.equal(w.grad, torch.ones(2)) and torch.equal(b.grad, torch.ones(2))
+    assert "max_norm" not in sgd_wb.param_groups[0], "a refused wrapper must not touch it"
+
+
+def test_wrapper_with_a_group_deep_copies_but_does_not_pickle(world_of_one: Any) -> None:
+    w, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    optimizer = clipopt.ClippedOptimizer(
+        torch.optim.SGD([w, b], lr=0.1), 1.0, process_group=world_of_one, replicated_params=[b]
+    )
+    twin = copy.deepcopy(optimizer)
+    assert twin._norm_scope.process_group is world_of_one
+    twin_b = twin.param_groups[0]["params"][1]
+    assert twin._norm_scope.replicated_params == [twin_b] and twin_b is not b
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(optimizer)
+
+
+def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one: Any) -> None:
+    model = nn.Linear(2, 2)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="ClippedOptimizer"):
+        cdist.get_optimizer_state_dict(model, plain)
+    optimizer = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 1.0)
+    saved = cdist.get_optimizer_state_dict(model, optimizer)
+    assert isinstance(saved["clip"], bytes)
+    for bad, error in (({"clip": {"last_norm": None}}, TypeError), ({"clip": b"x"}, Exception)):
+        with pytest.raises(error):
+            cdist.set_optimizer_state_dict(model, optimizer, {**saved, **bad})
+    bad_clip = optimizer.state_dict()["clip"]
+    bad_clip["step_count"] = torch.tensor(-1)
+    encoded = cdist._encode_clip_state(bad_clip)
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(ValueError, match="step_count"):
+        cdist.set_optimizer_state_dict(model, optimizer, {**saved, "clip": encoded})
+    after = optimizer.state_dict()
+    assert after["clip"]["settings"] == before["clip"]["settings"]
+    assert int(after["clip"]["step_count"]) == 0
