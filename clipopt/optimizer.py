@@ -200,6 +200,10 @@ class ClippedOptimizer(Optimizer):
       (tensor(50.), tensor([0.6000, 0.8000]), tensor([-0.6000, -0.8000]))
     """
 
+    # GradScaler must unscale the grads before step() measures them, even when the inner
+    # optimizer is fused and could take the scale itself: last_norm is the true norm.
+    _step_supports_amp_scaling = False
+
     def __init__(
         self,
         optimizer: Optimizer,
