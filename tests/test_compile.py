@@ -1,0 +1,124 @@
+"""Norm and scale trace into one graph under ``torch.compile(fullgraph=True)``.
+
+``fullgraph=True`` turns every graph break into an error, and a Python branch on a
+tensor's value (``.item()``, ``if norm > x``) is a graph break: so a clean trace shows the
+path never waits on the device. The ``aot_eager`` backend runs the traced graph with
+eager kernels: it traces exactly what inductor would, without minutes of C++ compilation
+on CI's two cores. Its decompositions may reorder a reduction, so the norm must equal the
+eager one to float64 rounding and each grad to one unit in the last place of its dtype.
+(The CUDA tests compile with inductor.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+import clipopt
+
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make_params(seed: int) -> list[torch.nn.Parameter]:
+    """fp32 small and large (the blocked CPU path), fp16, bf16, fp64, and a missing grad."""
+    generator = torch.Generator().manual_seed(seed)
+    layouts = [
+        ((7, 3), torch.float32),
+        ((20_000,), torch.float32),
+        ((300,), torch.float16),
+        ((9000,), torch.bfloat16),
+        ((4, 5), torch.float64),
+        ((3,), torch.float32),
+    ]
+    params = []
+    for i, (shape, dtype) in enumerate(layouts):
+        param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        if i != len(layouts) - 1:
+            param.grad = (torch.randn(shape, generator=generator) * 10).to(dtype)
+        params.append(param)
+    return params
+
+
+def norm_then_scale(params: list[torch.nn.Parameter], max_norm: float, norm_type: float) -> Tensor:
+    norm = clipopt.get_total_norm([p.grad for p in params], norm_type)
+    clipopt.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def clip_in_place(params: list[torch.nn.Parameter], max_norm: float, norm_type: float) -> Tensor:
+    return clipopt.clip_grad_norm_(params, max_norm, norm_type)
+
+
+Step = Callable[[list[torch.nn.Parameter], float, float], Tensor]
+
+
+def assert_same_result(
+    traced: list[torch.nn.Parameter],
+    eager: list[torch.nn.Parameter],
+    traced_norm: Tensor,
+    eager_norm: Tensor,
+) -> None:
+    torch.testing.assert_close(traced_norm, eager_norm, rtol=1e-12, atol=0)
+    for a, b in zip(traced, eager, strict=True):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None and b.grad is not None:
+            ulp = torch.finfo(a.grad.dtype).eps
+            torch.testing.assert_close(a.grad, b.grad, rtol=ulp, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("step", "norm_type"),
+    [
+        (norm_then_scale, 2.0),
+        (norm_then_scale, math.inf),
+        (norm_then_scale, 3.5),
+        (clip_in_place, 2.0),
+    ],
+)
+def test_fullgraph_compile_gives_the_eager_result(step: Step, norm_type: float) -> None:
+    compiled = torch.compile(step, fullgraph=True, backend=BACKEND)
+    # A changing max_norm makes dynamo trace it as a symbolic float after the first call.
+    for call, max_norm in enumerate([1.0, 0.5, 1e9]):
+        traced, eager = make_params(call), make_params(call)
+        traced_norm = compiled(traced, max_norm, norm_type)
+        eager_norm = step(eager, max_norm, norm_type)
+        assert traced_norm.dtype == torch.float64  # one grad is double
+        assert_same_result(traced, eager, traced_norm, eager_norm)
+
+
+def test_fullgraph_compile_with_a_tensor_max_norm() -> None:
+    """A threshold computed on device each step (as adaptive clipping does) also traces."""
+    compiled = torch.compile(clip_in_place, fullgraph=True, backend=BACKEND)
+    for call, max_norm in enumerate([torch.tensor(1.0), torch.tensor(250.0)]):
+        traced, eager = make_params(call), make_params(call)
+        traced_norm = compiled(traced, max_norm, 2.0)
+        eager_norm = clip_in_place(eager, max_norm, 2.0)  # type: ignore[arg-type]
+        assert_same_result(traced, eager, traced_norm, eager_norm)
+
+
+def test_a_python_branch_on_the_norm_breaks_the_graph() -> None:
+    """The check above can fail: the old ``if clip_coef < 1`` is rejected by fullgraph."""
+
+    def branchy(params: list[torch.nn.Parameter], max_norm: float, norm_type: float) -> Tensor:
+        norm = clipopt.get_total_norm([p.grad for p in params], norm_type)
+        clip_coef = max_norm / (norm + 1e-6)
+        if clip_coef < 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(clip_coef)
+        return norm
+
+    compiled = torch.compile(branchy, fullgraph=True, backend=BACKEND)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled(make_params(0), 1.0, 2.0)
