@@ -50,6 +50,7 @@ __all__ = [
     "ClippedOptimizerState",
     "NormScope",
     "get_optimizer_state_dict",
+    "local_tensors",
     "set_optimizer_state_dict",
     "total_norm",
     "total_norms",
@@ -84,6 +85,19 @@ def _dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
     return [t for t in tensors if isinstance(t, dtensor)]
 
 
+def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``tensors`` with every DTensor replaced by its local shard (the same storage).
+
+    Scaling grads in place works shard by shard: it needs no communication, and DTensor
+    ops refuse operands on different meshes (FSDP2 + TP puts the parameters left out of
+    tensor parallelism on the data-parallel sub-mesh).
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return list(tensors)
+    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
+
+
 def check_process_group(process_group: object) -> None:
     """Raise a TypeError unless ``process_group`` is None or a ``ProcessGroup``."""
     if process_group is None:
@@ -97,36 +111,65 @@ def check_process_group(process_group: object) -> None:
 # --------------------------------------------------------------------------- DTensor
 
 
-def _replica_count(grad: DTensor) -> int:
-    """How many ranks hold a copy of each element of ``grad``'s local shard.
+def _replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
+    """How many ranks of ``reduction_mesh`` hold a copy of each element of ``grad``'s shard.
+
+    The product of the mesh sizes over ``grad``'s Replicate dims, times the size of the
+    reduction mesh's dims that ``grad``'s mesh lacks (a parameter left out of tensor
+    parallelism lives on the data-parallel sub-mesh and is the same on every TP rank).
 
     Raises:
       ValueError: ``grad`` has a Partial placement: its local values are summands of the
         gradient, not a shard of it, so no local norm is meaningful.
     """
-    count = 1
+    mesh = grad.device_mesh
+    count = reduction_mesh.size() // mesh.size()
     for dim, placement in enumerate(grad.placements):
         if placement.is_partial():
             raise ValueError(
                 f"a gradient of shape {tuple(grad.shape)} has placements {grad.placements} "
-                f"on {grad.device_mesh}: a Partial grad has no norm until it is reduced; "
+                f"on {mesh}: a Partial grad has no norm until it is reduced; "
                 "redistribute it to Shard or Replicate first"
             )
         if placement.is_replicate():
-            count *= grad.device_mesh.size(dim)
+            count *= mesh.size(dim)
     return count
 
 
-def _common_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
-    """The one device mesh all ``grads`` live on; a ValueError if there are several."""
-    mesh = grads[0].device_mesh
-    for g in grads[1:]:
-        if g.device_mesh is not mesh and g.device_mesh != mesh:
+def _distinct_meshes(grads: Sequence[DTensor]) -> list[DeviceMesh]:
+    meshes: list[DeviceMesh] = []
+    for g in grads:
+        mesh = g.device_mesh
+        if not any(mesh is known or mesh == known for known in meshes):
+            meshes.append(mesh)
+    return meshes
+
+
+def _reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
+    """The mesh to reduce over: the grads' one mesh, or the part of their common root
+    mesh spanned by the dims they use (FSDP2 + TP: 2-D TP'd params and 1-D others).
+
+    Raises:
+      ValueError: the meshes have no common root, or a mesh is unnamed or flattened, so
+        which root dims it covers is unknown.
+    """
+    meshes = _distinct_meshes(grads)
+    if len(meshes) == 1:
+        return meshes[0]
+    root = meshes[0]._get_root_mesh()
+    root_names = root.mesh_dim_names or ()
+    for mesh in meshes:
+        names = mesh.mesh_dim_names
+        same_root = mesh._get_root_mesh() == root
+        if not same_root or names is None or not set(names) <= set(root_names):
             raise ValueError(
-                "all DTensor grads must live on one device mesh to be reduced together, "
-                f"got {mesh} and {g.device_mesh}; compute one norm per mesh instead"
+                f"DTensor grads live on {meshes}: they can be reduced together only when "
+                "they are named sub-meshes of one root mesh; compute one norm per mesh "
+                "instead"
             )
-    return mesh
+    used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
+    names = tuple(name for name in root_names if name in used)
+    return root if len(names) == len(root_names) else root[names]
 
 
 def _mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
@@ -154,11 +197,13 @@ def _mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> l
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
-def _weighted_dtensor_shards(grads: Sequence[DTensor]) -> list[tuple[float, list[Tensor]]]:
+def _weighted_dtensor_shards(
+    grads: Sequence[DTensor], reduction_mesh: DeviceMesh
+) -> list[tuple[float, list[Tensor]]]:
     """The local shards of ``grads`` grouped by weight ``1 / replica count``."""
     by_count: dict[int, list[Tensor]] = {}
     for g in grads:
-        by_count.setdefault(_replica_count(g), []).append(g.to_local())
+        by_count.setdefault(_replica_count(g, reduction_mesh), []).append(g.to_local())
     return [(1.0 / count, shards) for count, shards in by_count.items()]
 
 
@@ -285,7 +330,8 @@ def total_norms(
 
     Raises:
       TypeError: ``process_group`` is not a ProcessGroup.
-      ValueError: DTensors mixed with plain tensors, DTensors on several meshes, a Partial
+      ValueError: DTensors mixed with plain tensors, DTensors on meshes that are not named
+        sub-meshes of one root, a Partial
         DTensor, ``replicated`` without ``process_group`` or with DTensors, a group that
         does not span the mesh.
     """
@@ -310,8 +356,9 @@ def total_norms(
                 "replicated applies to plain tensors; a DTensor's replicas follow from its "
                 "Replicate placements"
             )
-        groups = _mesh_groups(_common_mesh(dtensors), process_group)
-        classes = [_weighted_dtensor_shards(_dtensors(list(b))) for b in buckets]
+        mesh = _reduction_mesh(dtensors)
+        groups = _mesh_groups(mesh, process_group)
+        classes = [_weighted_dtensor_shards(_dtensors(list(b)), mesh) for b in buckets]
     else:
         groups = [process_group]
         size = dist.get_world_size(process_group)

@@ -206,7 +206,8 @@ def clip_grads_with_norm_(
     grads = _grads(_as_list(parameters))
     if not grads or _measures_only(max_norm):
         return
-    _kernels.scale_(grads, _kernels.clip_coefficient(max_norm, total_norm), foreach)
+    coef = _kernels.clip_coefficient(max_norm, total_norm)
+    _kernels.scale_(distributed.local_tensors(grads), coef, foreach)
 
 
 @torch.no_grad()
@@ -313,7 +314,8 @@ def clip_grad_norm(
     copies = [None if q.grad is None else q.grad.clone() for q in params]
     present = [c for c in copies if c is not None]
     if present and not _measures_only(max_norm):
-        _kernels.scale_(present, _kernels.clip_coefficient(max_norm, norm), foreach)
+        coef = _kernels.clip_coefficient(max_norm, norm)
+        _kernels.scale_(distributed.local_tensors(present), coef, foreach)
     return copies, norm
 
 

@@ -556,7 +556,7 @@ class ClippedOptimizer(Optimizer):
             if coefficient is not None and group_grads:
                 by_coefficient.setdefault(id(coefficient), (coefficient, []))[1].extend(group_grads)
         for coefficient, tensors in by_coefficient.values():
-            _kernels.scale_(tensors, coefficient, self._foreach)
+            _kernels.scale_(distributed.local_tensors(tensors), coefficient, self._foreach)
 
     def _finite_or_raise(self, norms: Tensor, may_skip: bool) -> bool:
         """One host read: True if ``norms`` are finite, False if the step is skipped.
