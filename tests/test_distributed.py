@@ -750,6 +750,47 @@ def test_one_all_reduce_per_step_whatever_the_dtype_groups(mesh: Any, no_host_sy
     assert counter.calls == 2
 
 
+def test_process_group_path_reads_nothing_on_the_host(
+    world_of_one: Any, no_host_sync: Any, float64_norm: Any
+) -> None:
+    w, b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(2))
+    w.grad, b.grad = torch.arange(4.0), torch.tensor([3.0, 1.0])
+    optimizer = clipopt.ClippedOptimizer(
+        torch.optim.SGD([w, b], lr=0.1), 1.0, process_group=world_of_one, replicated_params=[b]
+    )
+    with no_host_sync():
+        optimizer.step()
+        inf_norm = clipopt.get_total_norm([w.grad, b.grad], "inf", process_group=world_of_one)
+    assert optimizer.last_norm is not None
+    assert_rel(
+        optimizer.last_norm,
+        torch.tensor(float64_norm([torch.arange(4.0), torch.tensor([3.0, 1.0])], 2)),
+        "norm",
+    )
+    assert inf_norm.isfinite()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA"
+)
+def test_cuda_grads_reduce_on_the_device(
+    world_of_one: Any, no_host_sync: Any, float64_norm: Any
+) -> None:
+    nccl = dist.new_group([0], backend="nccl")
+    grads = [
+        torch.randn(5, device="cuda") * 3,
+        torch.randn(3, device="cuda").to(torch.bfloat16),
+        torch.empty(0, device="cuda"),
+    ]
+    for p in (2.0, math.inf):
+        with no_host_sync():
+            norm = clipopt.get_total_norm(grads, p, process_group=nccl)
+            nothing = clipopt.get_total_norm([], p, process_group=nccl)
+        assert norm.device.type == "cuda" and norm.dtype == torch.float32
+        assert_rel(norm, torch.tensor(float64_norm(grads, p)), f"cuda p={p}")
+        assert nothing.device.type == "cuda" and float(nothing) == 0.0
+
+
 def test_local_grads_add_no_collective(world_of_one: Any) -> None:
     w = nn.Parameter(torch.ones(3))
     w.grad = torch.ones(3)
