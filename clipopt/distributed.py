@@ -10,7 +10,9 @@ Three layouts, one rule: every element of the model's gradient counts exactly on
   sizes over its Replicate dims)``, so replicas count once; one ``all_reduce(SUM)``
   (``MAX`` for the inf-norm) over the mesh gives the total. Shard and ``_StridedShard``
   dims count as sharded; a Partial grad is an error (its local values are not a shard of
-  the gradient).
+  the gradient). Grads on named sub-meshes of one root mesh (FSDP2 over tensor parallel)
+  are reduced over the part of the root they span; a grad on a smaller mesh also counts
+  as replicated over the dims its mesh lacks.
 - **Plain tensors split across a process group** (model parallel): pass
   ``process_group``; each rank's ``norm**p`` is summed across the group, and tensors
   declared replicated across it (tied embeddings, layer norms under tensor parallel)
@@ -200,10 +202,14 @@ def _mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> l
 def _weighted_dtensor_shards(
     grads: Sequence[DTensor], reduction_mesh: DeviceMesh
 ) -> list[tuple[float, list[Tensor]]]:
-    """The local shards of ``grads`` grouped by weight ``1 / replica count``."""
+    """The local shards of ``grads`` grouped by weight ``1 / replica count``.
+
+    ``_local_tensor`` rather than ``to_local()``: the latter is an autograd function, and
+    its per-call cost adds up over thousands of parameters every step.
+    """
     by_count: dict[int, list[Tensor]] = {}
     for g in grads:
-        by_count.setdefault(_replica_count(g, reduction_mesh), []).append(g.to_local())
+        by_count.setdefault(_replica_count(g, reduction_mesh), []).append(g._local_tensor)
     return [(1.0 / count, shards) for count, shards in by_count.items()]
 
 

@@ -347,6 +347,10 @@ def case_fsdp2_with_tensor_parallel() -> None:
     assert_rel(norm, torch.tensor(expected), "clip_grad_norm_ over two meshes")
     for q, g in zip(model.parameters(), before, strict=True):
         assert_rel(full(q.grad), g * (1e-3 / (expected + 1e-6)), "scaled grad")  # type: ignore[arg-type]
+    clipopt.clip_grad_value_(model.parameters(), 1e-4)
+    for q, g in zip(model.parameters(), before, strict=True):
+        clamped = (g * (1e-3 / (expected + 1e-6))).clamp(-1e-4, 1e-4)
+        assert_rel(full(q.grad), clamped, "clamped grad")  # type: ignore[arg-type]
 
 
 def _split_rows(full_tensor: Tensor) -> Tensor:
