@@ -1,0 +1,351 @@
+"""Each path of :mod:`clipopt._kernels` against a float64 reference.
+
+The CPU norm picks a path per tensor (rows of ``_ROW`` for large dense tensors, a
+permuted view for channels-last or transposed ones, an in-place row split for tensors
+with gaps, ``torch.cat`` packing for small ones, a float32 scratch for half types,
+``aminmax`` for the inf-norm), so the cases below sit on each side of every threshold.
+The reference is built from ``abs``, ``pow``, ``sum`` and ``max`` in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from clipopt import _kernels
+from clipopt._kernels import _CHUNK, _PACK_BELOW, _ROW
+
+NORM_TYPES = [1.0, 2.0, 3.5, math.inf]
+HALF = [torch.float16, torch.bfloat16]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def reference_norm(tensors: Sequence[Tensor], p: float) -> Tensor:
+    """The p-norm of all elements in float64 (complex128 magnitudes), on the CPU."""
+    parts = []
+    for t in tensors:
+        dense = t.detach().cpu()
+        dense = dense.to_dense() if dense.is_sparse else dense
+        wide = torch.complex128 if dense.is_complex() else torch.float64
+        parts.append(dense.to(wide).abs().reshape(-1))
+    values = torch.cat(parts)
+    if values.numel() == 0:
+        return torch.tensor(0.0, dtype=torch.float64)
+    if p == math.inf:
+        return values.max()
+    return values.pow(p).sum().pow(1.0 / p)
+
+
+def assert_norm_close(got: Tensor, tensors: Sequence[Tensor], p: float, rtol: float = 1e-6) -> None:
+    expected = reference_norm(tensors, p)
+    torch.testing.assert_close(got.double().cpu(), expected, rtol=rtol, atol=0.0, equal_nan=True)
+
+
+def randn(n: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=generator) * 3).to(dtype)
+
+
+# ---------------------------------------------------------------- thresholds and tails
+
+BOUNDARY_SIZES = [
+    1,
+    _ROW - 1,
+    _ROW,
+    _ROW + 1,
+    _PACK_BELOW - 1,
+    _PACK_BELOW,
+    _PACK_BELOW + 1,
+    _PACK_BELOW + _ROW - 1,
+    3 * _ROW * 7 + 5,
+]
+
+
+@pytest.mark.parametrize("numel", BOUNDARY_SIZES)
+@pytest.mark.parametrize("p", NORM_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF])
+def test_one_tensor_each_side_of_every_threshold(numel: int, p: float, dtype: torch.dtype) -> None:
+    t = randn(numel, dtype, seed=numel)
+    got = _kernels.total_norm([t], p)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_norm_close(got, [t], p)
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_half_precision_scratch_across_its_chunk_boundary(p: float) -> None:
+    """A large bf16 tensor is widened ``_CHUNK`` elements at a time; the last one is short."""
+    t = randn(2 * _CHUNK + 3 * _ROW + 17, torch.bfloat16, seed=3)
+    assert_norm_close(_kernels.total_norm([t], p), [t], p)
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_many_small_tensors_fill_several_packed_runs(p: float) -> None:
+    """Packed runs close at ``_CHUNK`` elements; shapes past dim 0 decide which run."""
+    generator = torch.Generator().manual_seed(0)
+    shapes: list[tuple[int, ...]] = []
+    for i in range(1600):
+        n = int(torch.randint(1, 1200, (1,), generator=generator))
+        shapes.append([(n,), (n, 3), (), (2, n % 7 + 1, 2)][i % 4])
+    tensors = [torch.randn(s, generator=generator) for s in shapes]
+    assert sum(t.numel() for t in tensors) > 2 * _CHUNK
+    assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_tails_of_large_tensors_join_the_small_ones(p: float) -> None:
+    tensors = [randn(_PACK_BELOW + k, seed=k) for k in (1, 100, _ROW - 1)] + [randn(5)]
+    assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
+
+
+# ---------------------------------------------------------------- memory layouts
+
+
+def _layouts(dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    base = randn(4 * 64 * 9 * 11, dtype, seed=7).view(4, 64, 9, 11)
+    wide = randn(3 * 3 * _PACK_BELOW, dtype, seed=8).view(3, 3 * _PACK_BELOW)
+    return {
+        "transposed": randn(300 * 200, dtype, seed=1).view(300, 200).t(),
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+        "strided_rows": wide[:, ::2],
+        "strided_1d": randn(5 * _PACK_BELOW + 3, dtype, seed=2)[::3],
+        "sliced_columns": randn(400 * 130, dtype, seed=4).view(400, 130)[:, 3:120],
+        "expanded": randn(_ROW + 9, dtype, seed=5).expand(20, _ROW + 9),
+        "long_strided_rows": randn(2 * 20 * _ROW + 10, dtype, seed=6).view(2, -1)[:, 1:],
+    }
+
+
+@pytest.mark.parametrize("name", list(_layouts()))
+@pytest.mark.parametrize("p", NORM_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_large_tensors(name: str, p: float, dtype: torch.dtype) -> None:
+    t = _layouts(dtype)[name]
+    assert not t.is_contiguous() and t.numel() >= _PACK_BELOW
+    assert_norm_close(_kernels.total_norm([t], p), [t], p)
+
+
+def test_the_norm_never_writes_its_inputs() -> None:
+    tensors = [t.clone() for t in _layouts().values()] + [randn(100), randn(70_000, torch.float16)]
+    before = [t.clone() for t in tensors]
+    for p in NORM_TYPES:
+        _kernels.total_norm(tensors, p)
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(t, b)
+
+
+# ---------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("numel", [10, _PACK_BELOW + 5])
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_inf_norm_propagates_nan_wherever_it_sits(numel: int, dtype: torch.dtype) -> None:
+    for index in (0, numel // 2, numel - 1):
+        t = randn(numel, dtype)
+        t[index] = math.nan
+        for p in NORM_TYPES:
+            assert torch.isnan(_kernels.total_norm([randn(3), t], p))
+
+
+@pytest.mark.parametrize("numel", [10, _PACK_BELOW + 5])
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_minus_inf_gives_an_infinite_norm(numel: int, dtype: torch.dtype) -> None:
+    t = randn(numel, dtype)
+    t[numel // 3] = -math.inf
+    for p in NORM_TYPES:
+        assert _kernels.total_norm([t], p) == math.inf
+
+
+@pytest.mark.parametrize("numel", [10, _PACK_BELOW + 5])
+def test_inf_norm_takes_the_most_negative_value(numel: int) -> None:
+    t = randn(numel).clamp(-1, 1)
+    t[numel // 2] = -7.5
+    assert _kernels.total_norm([t], math.inf) == 7.5
+
+
+@pytest.mark.parametrize("numel", [1000, 3 * _PACK_BELOW])
+def test_half_types_accumulate_in_float32(numel: int) -> None:
+    """fp16 elements of 3000: the sum of squares overflows fp16 but not float32."""
+    t = torch.full((numel,), 3000.0, dtype=torch.float16)
+    got = _kernels.total_norm([t], 2.0)
+    assert got.dtype == torch.float32
+    expected = torch.tensor(3000.0 * math.sqrt(numel), dtype=torch.float64)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0.0)
+
+
+def test_float32_norm_is_exact_on_short_mantissa_data() -> None:
+    """bf16-valued float32 data (uniform in [1, 2)) is where long float32 sums build a bias."""
+    generator = torch.Generator().manual_seed(0)
+    t = (torch.rand(1 << 22, generator=generator) + 1).bfloat16().float()
+    assert_norm_close(_kernels.total_norm([t], 2.0), [t], 2.0, rtol=2e-7)
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_complex_small_and_large(p: float) -> None:
+    generator = torch.Generator().manual_seed(1)
+    tensors = [
+        torch.randn(50, dtype=torch.complex64, generator=generator),
+        torch.randn(_PACK_BELOW + 33, dtype=torch.complex64, generator=generator),
+        torch.randn(40, 1000, dtype=torch.complex64, generator=generator)[:, ::2],
+    ]
+    assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_sparse_dense_empty_and_mixed_dtypes_together(p: float) -> None:
+    indices = torch.tensor([[0, 2, 2, 5]])
+    sparse = torch.sparse_coo_tensor(
+        indices, torch.tensor([1.0, -2.0, 4.0, 3.0]), (8,), check_invariants=True
+    )
+    no_values = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0), (8,))
+    tensors = [
+        torch.zeros(0),
+        sparse,
+        randn(_PACK_BELOW + 1, torch.float16),
+        no_values,
+        randn(77, torch.float64),
+        torch.zeros(3, 0),
+        randn(9),
+    ]
+    got = _kernels.total_norm(tensors, p)
+    assert got.dtype == torch.float64
+    assert_norm_close(got, tensors, p)
+
+
+def test_nothing_to_measure_gives_zero() -> None:
+    assert torch.equal(_kernels.total_norm([], 2.0), torch.tensor(0.0))
+    assert torch.equal(
+        _kernels.total_norm([torch.zeros(0), torch.zeros(2, 0)], 2.0), torch.tensor(0.0)
+    )
+
+
+@pytest.mark.parametrize("foreach", [True, False, None])
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_every_foreach_setting_gives_the_reference(foreach: bool | None, p: float) -> None:
+    tensors = [
+        randn(n, dtype, seed=n)
+        for n, dtype in [
+            (20, torch.float32),
+            (40_000, torch.bfloat16),
+            (_PACK_BELOW + 1, torch.float32),
+        ]
+    ]
+    assert_norm_close(_kernels.total_norm(tensors, p, foreach), tensors, p)
+
+
+shapes = st.lists(
+    st.one_of(
+        st.integers(0, 3 * _ROW).map(lambda n: (n,)),
+        st.sampled_from(
+            [(_PACK_BELOW - 1,), (_PACK_BELOW,), (_PACK_BELOW + _ROW + 1,), (3, 7), ()]
+        ),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    shapes=shapes,
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    p=st.sampled_from(NORM_TYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts_match_the_reference(
+    shapes: list[tuple[int, ...]], dtype: torch.dtype, p: float, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [(torch.randn(s, generator=generator) * 10).to(dtype) for s in shapes]
+    if all(t.numel() == 0 for t in tensors):
+        assert torch.equal(_kernels.total_norm(tensors, p), torch.tensor(0.0))
+        return
+    assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _largest_allocation(fn: Callable[[], object]) -> int:
+    """Bytes of the largest single allocation any op made while ``fn`` ran."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    return max(e.cpu_memory_usage for e in prof.events())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_no_allocation_grows_with_the_model(dtype: torch.dtype, p: float) -> None:
+    """One large grad and many small ones: scratch stays within one packed chunk."""
+    tensors = [randn(8 * _CHUNK, dtype)] + [randn(900, dtype, seed=i) for i in range(1500)]
+    bound = 2 * _CHUNK * 4
+    assert _largest_allocation(lambda: _kernels.total_norm(tensors, p)) <= bound
+    whole = sum(t.numel() for t in tensors) * 4
+    assert _largest_allocation(lambda: torch.cat(tensors).float()) >= whole  # the probe works
+
+
+# ---------------------------------------------------------------- scale
+
+
+@pytest.mark.parametrize("foreach", [True, False, None])
+def test_scale_multiplies_every_kind_of_tensor(foreach: bool | None) -> None:
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([2.0, -4.0]), (5,))
+    tensors = [
+        randn(10),
+        randn(_PACK_BELOW + 3, torch.bfloat16),
+        torch.zeros(0),
+        sparse,
+        randn(4, torch.float64),
+    ]
+    expected = [(t.to_dense() if t.is_sparse else t).double() * 0.25 for t in tensors]
+    _kernels.scale_(tensors, torch.tensor(0.25), foreach)
+    for t, e in zip(tensors, expected, strict=True):
+        torch.testing.assert_close(
+            (t.to_dense() if t.is_sparse else t).double(), e, rtol=4e-3, atol=0
+        )
+
+
+def test_clip_coefficient_is_one_below_the_threshold_and_exact_above() -> None:
+    norms = torch.tensor([0.0, 0.5, 1.0 - 2e-6, 4.0])
+    coefficients = _kernels.clip_coefficient(1.0, norms)
+    assert torch.equal(coefficients[:3], torch.ones(3))
+    torch.testing.assert_close(coefficients[3], torch.tensor(1.0 / (4.0 + _kernels.EPS)))
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@needs_cuda
+@pytest.mark.parametrize("p", NORM_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_cuda_foreach_norm_matches_the_reference(p: float, dtype: torch.dtype) -> None:
+    tensors = [randn(n, dtype, seed=n).cuda() for n in (3, 5000, 70_000)]
+    got = _kernels.total_norm(tensors, p)
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    assert_norm_close(got, tensors, p, rtol=1e-5)
+
+
+@needs_cuda
+def test_cuda_half_norm_does_not_overflow_and_scale_stays_on_device() -> None:
+    tensors = [torch.full((5000,), 3000.0, dtype=torch.float16, device="cuda")]
+    norm = _kernels.total_norm(tensors, 2.0)
+    torch.testing.assert_close(norm.double().cpu(), torch.tensor(3000.0 * math.sqrt(5000)).double())
+    coef = _kernels.clip_coefficient(1.0, norm)
+    _kernels.scale_(tensors, coef)
+    assert coef.device.type == "cuda"
+    torch.testing.assert_close(
+        _kernels.total_norm(tensors, 2.0).cpu(), torch.tensor(1.0), rtol=2e-3, atol=0
+    )
+
+
+@needs_cuda
+def test_cpu_and_cuda_tensors_together() -> None:
+    tensors = [randn(100).cuda(), randn(_PACK_BELOW + 1)]
+    got = _kernels.total_norm(tensors, 2.0)
+    assert got.device.type == "cuda"
+    assert_norm_close(got, tensors, 2.0)
