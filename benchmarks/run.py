@@ -1,0 +1,529 @@
+"""Clip-and-step benchmark: clipopt against torch and the memory floor, in one process.
+
+Run ``python -m benchmarks.run`` (``make bench``); ``--quick`` uses tiny sizes and few
+repeats, ``--json PATH`` writes the results there too (they always go to
+``benchmarks/results/latest.json``, or ``quick.json`` for a quick run). Contenders of
+one case run interleaved, in a rotating order, over the repeats, and ratios are taken
+between medians of the same run: absolute times on a shared machine drift, ratios much
+less.
+
+Sections:
+
+- ``clip``: ``torch.nn.utils.clip_grad_norm_`` vs ``clipopt.clip_grad_norm_`` vs the
+  memory floor (``torch.sum`` + in-place ``mul_`` over one buffer of the same bytes), on
+  three layouts (transformer-like, many small tensors, a few large ones), float32 and
+  bfloat16, norm types 2 and inf.
+- ``step``: full optimizer steps on the transformer layout: bare fused AdamW, torch's clip
+  + fused AdamW, ``ClippedOptimizer(fused AdamW)``, and the same with foreach SGD.
+- ``end_to_end``: forward, backward and step of a small transformer, unclipped vs
+  ``ClippedOptimizer`` vs torch's clip.
+- ``accuracy``: relative error of the L2 norm of one 40M-element float32 grad.
+- ``memory``: peak bytes alive during a step, bare vs clipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import clipopt
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MAX_NORM = 1.0
+Shape = tuple[int, ...]
+Contenders = dict[str, Callable[[], object]]
+
+
+@dataclasses.dataclass
+class Config:
+    """Sizes and repeats: the full run, or a quick one that only checks the script."""
+
+    quick: bool
+    repeats: int
+    warmup: int
+    device: torch.device
+
+    @property
+    def accuracy_numel(self) -> int:
+        return 100_000 if self.quick else 40_000_000
+
+
+@dataclasses.dataclass
+class Row:
+    """One contender in one case: medians and spread in milliseconds, and its ratio."""
+
+    section: str
+    case: str
+    contender: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    ratio: float | None = None
+    ratio_to: str | None = None
+
+
+@dataclasses.dataclass
+class Target:
+    """A goal from the performance issue, checked against this run's numbers."""
+
+    name: str
+    value: float
+    limit: float
+    at_most: bool
+
+    @property
+    def held(self) -> bool:
+        return self.value <= self.limit if self.at_most else self.value >= self.limit
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def transformer_shapes(quick: bool) -> list[Shape]:
+    """An embedding, 6 pre-norm blocks and a final norm: 75 tensors, 23.1M parameters."""
+    d, vocab, blocks = (32, 64, 2) if quick else (512, 8192, 6)
+    shapes: list[Shape] = [(vocab, d)]
+    for _ in range(blocks):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,)]  # norm, attention
+        shapes += [(d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # norm, MLP
+    return [*shapes, (d,), (d,)]
+
+
+def many_small_shapes(quick: bool) -> list[Shape]:
+    """2000 tensors of 1 to 999 elements (1M parameters), vectors and narrow matrices."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, 1000, (50 if quick else 2000,), generator=generator).tolist()
+    return [(n,) if i % 2 else (n // 10 + 1, 10) for i, n in enumerate(sizes)]
+
+
+def few_large_shapes(quick: bool) -> list[Shape]:
+    """4 tensors of 10M elements."""
+    return [(10_000 if quick else 10_000_000,)] * 4
+
+
+LAYOUTS: dict[str, Callable[[bool], list[Shape]]] = {
+    "transformer": transformer_shapes,
+    "many_small": many_small_shapes,
+    "few_large": few_large_shapes,
+}
+
+
+def make_params(shapes: Sequence[Shape], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """Parameters with random grads whose total L2 norm is well above ``MAX_NORM``."""
+    generator = torch.Generator().manual_seed(0)
+    params: list[Tensor] = []
+    for shape in shapes:
+        param = nn.Parameter(torch.randn(shape, generator=generator).to(device, dtype))
+        param.grad = torch.randn(shape, generator=generator).to(device, dtype)
+        params.append(param)
+    return params
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(contenders: Contenders, config: Config) -> dict[str, list[float]]:
+    """Seconds per call of each contender, run in a rotating order over the repeats."""
+    names = list(contenders)
+    for name in names:
+        for _ in range(config.warmup):
+            contenders[name]()
+    _sync(config.device)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(config.repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            contenders[name]()
+            _sync(config.device)
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def summarize(
+    section: str, case: str, samples: dict[str, list[float]], baseline: str | None
+) -> list[Row]:
+    """One row per contender; ``ratio`` is its median over ``baseline``'s median."""
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    rows = []
+    for name, times in samples.items():
+        ratio = medians[name] / medians[baseline] if baseline else None
+        rows.append(
+            Row(
+                section,
+                case,
+                name,
+                1e3 * medians[name],
+                1e3 * min(times),
+                1e3 * max(times),
+                ratio,
+                baseline,
+            )
+        )
+    return rows
+
+
+# ---------------------------------------------------------------- sections
+
+
+def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
+    """torch's clip, clipopt's clip, and the floor over one buffer of the same bytes."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    one = torch.ones((), device=flat.device)
+
+    def floor() -> object:
+        total = flat.sum()
+        return flat.mul_(one), total
+
+    return {
+        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type),
+        "clipopt": lambda: clipopt.clip_grad_norm_(params, MAX_NORM, norm_type),
+        "floor": floor,
+    }
+
+
+def bench_clip(config: Config) -> list[Row]:
+    rows = []
+    for layout, shapes_of in LAYOUTS.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            params = make_params(shapes_of(config.quick), dtype, config.device)
+            for norm_type in (2.0, math.inf):
+                case = f"{layout} {str(dtype).removeprefix('torch.')} p={norm_type:g}"
+                samples = time_interleaved(clip_contenders(params, norm_type), config)
+                rows += summarize("clip", case, samples, "floor")
+            del params
+    return rows
+
+
+def step_contenders(params: list[Tensor], device: torch.device) -> Contenders:
+    """Full steps: bare, torch's clip first, and ClippedOptimizer; AdamW and SGD."""
+    fused = device.type in ("cpu", "cuda")
+
+    def adamw() -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-6, fused=fused)
+
+    def sgd() -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1e-6, momentum=0.9, foreach=True)
+
+    contenders: Contenders = {}
+    for name, make in (("fused AdamW", adamw), ("foreach SGD", sgd)):
+        bare, torch_clipped = make(), make()
+        wrapped = clipopt.ClippedOptimizer(make(), max_norm=MAX_NORM)
+
+        def torch_clip_then_step(opt: torch.optim.Optimizer = torch_clipped) -> None:
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            opt.step()
+
+        contenders[f"{name}: bare"] = bare.step
+        contenders[f"{name}: torch clip + step"] = torch_clip_then_step
+        contenders[f"{name}: ClippedOptimizer"] = wrapped.step
+    return contenders
+
+
+def bench_steps(config: Config) -> list[Row]:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        params = make_params(transformer_shapes(config.quick), dtype, config.device)
+        contenders = step_contenders(params, config.device)
+        case = f"transformer {str(dtype).removeprefix('torch.')}"
+        samples = time_interleaved(contenders, config)
+        for optimizer in ("fused AdamW", "foreach SGD"):
+            mine = {k: v for k, v in samples.items() if k.startswith(optimizer)}
+            rows += summarize("step", case, mine, f"{optimizer}: bare")
+        del params, contenders
+    return rows
+
+
+class TinyLM(nn.Module):
+    """A small pre-norm transformer language model, for the end-to-end step."""
+
+    def __init__(self, vocab: int, d: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        block = nn.TransformerEncoderLayer(
+            d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        logits: Tensor = self.head(self.blocks(self.embed(tokens)))
+        return logits
+
+
+def bench_end_to_end(config: Config) -> list[Row]:
+    """Forward + backward + fused AdamW step: unclipped, ClippedOptimizer, torch's clip."""
+    vocab, d, layers, batch, seq = (64, 16, 1, 2, 8) if config.quick else (4096, 256, 4, 8, 128)
+    torch.manual_seed(0)
+    model = TinyLM(vocab, d, layers).to(config.device)
+    tokens = torch.randint(vocab, (batch, seq + 1), device=config.device)
+    params = list(model.parameters())
+    fused = config.device.type in ("cpu", "cuda")
+    unclipped = torch.optim.AdamW(params, lr=1e-5, fused=fused)
+    torch_clipped = torch.optim.AdamW(params, lr=1e-5, fused=fused)
+    wrapped = clipopt.ClippedOptimizer(
+        torch.optim.AdamW(params, lr=1e-5, fused=fused), max_norm=MAX_NORM
+    )
+
+    def train_step(step: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            model.zero_grad(set_to_none=True)
+            logits = model(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            loss.backward()  # type: ignore[no-untyped-call]
+            return step()
+
+        return run
+
+    def torch_clip_then_step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        torch_clipped.step()
+
+    contenders = {
+        "unclipped": train_step(unclipped.step),
+        "ClippedOptimizer": train_step(wrapped.step),
+        "torch clip + step": train_step(torch_clip_then_step),
+    }
+    n_params = sum(p.numel() for p in params)
+    case = f"TinyLM {n_params / 1e6:.1f}M params, batch {batch}x{seq}"
+    return summarize("end_to_end", case, time_interleaved(contenders, config), "unclipped")
+
+
+def relative_error(got: Tensor, exact: Tensor) -> float:
+    return float((got.double() - exact).abs() / exact)
+
+
+def bench_accuracy(config: Config) -> dict[str, float]:
+    """Relative L2-norm error of one large float32 grad, against float64."""
+    generator = torch.Generator().manual_seed(0)
+    results = {}
+    n = config.accuracy_numel
+    cases = {
+        "randn": torch.randn(n, generator=generator),
+        "bf16-valued in [1, 2)": (torch.rand(n, generator=generator) + 1).bfloat16().float(),
+    }
+    for name, grad in cases.items():
+        exact = grad.double().norm()
+        results[f"{name}: clipopt.get_total_norm"] = relative_error(
+            clipopt.get_total_norm([grad]), exact
+        )
+        results[f"{name}: torch.nn.utils.get_total_norm"] = relative_error(
+            torch.nn.utils.get_total_norm([grad]), exact
+        )
+    return results
+
+
+def _peak_bytes_alive(fn: Callable[[], object]) -> tuple[int, int]:
+    """(peak extra bytes alive, largest single allocation) while ``fn`` runs on CPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    alive = peak = largest = 0
+    for event in events:
+        alive += event.self_cpu_memory_usage
+        peak = max(peak, alive)
+        largest = max(largest, event.self_cpu_memory_usage)
+    return peak, largest
+
+
+def bench_memory(config: Config) -> dict[str, Any]:
+    """Peak memory of a step, bare vs clipped, on the transformer layout (CPU only)."""
+    if config.device.type != "cpu":
+        return {}
+    params = make_params(transformer_shapes(config.quick), torch.float32, config.device)
+    bare = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    wrapped = clipopt.ClippedOptimizer(
+        torch.optim.AdamW(params, lr=1e-6, fused=True), max_norm=MAX_NORM
+    )
+    torch_clipped = torch.optim.AdamW(params, lr=1e-6, fused=True)
+
+    def torch_clip_then_step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        torch_clipped.step()
+
+    for step in (bare.step, wrapped.step, torch_clip_then_step):
+        step()  # create the optimizer state outside the measurement
+    result: dict[str, Any] = {
+        "tensors": len(params),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+    }
+    for name, step in (
+        ("bare fused AdamW", bare.step),
+        ("ClippedOptimizer(fused AdamW)", wrapped.step),
+        ("torch clip + fused AdamW", torch_clip_then_step),
+    ):
+        peak, largest = _peak_bytes_alive(step)
+        result[name] = {"peak_extra_bytes": peak, "largest_allocation_bytes": largest}
+    return result
+
+
+# ---------------------------------------------------------------- report
+
+
+def _median(rows: list[Row], section: str, case: str, contender: str) -> float:
+    for row in rows:
+        if (row.section, row.case, row.contender) == (section, case, contender):
+            return row.median_ms
+    raise KeyError((section, case, contender))
+
+
+def check_targets(rows: list[Row], memory: dict[str, Any]) -> list[Target]:
+    """The issue's targets, as ratios of medians from this run."""
+
+    def clip(case: str, contender: str) -> float:
+        return _median(rows, "clip", case, contender)
+
+    step_case = "transformer float32"
+    e2e_case = next(r.case for r in rows if r.section == "end_to_end")
+    targets = [
+        Target(
+            "clip L2 transformer fp32: clipopt / floor",
+            clip("transformer float32 p=2", "clipopt") / clip("transformer float32 p=2", "floor"),
+            1.25,
+            at_most=True,
+        ),
+        Target(
+            "clip L2 many_small fp32: torch / clipopt",
+            clip("many_small float32 p=2", "torch") / clip("many_small float32 p=2", "clipopt"),
+            1.5,
+            at_most=False,
+        ),
+        Target(
+            "clip inf transformer fp32: torch / clipopt",
+            clip("transformer float32 p=inf", "torch")
+            / clip("transformer float32 p=inf", "clipopt"),
+            5.0,
+            at_most=False,
+        ),
+        Target(
+            "step transformer fp32: ClippedOptimizer(fused AdamW) / bare",
+            _median(rows, "step", step_case, "fused AdamW: ClippedOptimizer")
+            / _median(rows, "step", step_case, "fused AdamW: bare"),
+            1.35,
+            at_most=True,
+        ),
+        Target(
+            "end to end: ClippedOptimizer / unclipped",
+            _median(rows, "end_to_end", e2e_case, "ClippedOptimizer")
+            / _median(rows, "end_to_end", e2e_case, "unclipped"),
+            1.05,
+            at_most=True,
+        ),
+    ]
+    if memory:
+        bare = memory["bare fused AdamW"]["peak_extra_bytes"]
+        clipped = memory["ClippedOptimizer(fused AdamW)"]["peak_extra_bytes"]
+        allowance = 4 * 2**20 + 1024 * memory["tensors"]  # one packing chunk + per tensor
+        targets.append(
+            Target(
+                "memory: clipped peak - bare peak (MiB)",
+                (clipped - bare) / 2**20,
+                allowance / 2**20,
+                at_most=True,
+            )
+        )
+    return targets
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [
+        f"{'section':<11} {'case':<36} {'contender':<32} {'median ms':>10} "
+        f"{'min-max ms':>17} {'ratio':>7}  to"
+    ]
+    for r in rows:
+        spread = f"{r.min_ms:.2f}-{r.max_ms:.2f}"
+        ratio = f"{r.ratio:.2f}" if r.ratio is not None else ""
+        lines.append(
+            f"{r.section:<11} {r.case:<36} {r.contender:<32} {r.median_ms:>10.2f} "
+            f"{spread:>17} {ratio:>7}  {r.ratio_to or ''}"
+        )
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per contender")
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every section, print the table and targets, write JSON; return the results."""
+    args = parse_args(argv)
+    config = Config(
+        quick=args.quick,
+        repeats=args.repeats or (3 if args.quick else 21),
+        warmup=1 if args.quick else 3,
+        device=torch.device(args.device),
+    )
+    rows = bench_clip(config) + bench_steps(config) + bench_end_to_end(config)
+    accuracy = bench_accuracy(config)
+    memory = bench_memory(config)
+    targets = check_targets(rows, memory)
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "config": {"quick": config.quick, "repeats": config.repeats, "device": str(config.device)},
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "accuracy_relative_error": accuracy,
+        "memory": memory,
+        "targets": [{**dataclasses.asdict(t), "held": t.held} for t in targets],
+    }
+    print(format_table(rows))
+    print("\naccuracy (relative error of the L2 norm, vs float64):")
+    for name, error in accuracy.items():
+        print(f"  {name:<48} {error:.1e}")
+    print("\ntargets:")
+    for t in targets:
+        sign = "<=" if t.at_most else ">="
+        print(f"  {'held' if t.held else 'MISSED':<7} {t.name:<62} {t.value:7.2f} {sign} {t.limit}")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    own = RESULTS_DIR / ("quick.json" if config.quick else "latest.json")
+    for path in (own, args.json):
+        if path is not None:
+            path.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

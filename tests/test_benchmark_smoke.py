@@ -1,0 +1,85 @@
+"""The benchmark keeps running: its quick mode, in-process, reports every section.
+
+Structure only: speed is measured by ``python -m benchmarks.run``, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import run
+
+
+@pytest.fixture(scope="module")
+def quick_results(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[dict[str, Any], Path]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny sizes: threads only add scheduling noise on a busy machine
+    try:
+        path = tmp_path_factory.mktemp("bench") / "quick.json"
+        yield run.main(["--quick", "--repeats", "2", "--json", str(path)]), path
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_section_and_contender_is_reported(
+    quick_results: tuple[dict[str, Any], Path],
+) -> None:
+    results, _ = quick_results
+    rows = results["rows"]
+    cases = {(r["section"], r["case"]) for r in rows}
+    for layout in run.LAYOUTS:
+        for dtype in ("float32", "bfloat16"):
+            for p in ("2", "inf"):
+                case = ("clip", f"{layout} {dtype} p={p}")
+                assert case in cases
+                contenders = {r["contender"] for r in rows if (r["section"], r["case"]) == case}
+                assert contenders == {"torch", "clipopt", "floor"}
+    step_contenders = {r["contender"] for r in rows if r["section"] == "step"}
+    for optimizer in ("fused AdamW", "foreach SGD"):
+        for kind in ("bare", "torch clip + step", "ClippedOptimizer"):
+            assert f"{optimizer}: {kind}" in step_contenders
+    e2e = {r["contender"] for r in rows if r["section"] == "end_to_end"}
+    assert e2e == {"unclipped", "ClippedOptimizer", "torch clip + step"}
+
+
+def test_rows_hold_consistent_times_and_ratios(quick_results: tuple[dict[str, Any], Path]) -> None:
+    results, _ = quick_results
+    for row in results["rows"]:
+        assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"] < math.inf
+        if row["contender"] == row["ratio_to"]:
+            assert row["ratio"] == 1.0
+        assert row["ratio"] > 0
+
+
+def test_accuracy_memory_and_targets_are_reported(
+    quick_results: tuple[dict[str, Any], Path],
+) -> None:
+    results, _ = quick_results
+    errors = results["accuracy_relative_error"]
+    assert any(k.endswith("clipopt.get_total_norm") for k in errors)
+    assert all(0 <= e < 1e-3 for e in errors.values())
+    memory = results["memory"]
+    assert memory["tensors"] == len(run.transformer_shapes(quick=True))
+    for name in ("bare fused AdamW", "ClippedOptimizer(fused AdamW)", "torch clip + fused AdamW"):
+        assert memory[name]["peak_extra_bytes"] >= 0
+    names = [t["name"] for t in results["targets"]]
+    assert len(names) == 6 and all(isinstance(t["held"], bool) for t in results["targets"])
+
+
+def test_json_written_where_asked_and_in_results_dir(
+    quick_results: tuple[dict[str, Any], Path],
+) -> None:
+    results, path = quick_results
+    written = json.loads(path.read_text())
+    assert written == json.loads(json.dumps(results))
+    assert json.loads((run.RESULTS_DIR / "quick.json").read_text())["config"]["quick"] is True
+    assert results["machine"]["torch"] == torch.__version__
