@@ -20,7 +20,11 @@ import json
 import math
 import os
 import pickle
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -652,6 +656,34 @@ def test_layout_matches_single_process(case: str, case_results: dict[str, list[s
     outcomes = case_results[case]
     failures = [f"rank {r}:\n{o}" for r, o in enumerate(outcomes) if o != "ok"]
     assert not failures, "\n".join(failures)
+
+
+def test_example_under_torchrun_prints_one_norm_on_every_rank() -> None:
+    """The example as users run it: ``torchrun --nproc_per_node=2``, env-based init."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    command = [
+        str(torchrun),
+        f"--nproc_per_node={WORLD_SIZE}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(EXAMPLE),
+    ]
+    # Its own session, so that a timeout kills torchrun and its workers together.
+    launch = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = launch.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        launch.communicate()
+        pytest.fail("torchrun did not finish within 180 s")
+    assert launch.returncode == 0, stdout + stderr
+    lines = re.findall(r"rank (\d+): last_norm=(\S+)", stdout)
+    assert sorted(rank for rank, _ in lines) == [str(r) for r in range(WORLD_SIZE)], stdout
+    assert len({norm for _, norm in lines}) == 1, stdout
 
 
 # --------------------------------------------------------------------------- one process
