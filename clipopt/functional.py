@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 TensorOrTensors: TypeAlias = Tensor | Iterable[Tensor]
+MaybeTensors: TypeAlias = Tensor | Iterable[Tensor | None]
 NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
 
@@ -58,6 +59,13 @@ def _as_list(tensors: TensorOrTensors) -> list[Tensor]:
     if isinstance(tensors, Tensor):
         return [tensors]
     return list(tensors)
+
+
+def _present(tensors: MaybeTensors) -> list[Tensor]:
+    """Materialise a tensor, list or generator exactly once, dropping None entries."""
+    if isinstance(tensors, Tensor):
+        return [tensors]
+    return [t for t in tensors if t is not None]
 
 
 def _grads(parameters: list[Tensor]) -> list[Tensor]:
@@ -126,7 +134,7 @@ def _raise_if_nonfinite(norm: Tensor, norm_type: float) -> None:
 
 @torch.no_grad()
 def get_total_norm(
-    tensors: TensorOrTensors,
+    tensors: MaybeTensors,
     norm_type: NormType = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -167,7 +175,7 @@ def get_total_norm(
       tensor(94868.3125)
     """
     p = check_norm_type(norm_type)
-    present = [t for t in _as_list(tensors) if t is not None]
+    present = _present(tensors)
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
     norm = distributed.total_norm(
         present, p, foreach, process_group=process_group, replicated=shared
