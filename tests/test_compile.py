@@ -103,7 +103,7 @@ def test_fullgraph_compile_with_a_tensor_max_norm() -> None:
     for call, max_norm in enumerate([torch.tensor(1.0), torch.tensor(250.0)]):
         traced, eager = make_params(call), make_params(call)
         traced_norm = compiled(traced, max_norm, 2.0)
-        eager_norm = clip_in_place(eager, max_norm, 2.0)  # type: ignore[arg-type]
+        eager_norm = clip_in_place(eager, max_norm, 2.0)
         assert_same_result(traced, eager, traced_norm, eager_norm)
 
 

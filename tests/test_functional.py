@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -188,16 +189,16 @@ class InfNormSpy:
 
         def spy_vector_norm(x: Tensor, ord: object = 2, *args: object, **kw: object) -> Tensor:
             self.check("vector_norm", [x], ord)
-            return vector_norm(x, ord, *args, **kw)  # type: ignore[arg-type]
+            return vector_norm(x, ord, *args, **kw)
 
         def spy_foreach_norm(tensors: list[Tensor], ord: object = 2, **kw: object) -> object:
             if not self.foreach_allowed:
                 self.check("_foreach_norm", tensors, ord)
-            return foreach_norm(tensors, ord, **kw)  # type: ignore[arg-type]
+            return foreach_norm(tensors, ord, **kw)
 
         def spy_tensor_norm(t: Tensor, p: object = "fro", *args: object, **kw: object) -> object:
             self.check("Tensor.norm", [t], p)
-            return tensor_norm(t, p, *args, **kw)  # type: ignore[arg-type]
+            return tensor_norm(t, p, *args, **kw)
 
         monkeypatch.setattr(torch.linalg, "vector_norm", spy_vector_norm)
         monkeypatch.setattr(torch, "_foreach_norm", spy_foreach_norm)
@@ -346,7 +347,7 @@ def test_complex_grads_norm_and_clip(
 def test_empty_grads_are_skipped(norm_type: float | str) -> None:
     params = with_grads(torch.zeros(0), torch.tensor([-3.0, 2.0]), torch.zeros(3, 0))
     norm = clipopt.clip_grad_norm_(params, 1.0, norm_type)
-    expected = {1: 5.0, 2.0: math.sqrt(13)}.get(norm_type, 3.0)  # type: ignore[call-overload]
+    expected = {1: 5.0, 2.0: math.sqrt(13)}.get(norm_type, 3.0)
     assert math.isclose(float(norm), expected, rel_tol=1e-6)
     only_empty = with_grads(torch.zeros(0), torch.zeros(2, 0))
     assert torch.equal(clipopt.clip_grad_norm_(only_empty, 1.0, norm_type), torch.tensor(0.0))
@@ -406,20 +407,17 @@ BAD_MAX_NORMS: list[tuple[object, type[Exception]]] = [
 ]
 
 
-def clip_functions() -> list[Callable[[list[torch.nn.Parameter], object], object]]:
-    return [
-        lambda params, max_norm: clipopt.clip_grad_norm_(params, max_norm),  # type: ignore[arg-type]
-        lambda params, max_norm: clipopt.clip_grad_norm(params, max_norm),  # type: ignore[arg-type]
-        lambda params, max_norm: clipopt.clip_grads_with_norm_(
-            params,
-            max_norm,  # type: ignore[arg-type]
-            torch.tensor(10.0),
-        ),
-    ]
+CLIPS: dict[str, Callable[[list[torch.nn.Parameter], Any], object]] = {
+    "in_place": clipopt.clip_grad_norm_,
+    "out_of_place": clipopt.clip_grad_norm,
+    "with_norm": lambda params, max_norm: clipopt.clip_grads_with_norm_(
+        params, max_norm, torch.tensor(10.0)
+    ),
+}
 
 
 @pytest.mark.parametrize(("max_norm", "error"), BAD_MAX_NORMS, ids=repr)
-@pytest.mark.parametrize("clip", clip_functions(), ids=["in_place", "out_of_place", "with_norm"])
+@pytest.mark.parametrize("clip", CLIPS.values(), ids=CLIPS.keys())
 def test_bad_max_norm_raises_naming_it_and_touches_nothing(
     max_norm: object,
     error: type[Exception],
@@ -457,22 +455,22 @@ def test_infinite_max_norm_measures_and_never_scales(max_norm: float) -> None:
         assert same_bits(copy, grad)
     finite = with_grads(torch.tensor([30.0, 40.0]))
     assert torch.equal(clipopt.clip_grad_norm_(finite, max_norm), torch.tensor(50.0))
-    assert torch.equal(finite[0].grad, torch.tensor([30.0, 40.0]))  # type: ignore[arg-type]
+    assert torch.equal(finite[0].grad, torch.tensor([30.0, 40.0]))
 
 
 @pytest.mark.parametrize("max_norm", [np.float32(1.0), np.float64(1.0), np.int64(1)])
 def test_numpy_scalars_are_accepted_like_python_numbers(max_norm: object) -> None:
     ours, reference = with_grads(torch.tensor([30.0, 40.0])), with_grads(torch.tensor([30.0, 40.0]))
-    clipopt.clip_grad_norm_(ours, max_norm)  # type: ignore[arg-type]
+    clipopt.clip_grad_norm_(ours, max_norm)
     clipopt.clip_grad_norm_(reference, 1.0)
-    assert torch.equal(ours[0].grad, reference[0].grad)  # type: ignore[arg-type]
+    assert torch.equal(ours[0].grad, reference[0].grad)
 
 
 def test_a_tensor_max_norm_is_used_on_device() -> None:
     ours, reference = with_grads(torch.tensor([30.0, 40.0])), with_grads(torch.tensor([30.0, 40.0]))
     clipopt.clip_grad_norm_(ours, torch.tensor(2.0))
     clipopt.clip_grad_norm_(reference, 2.0)
-    assert torch.equal(ours[0].grad, reference[0].grad)  # type: ignore[arg-type]
+    assert torch.equal(ours[0].grad, reference[0].grad)
 
 
 BAD_NORM_TYPES: list[tuple[object, type[Exception]]] = [
@@ -500,9 +498,9 @@ def test_bad_norm_type_raises_naming_it_and_touches_nothing(
     params = with_grads(torch.tensor([3.0, -4.0]), None)
     before = snapshot(params)
     calls: list[Callable[[], object]] = [
-        lambda: clipopt.clip_grad_norm_(params, 1.0, norm_type),  # type: ignore[arg-type]
-        lambda: clipopt.clip_grad_norm(params, 1.0, norm_type),  # type: ignore[arg-type]
-        lambda: clipopt.get_total_norm([p.grad for p in params], norm_type),  # type: ignore[arg-type]
+        lambda: clipopt.clip_grad_norm_(params, 1.0, norm_type),
+        lambda: clipopt.clip_grad_norm(params, 1.0, norm_type),
+        lambda: clipopt.get_total_norm([p.grad for p in params], norm_type),
     ]
     for call in calls:
         with pytest.raises(error) as raised:
@@ -559,7 +557,7 @@ def test_bad_clip_value_raises_naming_it_and_touches_nothing(
     params = with_grads(torch.tensor([3.0, -4.0]), None, uncoalesced())
     before = snapshot(params)
     with pytest.raises(error) as raised:
-        clipopt.clip_grad_value_(params, clip_value)  # type: ignore[arg-type]
+        clipopt.clip_grad_value_(params, clip_value)
     assert "clip_value" in str(raised.value) and repr(clip_value) in str(raised.value)
     assert_untouched(params, before)
 
@@ -567,7 +565,7 @@ def test_bad_clip_value_raises_naming_it_and_touches_nothing(
 def test_torch_clamps_every_grad_to_a_negative_clip_value() -> None:
     theirs = with_grads(torch.tensor([3.0, -4.0, 0.5]))
     torch.nn.utils.clip_grad_value_(theirs, -1.0)
-    assert torch.equal(theirs[0].grad, torch.full((3,), -1.0))  # type: ignore[arg-type]
+    assert torch.equal(theirs[0].grad, torch.full((3,), -1.0))
 
 
 def test_clip_grad_value_rejects_complex_grads_and_touches_nothing() -> None:
@@ -597,18 +595,18 @@ def test_clip_grad_norm_returns_aligned_copies_and_leaves_grads_alone() -> None:
     assert clipped[1] is None
     torch.testing.assert_close(clipped[0], torch.tensor([0.6, 0.0]))
     torch.testing.assert_close(clipped[2], torch.tensor([[0.8]]))
-    clipped[0].add_(1.0)  # type: ignore[union-attr]  # a copy, not a view of the grad
+    clipped[0].add_(1.0)  # a copy, not a view of the grad
     assert_untouched(params, before)
     in_place_norm = clipopt.clip_grad_norm_(params, max_norm=1.0)
     assert torch.equal(in_place_norm, norm)
-    assert torch.equal(params[2].grad, clipped[2])  # type: ignore[arg-type]
+    assert torch.equal(params[2].grad, clipped[2])
 
 
 def test_torch_clip_grad_norm_is_a_deprecated_in_place_alias() -> None:
     theirs = with_grads(torch.tensor([30.0, 40.0]))
     with pytest.warns(FutureWarning, match="deprecated"):
         torch.nn.utils.clip_grad_norm(theirs, max_norm=1.0)
-    assert torch.allclose(theirs[0].grad, torch.tensor([0.6, 0.8]))  # type: ignore[arg-type]
+    assert torch.allclose(theirs[0].grad, torch.tensor([0.6, 0.8]))
 
 
 # --- clip_grads_with_norm_ and clip_grad_value_ against torch ---------------------------

@@ -29,11 +29,11 @@ NORM_TYPES = [1, 2.0, 3.5, math.inf, "inf"]
 def note_total_norm(parameters: Iterable[Tensor], norm_type: float = 2) -> Any:
     """The old hand-written total norm, as it was."""
     if isinstance(norm_type, float) and norm_type == float("inf"):
-        total_norm = max(p.grad.detach().abs().max() for p in parameters)  # type: ignore[union-attr]
+        total_norm = max(p.grad.detach().abs().max() for p in parameters)
     else:
         total_norm = 0.0
         for p in filter(lambda p: p.grad is not None, parameters):  # only params with grads
-            param_norm = p.grad.detach().data.norm(norm_type)  # type: ignore[union-attr]
+            param_norm = p.grad.detach().data.norm(norm_type)
             total_norm += param_norm**norm_type  # accumulate the p-th powers
         total_norm = total_norm ** (1.0 / norm_type)  # take the root
     return total_norm
@@ -87,7 +87,7 @@ def test_a_generator_of_parameters_is_consumed_once(norm_type: float | str) -> N
     before = grads_of(model)
     clipped, _ = clipopt.clip_grad_norm(model.parameters(), 1.0, norm_type)
     assert len(clipped) == len(before) and clipped[-1] is None and clipped[0] is not None
-    assert not torch.equal(clipped[0], before[0])  # type: ignore[arg-type]
+    assert not torch.equal(clipped[0], before[0])
 
 
 def test_the_generator_check_catches_a_second_pass() -> None:
@@ -101,7 +101,7 @@ def test_other_entry_points_consume_a_generator_once() -> None:
     clipopt.clip_grads_with_norm_(model.parameters(), 1.0, total)
     clipopt.clip_grads_with_norm_(list(reference.parameters()), 1.0, total)
     assert all(
-        a is None or torch.equal(a, b)  # type: ignore[arg-type]
+        a is None or torch.equal(a, b)
         for a, b in zip(grads_of(model), grads_of(reference), strict=True)
     )
     clipopt.clip_grad_value_(model.parameters(), 1e-3)
@@ -216,6 +216,6 @@ def test_reference_page_examples_measure_like_torch_and_leave_grads(
     clipped, norm = clipopt.clip_grad_norm(model.parameters(), max_norm, norm_type)
     assert torch.equal(norm, torch.nn.utils.get_total_norm(before, norm_type))
     assert math.isclose(float(norm), float64_norm(before, norm_type), rel_tol=1e-6)
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before, strict=True))  # type: ignore[arg-type]
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before, strict=True))
     assert float(norm) > max_norm  # each example clips
     assert math.isclose(float64_norm(clipped, norm_type), max_norm, rel_tol=1e-5)
