@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _kernels, distributed
+from clipopt import _fused, _kernels, distributed
 from clipopt.functional import NonFiniteNormError, check_norm_type, check_positive
 
 if TYPE_CHECKING:
@@ -432,6 +432,8 @@ class ClippedOptimizer(Optimizer):
         return args, kwargs
 
     def _clipped_step(self, closure: Closure | None) -> Any:
+        if _fused.can_fold(self, closure):
+            return _fused.folded_step(self)  # the scale rides on the fused kernel
         loss = None
         if closure is not None:
             with torch.enable_grad():

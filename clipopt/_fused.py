@@ -1,0 +1,213 @@
+"""Fold the clip into a fused optimizer's own pass over the grads.
+
+torch's ``Adam``, ``AdamW``, ``SGD`` and ``Adagrad`` with ``fused=True`` (CPU and CUDA)
+read two optional tensors off the optimizer in ``step()``, the hook ``GradScaler`` uses:
+``grad_scale`` (every grad is divided by it inside the fused kernel, and the divided
+grad is written back to ``.grad``) and ``found_inf`` (non-zero: parameters and state
+are left as they were, decided on the device). So instead of a pass that multiplies
+every grad by the clip coefficient ``c``, :class:`~clipopt.ClippedOptimizer` hands the
+kernel ``grad_scale = 1 / c``: the grads are read once for the norm and once by the
+update, which reads them anyway. After the step ``.grad`` holds the clipped grads, as
+on the explicit path; a skipped step leaves grads, parameters and state untouched, as
+the explicit path does.
+
+Parameters agree with the explicit path to float32 rounding: ``g / (1 / c)`` and
+``g * c`` differ by at most an ulp or two of ``g``; with ``c = 1`` (no clipping) they
+are bit-identical.
+
+With ``nonfinite="skip"`` the skip goes through ``found_inf``, so nothing waits for the
+device. The skip counters are updated on the device too; ``max_consecutive_skips`` is
+checked against the count of the *previous* step, read from a copy made then, so the
+error comes one ``step()`` later than on the explicit path (after ``limit + 1`` skipped
+steps rather than at the step that would be the ``limit + 1``-th).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from clipopt.functional import NonFiniteNormError
+
+if TYPE_CHECKING:
+    from clipopt.optimizer import ClippedOptimizer
+
+__all__ = ["can_fold", "folded_step"]
+
+_FUSABLE: tuple[type[Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+)
+_ATTRIBUTES = ("grad_scale", "found_inf")
+
+
+def _fused_kernel_takes_scale(optimizer: Optimizer) -> bool:
+    """A torch optimizer (not a subclass: it may override ``step``) with ``fused=True``."""
+    if type(optimizer) not in _FUSABLE:
+        return False
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def _scale_attributes_free(optimizer: Optimizer) -> bool:
+    """Nobody else (e.g. GradScaler driving the inner optimizer) has set them."""
+    return all(getattr(optimizer, name, None) is None for name in _ATTRIBUTES)
+
+
+def can_fold(opt: ClippedOptimizer, closure: Any) -> bool:
+    """Whether this step's clip can ride on the inner optimizer's fused kernel.
+
+    It can when the inner optimizer is a fused torch Adam/AdamW/SGD/Adagrad, the step
+    has no closure, one coefficient scales every group (one global norm and one
+    threshold) and no parameter is float64 (``grad_scale`` is a float32 tensor, and
+    double grads deserve a double coefficient).
+    """
+    inner = opt.optimizer
+    if closure is not None or opt.per_group or not _fused_kernel_takes_scale(inner):
+        return False
+    if not _scale_attributes_free(inner):
+        return False
+    thresholds, _ = opt._group_settings()
+    if len({t if isinstance(t, float) else id(t) for t in thresholds}) != 1:
+        return False
+    params = (p for group in inner.param_groups for p in group["params"])
+    return all(p.dtype != torch.float64 for p in params)
+
+
+@contextlib.contextmanager
+def _scaled_step(
+    optimizer: Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None
+) -> Iterator[None]:
+    """Set ``grad_scale`` / ``found_inf`` on ``optimizer`` for one step, then restore them."""
+    missing = object()
+    saved = {name: getattr(optimizer, name, missing) for name in _ATTRIBUTES}
+    for name, value in zip(_ATTRIBUTES, (grad_scale, found_inf), strict=True):
+        if value is not None:
+            setattr(optimizer, name, value)
+    try:
+        yield
+    finally:
+        for name, previous in saved.items():
+            if previous is missing:
+                optimizer.__dict__.pop(name, None)
+            else:
+                setattr(optimizer, name, previous)
+
+
+def _skips_cleanly(optimizer: Optimizer) -> bool:
+    """``found_inf`` leaves the state as it was, except on fused SGD's first momentum step.
+
+    There torch creates each momentum buffer with ``empty_like`` and relies on the
+    kernel to fill it; a skipped kernel leaves it uninitialised, and the next step
+    would read garbage. Such a step decides on the host instead.
+    """
+    if type(optimizer) is not torch.optim.SGD:
+        return True
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
+                return False
+    return True
+
+
+class _LaggedCount:
+    """A device counter read one step late, from a copy made without waiting.
+
+    On CUDA the copy goes to pinned memory with ``non_blocking=True`` and an event
+    marks it; by the next step the event has long completed, so reading never stalls.
+    """
+
+    def __init__(self) -> None:
+        self._host: Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def publish(self, count: Tensor) -> None:
+        if count.device.type == "cuda":
+            host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            host.copy_(count, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._host, self._event = host, event
+        else:
+            self._host, self._event = count.detach().to("cpu", copy=True), None
+
+    def read(self) -> int:
+        if self._host is None:
+            return 0
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host.item())
+
+
+_lagged_counts: weakref.WeakKeyDictionary[ClippedOptimizer, _LaggedCount] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _skip_on_device(opt: ClippedOptimizer, norms: Tensor) -> Tensor:
+    """``found_inf`` for this step; the skip counters move on the device.
+
+    Raises:
+      NonFiniteNormError: the previous steps skipped more than ``max_consecutive_skips``
+        in a row (read from the copy the previous step made; see the module docstring).
+    """
+    lagged = _lagged_counts.setdefault(opt, _LaggedCount())
+    limit = opt.max_consecutive_skips
+    if limit is not None and (streak := lagged.read()) > limit:
+        raise NonFiniteNormError(
+            f"the gradient norm was non-finite for {streak} steps in a row "
+            f"(max_consecutive_skips={limit}); training is not recovering"
+        )
+    bad = (~torch.isfinite(norms).all()).to(opt._step_count.dtype)
+    opt._skip_count.add_(bad)
+    opt._consecutive_skips.add_(1).mul_(bad)
+    opt._step_count.add_(1 - bad)
+    lagged.publish(opt._consecutive_skips)
+    return bad.to(torch.float32)
+
+
+@torch.no_grad()
+def _measure_and_fold(opt: ClippedOptimizer) -> tuple[bool, Tensor | None, Tensor | None]:
+    """Measure the norm and decide what the fused kernel gets.
+
+    Returns:
+      ``(run, grad_scale, found_inf)``: ``run`` is False when a host check already
+      decided to skip the step (``nonfinite="raise"`` raises instead).
+    """
+    thresholds, norm_types = opt._group_settings()
+    grads = opt._grads_per_group()
+    norm, group_norms = opt._measure(grads, norm_types)
+    opt._move_counters(norm.device)
+    opt._last_norm, opt._last_group_norms = norm, None
+    on_device = opt.nonfinite == "skip" and _skips_cleanly(opt.optimizer)
+    if opt.nonfinite != "propagate" and not on_device and not opt._finite_or_raise(norm, True):
+        return False, None, None
+    found_inf = _skip_on_device(opt, norm) if on_device else None
+    coefficient = opt._clip_coefficients(group_norms, thresholds)[0]
+    grad_scale = None if coefficient is None else coefficient.float().reciprocal()
+    return True, grad_scale, found_inf
+
+
+def folded_step(opt: ClippedOptimizer) -> Any:
+    """One clipped step with the scale (and a skip) inside the inner fused kernel.
+
+    Call only when :func:`can_fold` says so.
+    """
+    run, grad_scale, found_inf = _measure_and_fold(opt)
+    if not run:
+        return None
+    with _scaled_step(opt.optimizer, grad_scale, found_inf):
+        result = opt.optimizer.step()
+    if found_inf is None:
+        opt._step_count.add_(1)
+        opt._consecutive_skips.zero_()
+    return result
