@@ -158,6 +158,10 @@ def _assert_equal(ours: object, theirs: object, where: str = "") -> None:
 def test_grad_scaler_clips_unscaled_grads(device: str, inner: str, explicit_unscale: bool) -> None:
     reference = _train_by_hand(device, inner)
     ours = _train_wrapped(device, inner, explicit_unscale)
+    # A fused inner optimizer gets the clip folded into its kernel as grad_scale =
+    # 1 / coefficient (clipopt._fused): g / (1 / c) may differ from g * c in the last bit.
+    exact = not inner.endswith("-fused")
+    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-6, "atol": 1e-7}
     assert ours.scales == reference.scales
     assert reference.scales[INF_STEP + 1] < reference.scales[INF_STEP], "the scaler must back off"
     for step, (norm, truth, theirs) in enumerate(
@@ -167,9 +171,9 @@ def test_grad_scaler_clips_unscaled_grads(device: str, inner: str, explicit_unsc
             continue
         assert norm is not None and theirs is not None
         assert theirs > MAX_NORM, "every finite step must clip"
-        torch.testing.assert_close(norm, theirs, rtol=0, atol=0)
+        torch.testing.assert_close(norm, theirs, **tolerance)
         torch.testing.assert_close(norm.double(), truth, rtol=2e-6, atol=0)
-    torch.testing.assert_close(ours.params, reference.params, rtol=0, atol=0)
+    torch.testing.assert_close(ours.params, reference.params, **tolerance)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -214,11 +214,15 @@ def _train_wrapped(case: Case) -> Run:
 def _assert_same_run(case: Case, reference: Run) -> None:
     assert all(bool(n > MAX_NORM) for n in reference.norms), "the problem must clip every step"
     wrapped = _train_wrapped(case)
-    # Same kernels on the same grads in the same order: equality is bit for bit.
+    # Same kernels on the same grads in the same order: equality is bit for bit, except
+    # that a fused inner optimizer gets the clip folded into its kernel as grad_scale =
+    # 1 / coefficient (clipopt._fused), and g / (1 / c) may differ from g * c in the last bit.
+    folded = bool(case.make([nn.Parameter(torch.zeros(2, 2))]).defaults.get("fused"))
+    tolerance = {"rtol": 1e-6, "atol": 1e-7} if folded else {"rtol": 0.0, "atol": 0.0}
     for ours, theirs in zip(wrapped.norms, reference.norms, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        torch.testing.assert_close(ours, theirs, **tolerance)
     for ours, theirs in zip(wrapped.params, reference.params, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        torch.testing.assert_close(ours, theirs, **tolerance)
 
 
 def _reference_or_skip(name: str, case: Case) -> Run:
