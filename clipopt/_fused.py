@@ -187,11 +187,12 @@ def _measure_and_fold(opt: ClippedOptimizer) -> tuple[bool, Tensor | None, Tenso
     grads = opt._grads_per_group()
     norm, group_norms = opt._measure(grads, norm_types)
     opt._move_counters(norm.device)
-    opt._last_norm, opt._last_group_norms = norm, None
     on_device = opt.nonfinite == "skip" and _skips_cleanly(opt.optimizer)
     if opt.nonfinite != "propagate" and not on_device and not opt._finite_or_raise(norm, True):
+        opt._last_norm, opt._last_group_norms = norm, None
         return False, None, None
     found_inf = _skip_on_device(opt, norm) if on_device else None
+    opt._last_norm, opt._last_group_norms = norm, None
     coefficient = opt._clip_coefficients(group_norms, thresholds)[0]
     grad_scale = None if coefficient is None else coefficient.float().reciprocal()
     return True, grad_scale, found_inf
