@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -208,13 +209,14 @@ class _Packer:
     def __init__(self, p: float) -> None:
         self.p = p
         self.parts: list[Tensor] = []
-        self._runs: dict[tuple[int, ...], tuple[list[Tensor], int]] = {}
+        self._runs: dict[int | tuple[int, ...], tuple[list[Tensor], int]] = {}
 
     def add(self, t: Tensor, numel: int) -> None:
         """Queue ``t`` (``numel`` > 0 elements) for packing."""
-        if t.dim() == 0:
-            t = t.view(1)
-        key = tuple(t.shape[1:])
+        dims = t.dim()
+        if dims == 0:
+            t, dims = t.view(1), 1
+        key = t.size(1) if dims == 2 else tuple(t.shape[1:])  # size(1): 5x cheaper than a slice
         run, size = self._runs.get(key, ([], 0))
         if run and size + numel > _CHUNK:
             self.parts.extend(_packed_partials(run, self.p))
@@ -305,6 +307,15 @@ def _holds_values(t: Tensor) -> bool:
     return t._nnz() > 0 if t.is_sparse else t.numel() > 0
 
 
+def _group_in_cpp(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
+    """(device, dtype) groups by torch's C++ helper (as in ``torch.nn.utils``), any order."""
+    if not tensors:
+        return {}
+    listed = cast(list[Tensor | None], list(tensors))
+    grouped = torch._C._group_tensors_by_device_and_dtype([listed], False)
+    return {key: cast(list[Tensor], lists[0]) for key, (lists, _) in grouped.items()}
+
+
 def _groups(
     tensors: Sequence[Tensor],
 ) -> tuple[dict[GroupKey, list[Tensor]], dict[GroupKey, list[Tensor]]]:
@@ -316,6 +327,10 @@ def _groups(
     """
     dense: dict[GroupKey, list[Tensor]] = {}
     sparse: dict[GroupKey, list[Tensor]] = {}
+    if not any(t.is_sparse for t in tensors):
+        grouped = _group_in_cpp(tensors)
+        if len(grouped) == 1:  # one group: no order to keep, and C++ is 3x cheaper
+            return grouped, sparse
     for t in tensors:
         if not t.is_sparse:
             dense.setdefault((t.device, t.dtype), []).append(t)
@@ -364,14 +379,15 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor, foreach: bool | None = None)
     Dense groups use one ``_foreach_mul_`` unless ``foreach=False``; on CPU that is a
     C++ loop and still beats a Python one. Sparse COO tensors are scaled one by one.
     """
-    dense, sparse = _groups(tensors)
+    sparse = [t for t in tensors if t.is_sparse]
+    dense = [t for t in tensors if not t.is_sparse] if sparse else list(tensors)
     coef_on: dict[torch.device, Tensor] = {}
-    for (device, _), group in dense.items():
+    for (device, _), group in _group_in_cpp(dense).items():  # any order will do here
         coef_here = coef_on.setdefault(device, coef.to(device))
         if foreach is False:
             for t in group:
                 t.mul_(coef_here)
         else:
             torch._foreach_mul_(group, coef_here)
-    for t in (t for group in sparse.values() for t in group):
+    for t in sparse:
         t.mul_(coef_on.setdefault(t.device, coef.to(t.device)))
