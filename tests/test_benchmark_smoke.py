@@ -70,9 +70,11 @@ def test_accuracy_memory_and_targets_are_reported(
     memory = results["memory"]
     assert memory["tensors"] == len(run.transformer_shapes(quick=True))
     for name in ("bare fused AdamW", "ClippedOptimizer(fused AdamW)", "torch clip + fused AdamW"):
-        assert memory[name]["peak_extra_bytes"] >= 0
+        assert memory[name]["largest_allocation_bytes"] >= 0
+        growth = memory[name]["peak_rss_growth_bytes"]
+        assert growth is None or growth >= 0
     names = [t["name"] for t in results["targets"]]
-    assert len(names) == 6 and all(isinstance(t["held"], bool) for t in results["targets"])
+    assert len(names) in (5, 6) and all(isinstance(t["held"], bool) for t in results["targets"])
 
 
 def test_json_written_where_asked_and_in_results_dir(
