@@ -218,6 +218,25 @@ def clip_grads_with_norm_(
     _kernels.scale_(distributed.local_tensors(grads), coef, foreach)
 
 
+def _params_norm(
+    params: list[Tensor],
+    norm_type: NormType,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    process_group: ProcessGroup | None,
+    replicated_params: TensorOrTensors | None,
+) -> Tensor:
+    """The total norm of ``params``' grads, as both clip_grad_norm functions measure it."""
+    return get_total_norm(
+        _grads(params),
+        norm_type,
+        error_if_nonfinite,
+        foreach,
+        process_group=process_group,
+        replicated=_replicated_grads(params, replicated_params),
+    )
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: TensorOrTensors,
@@ -260,16 +279,9 @@ def clip_grad_norm_(
       tensor([0.6000, 0.8000])
     """
     check_positive("max_norm", max_norm)
-    p = check_norm_type(norm_type)
     params = _as_list(parameters)
-    shared = _replicated_grads(params, replicated_params)
-    norm = get_total_norm(
-        _grads(params),
-        p,
-        error_if_nonfinite,
-        foreach,
-        process_group=process_group,
-        replicated=shared,
+    norm = _params_norm(
+        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
     clip_grads_with_norm_(params, max_norm, norm, foreach)
     return norm
@@ -308,16 +320,9 @@ def clip_grad_norm(
       (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
     """
     check_positive("max_norm", max_norm)
-    p = check_norm_type(norm_type)
     params = _as_list(parameters)
-    shared = _replicated_grads(params, replicated_params)
-    norm = get_total_norm(
-        _grads(params),
-        p,
-        error_if_nonfinite,
-        foreach,
-        process_group=process_group,
-        replicated=shared,
+    norm = _params_norm(
+        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
     present = [c for c in copies if c is not None]
