@@ -3,8 +3,8 @@
 pytest runs every ``>>>`` example of ``README.md`` and ``docs/*.md`` as a doctest (see
 ``addopts`` in pyproject.toml). A fenced Python block written as a plain script would
 silently escape that, and its printed outputs could drift from the truth; these tests
-fail on such a block in the pages that show the functional API, and on a configuration
-that stops collecting the pages.
+fail on such a block in any page, on a page that should show an example and shows
+none, and on a configuration that stops collecting the pages.
 """
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "docs/index.md", "docs/functional.md"]
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+PAGES_WITH_EXAMPLES = [
+    "README.md",
+    "docs/index.md",
+    "docs/functional.md",
+    "docs/optimizer.md",
+    "docs/distributed.md",
+]
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```", re.DOTALL | re.MULTILINE)
 
 
@@ -30,11 +37,14 @@ def python_blocks(page: str) -> list[tuple[int, str]]:
     ]
 
 
+@pytest.mark.parametrize("page", PAGES_WITH_EXAMPLES)
+def test_page_shows_an_example(page: str) -> None:
+    assert python_blocks(page), f"{page} shows no Python example"
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_every_python_block_is_a_doctest(page: str) -> None:
-    blocks = python_blocks(page)
-    assert blocks, f"{page} shows no Python example"
-    for line, body in blocks:
+    for line, body in python_blocks(page):
         examples = doctest.DocTestParser().get_examples(body)
         assert examples, f"{page}:{line}: a Python block without >>> is never executed"
         assert body.endswith("\n\n"), (
