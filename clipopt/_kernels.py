@@ -16,10 +16,10 @@ CPU, finite p:
   ``vector_norm`` drifts by 3e-3) and ~1e-7 even on data with short mantissas, where
   longer rows (and BLAS ``dot``) build a bias of 1e-6 and more. Its ragged tail joins
   the small tensors.
-- Smaller tensors are packed ``_CHUNK`` elements at a time into one buffer
-  (``flatten_dense_tensors``: one dispatch for many tensors), which is then reduced
-  row-wise. A per-tensor reduction costs a dispatch per tensor and ``_foreach_norm``
-  on CPU is a loop of them; packing costs one bounded copy.
+- Smaller tensors are packed ``_PACK_RUN`` elements at a time into one buffer by
+  ``torch.cat`` (tensors whose shapes agree past dim 0 join without a per-tensor view),
+  which is then reduced row-wise. A per-tensor reduction costs a dispatch per tensor
+  and ``_foreach_norm`` on CPU is a loop of them; packing costs one bounded copy.
 - Half types are widened to float32 ``_CHUNK`` elements at a time in a scratch buffer,
   so nothing proportional to the model is allocated.
 - Large tensors with gaps in memory (e.g. a strided slice) are reduced in place, their
@@ -60,7 +60,12 @@ _PACK_BELOW = 1 << 14
 """CPU tensors with fewer elements are packed into a shared buffer before reducing."""
 
 _CHUNK = 1 << 18
-"""Elements per packed buffer or half-precision scratch (1 MiB of float32)."""
+"""Elements per half-precision scratch (1 MiB of float32)."""
+
+_PACK_RUN = 1 << 15
+"""Elements per packed run of small tensors. ``torch.cat`` copies serially up to 32768
+output elements (ATen's grain size); above that it opens a parallel region per input,
+which on thousands of small inputs and two threads costs 4x."""
 
 _INF = math.inf
 
@@ -200,7 +205,7 @@ def _packed_partials(run: list[Tensor], p: float) -> list[Tensor]:
 
 
 class _Packer:
-    """Small tensors of two or more dims (or none) packed in runs of <= ``_CHUNK`` elements.
+    """Small tensors of two or more dims (or none) packed in runs of <= ``_PACK_RUN`` elements.
 
     Tensors whose shapes agree past dim 0 concatenate along it without a per-tensor
     ``view``; a full run is reduced at once, so at most one run's copy is alive.
@@ -218,7 +223,7 @@ class _Packer:
             t, dims = t.view(1), 1
         key = t.size(1) if dims == 2 else tuple(t.shape[1:])  # size(1): 5x cheaper than a slice
         run, size = self._runs.get(key, ([], 0))
-        if run and size + numel > _CHUNK:
+        if run and size + numel > _PACK_RUN:
             self.parts.extend(_packed_partials(run, self.p))
             run, size = [], 0
         run.append(t)
@@ -264,7 +269,7 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
         elif t.dim() != 1:
             others.add(t, numel)
             continue
-        if run_size + numel > _CHUNK:
+        if run_size + numel > _PACK_RUN:
             parts.extend(_packed_partials(run, p))
             run, run_size = [], 0
         run.append(t)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from clipopt import _kernels
-from clipopt._kernels import _CHUNK, _PACK_BELOW, _ROW
+from clipopt._kernels import _CHUNK, _PACK_BELOW, _PACK_RUN, _ROW
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf]
 HALF = [torch.float16, torch.bfloat16]
@@ -86,14 +86,14 @@ def test_half_precision_scratch_across_its_chunk_boundary(p: float) -> None:
 
 @pytest.mark.parametrize("p", NORM_TYPES)
 def test_many_small_tensors_fill_several_packed_runs(p: float) -> None:
-    """Packed runs close at ``_CHUNK`` elements; shapes past dim 0 decide which run."""
+    """Packed runs close at ``_PACK_RUN`` elements; shapes past dim 0 decide which run."""
     generator = torch.Generator().manual_seed(0)
     shapes: list[tuple[int, ...]] = []
     for i in range(1600):
         n = int(torch.randint(1, 1200, (1,), generator=generator))
         shapes.append([(n,), (n, 3), (), (2, n % 7 + 1, 2)][i % 4])
     tensors = [torch.randn(s, generator=generator) for s in shapes]
-    assert sum(t.numel() for t in tensors) > 2 * _CHUNK
+    assert sum(t.numel() for t in tensors) > 8 * _PACK_RUN
     assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
 
 
