@@ -214,26 +214,32 @@ class _Packer:
     def __init__(self, p: float) -> None:
         self.p = p
         self.parts: list[Tensor] = []
-        self._runs: dict[int | tuple[int, ...], tuple[list[Tensor], int]] = {}
+        self._runs: dict[int | tuple[int, ...], list[Tensor]] = {}
+        self._sizes: dict[int | tuple[int, ...], int] = {}
 
-    def add(self, t: Tensor, numel: int) -> None:
-        """Queue ``t`` (``numel`` > 0 elements) for packing."""
-        dims = t.dim()
-        if dims == 0:
-            t, dims = t.view(1), 1
-        key = t.size(1) if dims == 2 else tuple(t.shape[1:])  # size(1): 5x cheaper than a slice
-        run, size = self._runs.get(key, ([], 0))
-        if run and size + numel > _PACK_RUN:
-            self.parts.extend(_packed_partials(run, self.p))
-            run, size = [], 0
+    def add(self, t: Tensor, numel: int, dims: int) -> None:
+        """Queue ``t`` (``numel`` > 0 elements, ``dims`` != 1 dims) for packing."""
+        if dims == 2:
+            key: int | tuple[int, ...] = t.size(1)  # 5x cheaper than slicing the shape
+        elif dims == 0:
+            t, key = t.view(1), ()
+        else:
+            key = tuple(t.shape[1:])
+        run = self._runs.get(key)
+        if run is None or self._sizes[key] + numel > _PACK_RUN:
+            if run:
+                self.parts.extend(_packed_partials(run, self.p))
+            run = self._runs[key] = []
+            self._sizes[key] = 0
         run.append(t)
-        self._runs[key] = (run, size + numel)
+        self._sizes[key] += numel
 
     def flush(self) -> list[Tensor]:
         """Reduce the runs still open; return every partial norm."""
-        for run, _ in self._runs.values():
+        for run in self._runs.values():
             self.parts.extend(_packed_partials(run, self.p))
         self._runs.clear()
+        self._sizes.clear()
         return self.parts
 
 
@@ -266,8 +272,8 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
             t, numel = tail, tail.numel()
         elif numel == 0:
             continue
-        elif t.dim() != 1:
-            others.add(t, numel)
+        elif (dims := t.dim()) != 1:
+            others.add(t, numel, dims)
             continue
         if run_size + numel > _PACK_RUN:
             parts.extend(_packed_partials(run, p))
