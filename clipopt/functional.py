@@ -211,24 +211,31 @@ def clip_grads_with_norm_(
       tensor([0.6000, 0.8000])
     """
     check_positive("max_norm", max_norm)
-    grads = _grads(_as_list(parameters))
+    _scale_by_norm_(_grads(_as_list(parameters)), max_norm, total_norm, foreach)
+
+
+def _scale_by_norm_(
+    grads: list[Tensor], max_norm: MaxNorm, total_norm: Tensor, foreach: bool | None
+) -> None:
+    """Scale ``grads`` in place by the clip coefficient of ``total_norm``, if any could apply."""
     if not grads or _measures_only(max_norm):
         return
     coef = _kernels.clip_coefficient(max_norm, total_norm)
     _kernels.scale_(distributed.local_tensors(grads), coef, foreach)
 
 
-def _params_norm(
+def _grads_norm(
     params: list[Tensor],
+    grads: list[Tensor],
     norm_type: NormType,
     error_if_nonfinite: bool,
     foreach: bool | None,
     process_group: ProcessGroup | None,
     replicated_params: TensorOrTensors | None,
 ) -> Tensor:
-    """The total norm of ``params``' grads, as both clip_grad_norm functions measure it."""
+    """The total norm of ``grads`` (those of ``params``), as both clip_grad_norm measure it."""
     return get_total_norm(
-        _grads(params),
+        grads,
         norm_type,
         error_if_nonfinite,
         foreach,
@@ -280,10 +287,11 @@ def clip_grad_norm_(
     """
     check_positive("max_norm", max_norm)
     params = _as_list(parameters)
-    norm = _params_norm(
-        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
+    grads = _grads(params)
+    norm = _grads_norm(
+        params, grads, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
-    clip_grads_with_norm_(params, max_norm, norm, foreach)
+    _scale_by_norm_(grads, max_norm, norm, foreach)
     return norm
 
 
@@ -321,14 +329,12 @@ def clip_grad_norm(
     """
     check_positive("max_norm", max_norm)
     params = _as_list(parameters)
-    norm = _params_norm(
-        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
+    grads = _grads(params)
+    norm = _grads_norm(
+        params, grads, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
-    present = [c for c in copies if c is not None]
-    if present and not _measures_only(max_norm):
-        coef = _kernels.clip_coefficient(max_norm, norm)
-        _kernels.scale_(distributed.local_tensors(present), coef, foreach)
+    _scale_by_norm_([c for c in copies if c is not None], max_norm, norm, foreach)
     return copies, norm
 
 
