@@ -364,11 +364,13 @@ def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None)
 
     Returns:
       A 0-dim tensor on the first tensor's device, float32 (float64 if any input is
-      double precision); ``tensor(0.)`` on CPU when there is nothing to measure.
+      double precision). With no tensors at all, ``tensor(0.)`` on CPU; with only empty
+      ones, a zero on the first one's device.
     """
     out_device = next((t.device for t in tensors if _holds_values(t)), None)
-    if out_device is None:
-        return torch.tensor(0.0)
+    if out_device is None:  # nothing to measure: a zero where a norm would have been
+        device = tensors[0].device if tensors else None
+        return torch.zeros((), dtype=result_dtype([t.dtype for t in tensors]), device=device)
     dense, sparse = _groups(tensors)
     out_dtype = result_dtype([dtype for _, dtype in (*dense, *sparse)])
     partials: list[Tensor] = []

@@ -353,6 +353,17 @@ def test_empty_grads_are_skipped(norm_type: float | str) -> None:
     assert torch.equal(clipopt.clip_grad_norm_(only_empty, 1.0, norm_type), torch.tensor(0.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_only_empty_grads_give_a_zero_of_torchs_dtype(dtype: torch.dtype) -> None:
+    grads = [torch.zeros(0, dtype=dtype), torch.zeros(2, 0, dtype=dtype)]
+    ours = clipopt.get_total_norm(grads)
+    theirs = torch.nn.utils.get_total_norm(grads)  # right here: no half-precision sum
+    assert ours.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert ours.device == grads[0].device and float(ours) == float(theirs) == 0.0
+    if dtype != torch.float16:
+        assert ours.dtype == theirs.dtype
+
+
 def test_torch_inf_norm_raises_on_an_empty_grad() -> None:
     with pytest.raises(RuntimeError, match="empty"):
         torch.nn.utils.clip_grad_norm_(with_grads(torch.zeros(0), torch.ones(2)), 1.0, "inf")
