@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from clipopt import _kernels
+from clipopt._clip_state import CLIP_KEY, parse_clip_state
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -59,9 +60,6 @@ __all__ = [
 ]
 
 _INF = math.inf
-
-CLIP_KEY = "clip"
-"""The top-level key of the clip state in a ClippedOptimizer's state dict."""
 
 _REDUCE_DTYPE = torch.float64
 """The dtype every rank sends: fixed, so ranks agree; wide, so ``norm**p`` cannot overflow."""
@@ -610,7 +608,8 @@ def set_optimizer_state_dict(
     wrapper = _checked_wrapper(optimizer)
     clip_state = None
     if CLIP_KEY in optim_state_dict:
-        clip_state = wrapper._parse_clip_state(_decode_clip_state(optim_state_dict[CLIP_KEY]))
+        raw = _decode_clip_state(optim_state_dict[CLIP_KEY])
+        clip_state = parse_clip_state(raw, len(wrapper.param_groups))
     inner_state = {k: v for k, v in optim_state_dict.items() if k != CLIP_KEY}
     dcp_state_dict.set_optimizer_state_dict(model, wrapper.optimizer, inner_state, options=options)
     if clip_state is not None:

@@ -19,7 +19,6 @@ Nothing here reads a tensor's value on the host unless ``error_if_nonfinite=True
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -27,6 +26,7 @@ import torch
 from torch import Tensor
 
 from clipopt import _kernels, distributed
+from clipopt._validation import MaxNorm, NormType, check_norm_type, check_positive
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -42,8 +42,6 @@ __all__ = [
 
 TensorOrTensors: TypeAlias = Tensor | Iterable[Tensor]
 MaybeTensors: TypeAlias = Tensor | Iterable[Tensor | None]
-NormType: TypeAlias = float | int | str
-MaxNorm: TypeAlias = float | int | Tensor
 
 
 class NonFiniteNormError(RuntimeError, FloatingPointError):
@@ -87,36 +85,6 @@ def _replicated_grads(
                 "of parameters"
             )
     return _grads(replicated)
-
-
-def check_norm_type(norm_type: NormType) -> float:
-    """Validate a norm order and return it as a float (``math.inf`` for ``'inf'``)."""
-    if isinstance(norm_type, str):
-        if norm_type.lower() in ("inf", "+inf", "infinity"):
-            return math.inf
-        raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}")
-    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
-        raise TypeError(f"norm_type must be a number or 'inf', got {norm_type!r}")
-    p = float(norm_type)
-    if not p > 0:  # also catches NaN; math.isnan would break a torch.compile graph
-        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
-    return p
-
-
-def check_positive(name: str, value: MaxNorm, allow_tensor: bool = True) -> None:
-    """Raise unless ``value`` is a number > 0 (``inf`` allowed) or a 0-dim real tensor.
-
-    A tensor's value is not inspected: that would wait on its device. Any real number
-    type is accepted (numpy scalars too), as torch does.
-    """
-    if isinstance(value, Tensor) and allow_tensor:
-        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} tensor must be a 0-dim real tensor, got {value!r}")
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a positive number, got {value!r}")
-    if not value > 0:  # also catches NaN; math.isnan would break a torch.compile graph
-        raise ValueError(f"{name} must be > 0 (inf allowed), got {value!r}")
 
 
 def _measures_only(max_norm: MaxNorm) -> bool:

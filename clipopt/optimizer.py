@@ -23,92 +23,33 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast, overload
+from typing import TYPE_CHECKING, Any, TypeAlias, cast, overload
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from clipopt import _fused, _kernels, distributed
-from clipopt.functional import NonFiniteNormError, check_norm_type, check_positive
+from clipopt._clip_state import (
+    CLIP_KEY,
+    ClipState,
+    NonFinite,
+    Settings,
+    Threshold,
+    check_inner_state_dict,
+    group_max_norm,
+    group_norm_type,
+    parse_clip_state,
+    validated_settings,
+)
+from clipopt.functional import NonFiniteNormError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["ClippedOptimizer"]
 
-NonFinite: TypeAlias = Literal["propagate", "skip", "raise"]
-Threshold: TypeAlias = float | Tensor
 Closure: TypeAlias = Callable[[], Any]
-
-NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise")
-CLIP_KEY = "clip"
-"""The top-level key of :meth:`ClippedOptimizer.state_dict` that holds the clip state."""
-
-_SETTINGS_KEYS = ("max_norm", "norm_type", "per_group", "nonfinite", "max_consecutive_skips")
-_CLIP_STATE_KEYS = (
-    "settings",
-    "last_norm",
-    "last_group_norms",
-    "step_count",
-    "skip_count",
-    "consecutive_skips",
-)
-_COUNTER_KEYS = ("step_count", "skip_count", "consecutive_skips")
-
-
-@dataclass(frozen=True)
-class _Settings:
-    """Validated wrapper-wide settings; ``max_norm``/``norm_type`` are group defaults."""
-
-    max_norm: float
-    norm_type: float
-    per_group: bool
-    nonfinite: NonFinite
-    max_consecutive_skips: int | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in _SETTINGS_KEYS}
-
-
-@dataclass(frozen=True)
-class _ClipState:
-    """A validated ``"clip"`` entry of a state dict, ready to be applied."""
-
-    settings: _Settings
-    last_norm: Tensor | None
-    last_group_norms: Tensor | None
-    counters: dict[str, Tensor]
-
-
-def _validated_settings(
-    max_norm: Any,
-    norm_type: Any,
-    per_group: Any,
-    nonfinite: Any,
-    max_consecutive_skips: Any,
-) -> _Settings:
-    """Check every wrapper-wide setting; raise naming the first bad one."""
-    check_positive("max_norm", max_norm, allow_tensor=False)
-    p = check_norm_type(norm_type)
-    if not isinstance(per_group, bool):
-        raise TypeError(f"per_group must be a bool, got {per_group!r}")
-    if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    if max_consecutive_skips is not None:
-        if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int):
-            raise TypeError(
-                "max_consecutive_skips must be a positive int or None, "
-                f"got {max_consecutive_skips!r}"
-            )
-        if max_consecutive_skips < 1:
-            raise ValueError(
-                f"max_consecutive_skips must be >= 1 or None, got {max_consecutive_skips!r}"
-            )
-    return _Settings(
-        float(max_norm), p, per_group, cast(NonFinite, nonfinite), max_consecutive_skips
-    )
 
 
 def _check_inner(optimizer: Any) -> None:
@@ -125,20 +66,6 @@ def _check_inner(optimizer: Any) -> None:
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list) or not any(g.get("params") for g in groups):
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
-
-
-def _group_max_norm(index: int, value: Any) -> Threshold:
-    """A param group's ``max_norm``: a number > 0 (inf allowed) or a 0-dim tensor."""
-    check_positive(f"param_groups[{index}]['max_norm']", value)
-    return value if isinstance(value, Tensor) else float(value)
-
-
-def _group_norm_type(index: int, value: Any) -> float:
-    """A param group's ``norm_type`` as a float; errors name the group."""
-    try:
-        return check_norm_type(value)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"param_groups[{index}]['norm_type']: {error}") from None
 
 
 def _is_inf(threshold: Threshold) -> bool:
@@ -218,16 +145,16 @@ class ClippedOptimizer(Optimizer):
         replicated_params: Iterable[Tensor] | None = None,
     ) -> None:
         _check_inner(optimizer)
-        settings = _validated_settings(
+        settings = validated_settings(
             max_norm, norm_type, per_group, nonfinite, max_consecutive_skips
         )
         if foreach is not None and not isinstance(foreach, bool):
             raise TypeError(f"foreach must be a bool or None, got {foreach!r}")
         for index, group in enumerate(optimizer.param_groups):
             if "max_norm" in group:
-                _group_max_norm(index, group["max_norm"])
+                group_max_norm(index, group["max_norm"])
             if "norm_type" in group:
-                _group_norm_type(index, group["norm_type"])
+                group_norm_type(index, group["norm_type"])
         scope = distributed.NormScope(
             process_group,
             replicated_params,
@@ -257,15 +184,15 @@ class ClippedOptimizer(Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
-    def _apply_settings(self, settings: _Settings) -> None:
+    def _apply_settings(self, settings: Settings) -> None:
         self.optimizer.defaults["max_norm"] = settings.max_norm
         self.optimizer.defaults["norm_type"] = settings.norm_type
         self._per_group = settings.per_group
         self._nonfinite: NonFinite = settings.nonfinite
         self._max_consecutive_skips = settings.max_consecutive_skips
 
-    def _settings(self) -> _Settings:
-        return _Settings(
+    def _settings(self) -> Settings:
+        return Settings(
             float(self.defaults["max_norm"]),
             float(self.defaults["norm_type"]),
             self._per_group,
@@ -365,9 +292,9 @@ class ClippedOptimizer(Optimizer):
         index = len(self.param_groups)
         if isinstance(param_group, dict):
             if "max_norm" in param_group:
-                _group_max_norm(index, param_group["max_norm"])
+                group_max_norm(index, param_group["max_norm"])
             if "norm_type" in param_group:
-                _group_norm_type(index, param_group["norm_type"])
+                group_norm_type(index, param_group["norm_type"])
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -488,10 +415,8 @@ class ClippedOptimizer(Optimizer):
         defaults = self.defaults
         thresholds, norm_types = [], []
         for index, group in enumerate(self.param_groups):
-            thresholds.append(_group_max_norm(index, group.get("max_norm", defaults["max_norm"])))
-            norm_types.append(
-                _group_norm_type(index, group.get("norm_type", defaults["norm_type"]))
-            )
+            thresholds.append(group_max_norm(index, group.get("max_norm", defaults["max_norm"])))
+            norm_types.append(group_norm_type(index, group.get("norm_type", defaults["norm_type"])))
         if not self._per_group and len(set(norm_types)) > 1:
             raise ValueError(
                 f"param groups use different norm_type values {norm_types}; one global norm "
@@ -654,8 +579,8 @@ class ClippedOptimizer(Optimizer):
             result = pre_hook(self, loaded)
             if result is not None:
                 loaded = dict(result)
-        clip_state = self._parse_clip_state(loaded.pop(CLIP_KEY, None))
-        self._check_inner_state_dict(loaded)
+        clip_state = parse_clip_state(loaded.pop(CLIP_KEY, None), len(self.param_groups))
+        check_inner_state_dict(loaded, self.param_groups)
         snapshot = dict(self.optimizer.__dict__)
         try:
             self.optimizer.load_state_dict(loaded)
@@ -671,71 +596,7 @@ class ClippedOptimizer(Optimizer):
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
 
-    def _check_inner_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Raise unless the inner part matches the live groups in number and size."""
-        saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
-            raise TypeError("state_dict['param_groups'] must be a list of dicts")
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved_groups)} param groups, "
-                f"this optimizer has {len(self.param_groups)}"
-            )
-        for index, (saved, live) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-            params = saved.get("params")
-            if not isinstance(params, list):
-                raise TypeError(f"state_dict['param_groups'][{index}]['params'] must be a list")
-            if len(params) != len(live["params"]):
-                raise ValueError(
-                    f"state_dict['param_groups'][{index}] has {len(params)} params, "
-                    f"this optimizer's group {index} has {len(live['params'])}"
-                )
-            if "max_norm" in saved:
-                _group_max_norm(index, saved["max_norm"])
-            if "norm_type" in saved:
-                _group_norm_type(index, saved["norm_type"])
-        state = state_dict.get("state", {})
-        if not isinstance(state, Mapping) or not all(
-            isinstance(v, Mapping) for v in state.values()
-        ):
-            raise TypeError("state_dict['state'] must be a dict of dicts")
-
-    def _parse_clip_state(self, raw: Any) -> _ClipState | None:
-        """Validate a ``"clip"`` entry completely; None when there is none."""
-        if raw is None:
-            return None
-        if not isinstance(raw, Mapping):
-            raise TypeError(f"state_dict['clip'] must be a dict, got {type(raw).__name__}")
-        if set(raw) != set(_CLIP_STATE_KEYS):
-            raise ValueError(
-                f"state_dict['clip'] must have the keys {sorted(_CLIP_STATE_KEYS)}, "
-                f"got {sorted(map(str, raw))}"
-            )
-        saved = raw["settings"]
-        if not isinstance(saved, Mapping) or set(saved) != set(_SETTINGS_KEYS):
-            raise ValueError(
-                "state_dict['clip']['settings'] must be a dict with the keys "
-                f"{list(_SETTINGS_KEYS)}"
-            )
-        settings = _validated_settings(*(saved[key] for key in _SETTINGS_KEYS))
-        last_norm = _checked_tensor("last_norm", raw["last_norm"], dims=0, floating=True)
-        group_norms = _checked_tensor(
-            "last_group_norms", raw["last_group_norms"], dims=1, floating=True
-        )
-        if group_norms is not None and group_norms.numel() != len(self.param_groups):
-            raise ValueError(
-                f"state_dict['clip']['last_group_norms'] has {group_norms.numel()} entries "
-                f"for {len(self.param_groups)} param groups"
-            )
-        counters = {}
-        for key in _COUNTER_KEYS:
-            counter = _checked_tensor(key, raw[key], dims=0, floating=False)
-            if counter is None or int(counter) < 0:
-                raise ValueError(f"state_dict['clip'][{key!r}] must be a 0-dim int64 tensor >= 0")
-            counters[key] = counter
-        return _ClipState(settings, last_norm, group_norms, counters)
-
-    def _apply_clip_state(self, clip_state: _ClipState) -> None:
+    def _apply_clip_state(self, clip_state: ClipState) -> None:
         """Install a validated clip state; tensors are copied onto the params' device."""
         device = next(p.device for group in self.param_groups for p in group["params"])
 
@@ -749,22 +610,6 @@ class ClippedOptimizer(Optimizer):
         self._step_count = counters["step_count"]
         self._skip_count = counters["skip_count"]
         self._consecutive_skips = counters["consecutive_skips"]
-
-
-def _checked_tensor(name: str, value: Any, dims: int, floating: bool) -> Tensor | None:
-    """None, or a tensor with ``dims`` dimensions and a float (or int64) dtype."""
-    if value is None:
-        return None
-    wanted = "a floating-point" if floating else "an int64"
-    ok_dtype = value.is_floating_point() if isinstance(value, Tensor) else False
-    if isinstance(value, Tensor) and not floating:
-        ok_dtype = value.dtype == torch.int64
-    if not isinstance(value, Tensor) or value.dim() != dims or not ok_dtype:
-        raise TypeError(
-            f"state_dict['clip'][{name!r}] must be None or {wanted} tensor with {dims} "
-            f"dimension(s), got {value!r}"
-        )
-    return value
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  Optimizer must not re-wrap step
