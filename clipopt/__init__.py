@@ -1,5 +1,6 @@
 """clipopt: gradient-norm clipping for PyTorch, exact, fast and drop-in."""
 
+from clipopt import distributed
 from clipopt.functional import (
     NonFiniteNormError,
     clip_grad_norm,
@@ -17,6 +18,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "clip_grads_with_norm_",
+    "distributed",
     "get_total_norm",
 ]
 
