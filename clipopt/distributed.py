@@ -98,6 +98,21 @@ def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
 
+def check_members(
+    name: str, members: Iterable[Tensor], pool: Iterable[Tensor], pool_name: str
+) -> None:
+    """Raise a ValueError naming ``name`` unless every one of ``members`` is in ``pool``.
+
+    Membership is by identity: a replicated tensor must be the very object measured.
+    """
+    known = {id(t) for t in pool}
+    for t in members:
+        if id(t) not in known:
+            raise ValueError(
+                f"{name} holds a tensor of shape {tuple(t.shape)} that is not among {pool_name}"
+            )
+
+
 def check_process_group(process_group: object) -> None:
     """Raise a TypeError unless ``process_group`` is None or a ``ProcessGroup``."""
     if process_group is None:
@@ -230,13 +245,7 @@ def _check_replicated(
         return
     if process_group is None:
         raise ValueError("replicated tensors need a process_group to be replicated across")
-    known = {id(t) for t in flat}
-    for t in replicated:
-        if id(t) not in known:
-            raise ValueError(
-                f"replicated holds a tensor of shape {tuple(t.shape)} that is not among the "
-                "tensors to measure"
-            )
+    check_members("replicated", replicated, flat, "the tensors to measure")
 
 
 # --------------------------------------------------------------------------- reduction
@@ -459,13 +468,7 @@ class NormScope:
         if replicated and process_group is None:
             raise ValueError("replicated_params need a process_group to be replicated across")
         if params is not None:
-            known = {id(q) for q in params}
-            for t in replicated:
-                if id(t) not in known:
-                    raise ValueError(
-                        f"replicated_params holds a tensor of shape {tuple(t.shape)} that is "
-                        "not a parameter of the optimizer"
-                    )
+            check_members("replicated_params", replicated, params, "the optimizer's parameters")
         self.process_group = process_group
         self.replicated_params = replicated
 

@@ -76,14 +76,8 @@ def _replicated_grads(
     """The grads of ``replicated_params``, each of which must be one of ``parameters``."""
     if replicated_params is None:
         return []
-    known = {id(p) for p in parameters}
     replicated = _as_list(replicated_params)
-    for q in replicated:
-        if id(q) not in known:
-            raise ValueError(
-                f"replicated_params holds a tensor of shape {tuple(q.shape)} that is not one "
-                "of parameters"
-            )
+    distributed.check_members("replicated_params", replicated, parameters, "parameters")
     return _grads(replicated)
 
 
