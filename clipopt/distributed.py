@@ -85,6 +85,12 @@ def _dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
     return [t for t in tensors if isinstance(t, dtensor)]
 
 
+def all_plain(tensors: Sequence[Tensor]) -> bool:
+    """True if no tensor is a DTensor: measuring them needs no mesh and no collective."""
+    dtensor = _dtensor_type()
+    return dtensor is None or not any(isinstance(t, dtensor) for t in tensors)
+
+
 def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     """``tensors`` with every DTensor replaced by its local shard (the same storage).
 
