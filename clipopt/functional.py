@@ -250,10 +250,29 @@ def clip_grad_norm_(
     check_positive("max_norm", max_norm)
     params = _as_list(parameters)
     grads = _grads(params)
+    if process_group is None and replicated_params is None and distributed.all_plain(grads):
+        return _clip_local_(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     norm = _grads_norm(
         params, grads, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
     _scale_by_norm_(grads, max_norm, norm, foreach)
+    return norm
+
+
+def _clip_local_(
+    grads: list[Tensor],
+    max_norm: MaxNorm,
+    norm_type: NormType,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> Tensor:
+    """:func:`clip_grad_norm_` of grads on this rank alone: one grouping for norm and scale."""
+    p = check_norm_type(norm_type)
+    norm, groups = _kernels.grouped_total_norm(grads, p, foreach)
+    if error_if_nonfinite:
+        _raise_if_nonfinite(norm, p)
+    if grads and not _measures_only(max_norm):
+        _kernels.scale_groups_(groups, _kernels.clip_coefficient(max_norm, norm), foreach)
     return norm
 
 
