@@ -253,8 +253,11 @@ def _large_partials(t: Tensor, p: float) -> tuple[list[Tensor], Tensor | None]:
     flat = _dense_flat_view(t)
     if flat is None:
         return [_strided_partials(t, p)], None
-    body = flat.numel() - flat.numel() % _ROW
-    return _body_partials(flat[:body], p), flat[body:] if body < flat.numel() else None
+    ragged = flat.numel() % _ROW
+    if not ragged:  # the usual case: no slicing, which costs as much as a small kernel
+        return _body_partials(flat, p), None
+    body = flat.numel() - ragged
+    return _body_partials(flat[:body], p), flat[body:]
 
 
 def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
