@@ -272,7 +272,9 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     run_size = 0
     extremes: list[Tensor] = []
     max_abs_only = _is_real_inf(p, tensors[0].dtype)
-    for t in tensors:
+    # Last to first: the pass that usually follows (the scale, or a fused optimizer step)
+    # runs first to last, and then finds the grads it starts with still in cache.
+    for t in reversed(tensors):
         numel = t.numel()
         if numel >= _PACK_BELOW:
             if max_abs_only:
