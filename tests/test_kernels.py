@@ -310,6 +310,28 @@ def test_scale_multiplies_every_kind_of_tensor(foreach: bool | None) -> None:
         )
 
 
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_grouped_norm_and_scale_touch_each_tensor_once(p: float) -> None:
+    """The groups handed from the norm to the scale hold every tensor with values once."""
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([2.0, -4.0]), (5,))
+    tensors = [
+        randn(10),
+        randn(_PACK_BELOW + 3, torch.bfloat16),
+        sparse,
+        randn(4, torch.float64),
+        randn(2 * _ROW, seed=1),
+    ]
+    expected = [(t.to_dense() if t.is_sparse else t).double() * 0.25 for t in tensors]
+    norm, groups = _kernels.grouped_total_norm(tensors, p)
+    assert_norm_close(norm, tensors, p)
+    assert torch.equal(norm, _kernels.total_norm(tensors, p))
+    _kernels.scale_groups_(groups, torch.tensor(0.25))
+    for t, e in zip(tensors, expected, strict=True):
+        torch.testing.assert_close(
+            (t.to_dense() if t.is_sparse else t).double(), e, rtol=4e-3, atol=0
+        )
+
+
 def test_clip_coefficient_is_one_below_the_threshold_and_exact_above() -> None:
     norms = torch.tensor([0.0, 0.5, 1.0 - 2e-6, 4.0])
     coefficients = _kernels.clip_coefficient(1.0, norms)
