@@ -25,6 +25,9 @@ CPU, finite p:
 - Large tensors with gaps in memory (e.g. a strided slice) are reduced in place, their
   last dim split into rows.
 
+Each CPU group is read last to first: the pass that usually follows (the scale, a fused
+optimizer step) runs first to last and so starts on grads still in cache.
+
 CPU, inf: one ``aminmax`` per large tensor (whatever its strides) or packed run of
 small ones, never ``vector_norm(inf)`` (about 10x slower on the same bytes) and never a
 materialised ``abs()``; the (min, max) pairs are combined by one ``stack`` and ``abs``.
