@@ -85,3 +85,19 @@ def test_json_written_where_asked_and_in_results_dir(
     assert written == json.loads(json.dumps(results))
     assert json.loads((run.RESULTS_DIR / "quick.json").read_text())["config"]["quick"] is True
     assert results["machine"]["torch"] == torch.__version__
+
+
+def test_markdown_renders_every_row_and_target(
+    quick_results: tuple[dict[str, Any], Path],
+) -> None:
+    from benchmarks import markdown
+
+    _, path = quick_results
+    results = json.loads(path.read_text())
+    page = markdown.render(results)
+    table_rows = [line for line in page.splitlines() if line.startswith("| ")]
+    headers = 3  # one header line per table
+    expected = len(results["rows"]) + len(results["accuracy_relative_error"])
+    assert len(table_rows) == headers + expected + len(results["targets"])
+    for target in results["targets"]:
+        assert f"| {target['name']} | {target['value']:.2f} |" in page
