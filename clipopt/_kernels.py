@@ -349,12 +349,17 @@ def _holds_values(t: Tensor) -> bool:
 
 
 def _group_in_cpp(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
-    """(device, dtype) groups by torch's C++ helper (as in ``torch.nn.utils``), any order."""
+    """(device, dtype) groups by torch's C++ helper (as in ``torch.nn.utils``).
+
+    Groups come in order of first appearance, and each keeps its tensors' order: the
+    helper's own dict order is unspecified, but it reports each tensor's index.
+    """
     if not tensors:
         return {}
     listed = cast(list[Tensor | None], list(tensors))
-    grouped = torch._C._group_tensors_by_device_and_dtype([listed], False)
-    return {key: cast(list[Tensor], lists[0]) for key, (lists, _) in grouped.items()}
+    grouped = torch._C._group_tensors_by_device_and_dtype([listed], True)
+    by_first_index = sorted(grouped.items(), key=lambda item: item[1][1][0])
+    return {key: cast(list[Tensor], lists[0]) for key, (lists, _) in by_first_index}
 
 
 def _groups(tensors: Sequence[Tensor]) -> Groups:
@@ -362,14 +367,12 @@ def _groups(tensors: Sequence[Tensor]) -> Groups:
 
     Dense tensors with no elements may remain in a group; sparse ones without values
     are dropped. The order is fixed so that eager and compiled runs add the same
-    partial norms in the same order (torch's C++ grouping has no fixed order).
+    partial norms in the same order.
     """
+    if not any(t.is_sparse for t in tensors):
+        return _group_in_cpp(tensors), {}
     dense: dict[GroupKey, list[Tensor]] = {}
     sparse: dict[GroupKey, list[Tensor]] = {}
-    if not any(t.is_sparse for t in tensors):
-        grouped = _group_in_cpp(tensors)
-        if len(grouped) == 1:  # one group: no order to keep, and C++ is 3x cheaper
-            return grouped, sparse
     for t in tensors:
         if not t.is_sparse:
             dense.setdefault((t.device, t.dtype), []).append(t)

@@ -485,6 +485,8 @@ class NormScope:
         foreach: bool | None = None,
     ) -> list[Tensor]:
         """:func:`total_norms` of the buckets, with the replicated parameters' grads."""
+        if not self.replicated_params:
+            return total_norms(buckets, norm_types, foreach, process_group=self.process_group)
         present = {id(t) for bucket in buckets for t in bucket}
         shared = [
             q.grad for q in self.replicated_params if q.grad is not None and id(q.grad) in present

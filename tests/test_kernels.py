@@ -371,3 +371,14 @@ def test_cpu_and_cuda_tensors_together() -> None:
     got = _kernels.total_norm(tensors, 2.0)
     assert got.device.type == "cuda"
     assert_norm_close(got, tensors, 2.0)
+
+
+def test_groups_come_in_order_of_first_appearance_and_keep_tensor_order() -> None:
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float64, torch.float32]
+    tensors = [torch.ones(i + 1, dtype=dtype) for i, dtype in enumerate(dtypes)]
+    dense, sparse = _kernels._groups(tensors)
+    assert not sparse
+    assert [dtype for _, dtype in dense] == [torch.bfloat16, torch.float32, torch.float64]
+    for (_, dtype), group in dense.items():
+        expected = [t for t in tensors if t.dtype == dtype]
+        assert [id(t) for t in group] == [id(t) for t in expected]
