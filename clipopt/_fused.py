@@ -19,13 +19,15 @@ With ``nonfinite="skip"`` the skip goes through ``found_inf``, so nothing waits 
 device. The skip counters are updated on the device too; ``max_consecutive_skips`` is
 checked against the count of the *previous* step, read from a copy made then, so the
 error comes one ``step()`` later than on the explicit path (after ``limit + 1`` skipped
-steps rather than at the step that would be the ``limit + 1``-th).
+steps rather than at the step that would be the ``limit + 1``-th). That step changes
+nothing, and the next one is decided afresh, as on the explicit path: finite grads step
+(and clear the streak), while non-finite ones are skipped once more before it raises again.
+Loading a state dict replaces the counters and drops the lagged copy with them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +126,7 @@ class _LaggedCount:
 
     On CUDA the copy goes to pinned memory with ``non_blocking=True`` and an event
     marks it; by the next step the event has long completed, so reading never stalls.
+    A copy (``copy.deepcopy``, pickle) holds the value read, not the buffer and event.
     """
 
     def __init__(self) -> None:
@@ -147,10 +150,29 @@ class _LaggedCount:
             self._event.synchronize()
         return int(self._host.item())
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"value": self.read()}
 
-_lagged_counts: weakref.WeakKeyDictionary[ClippedOptimizer, _LaggedCount] = (
-    weakref.WeakKeyDictionary()
-)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._host = torch.tensor(state["value"], dtype=torch.int64)
+        self._event = None
+
+
+_LAGGED_ATTRIBUTE = "_lagged_consecutive_skips"
+
+
+def _lagged_skips(opt: ClippedOptimizer) -> _LaggedCount:
+    """The wrapper's lagged copy of ``consecutive_skips``, created on first use."""
+    lagged: _LaggedCount | None = getattr(opt, _LAGGED_ATTRIBUTE, None)
+    if lagged is None:
+        lagged = _LaggedCount()
+        setattr(opt, _LAGGED_ATTRIBUTE, lagged)
+    return lagged
+
+
+def forget_lagged_skips(opt: ClippedOptimizer) -> None:
+    """Drop the lagged count: the counters were replaced, or the limit has just raised."""
+    opt.__dict__.pop(_LAGGED_ATTRIBUTE, None)
 
 
 def _skip_on_device(opt: ClippedOptimizer, norms: Tensor) -> Tensor:
@@ -159,10 +181,13 @@ def _skip_on_device(opt: ClippedOptimizer, norms: Tensor) -> Tensor:
     Raises:
       NonFiniteNormError: the previous steps skipped more than ``max_consecutive_skips``
         in a row (read from the copy the previous step made; see the module docstring).
+        Nothing is changed and the lagged count is dropped, so the next step is decided
+        afresh: finite grads step, as after the explicit path's raise.
     """
-    lagged = _lagged_counts.setdefault(opt, _LaggedCount())
+    lagged = _lagged_skips(opt)
     limit = opt.max_consecutive_skips
     if limit is not None and (streak := lagged.read()) > limit:
+        forget_lagged_skips(opt)
         raise NonFiniteNormError(
             f"the gradient norm was non-finite for {streak} steps in a row "
             f"(max_consecutive_skips={limit}); training is not recovering"

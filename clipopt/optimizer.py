@@ -610,6 +610,7 @@ class ClippedOptimizer(Optimizer):
         self._step_count = counters["step_count"]
         self._skip_count = counters["skip_count"]
         self._consecutive_skips = counters["consecutive_skips"]
+        _fused.forget_lagged_skips(self)  # its copy of the replaced count is stale
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  Optimizer must not re-wrap step

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -352,3 +353,95 @@ def test_grad_scaler_composes(name: str, device: str, explicit_only: Callable[[]
     for a, b in zip(folded_norms, explicit_norms, strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(folded_params, explicit_params, **tolerance(torch.float32))
+
+
+def skipping_pair() -> tuple[
+    list[nn.Parameter], clipopt.ClippedOptimizer, list[nn.Parameter], clipopt.ClippedOptimizer
+]:
+    """A fused Adam wrapper and an unfused ``Adam(foreach=False)`` one on equal params.
+
+    Both use ``nonfinite="skip", max_consecutive_skips=2``; the unfused one cannot fold, so
+    it takes the explicit path (a host check per step).
+    """
+    fused_params = make_params(torch.float32, "cpu")
+    fused = clipopt.ClippedOptimizer(
+        FUSED["Adam"](fused_params), MAX_NORM, nonfinite="skip", max_consecutive_skips=2
+    )
+    plain_params = make_params(torch.float32, "cpu")
+    plain = clipopt.ClippedOptimizer(
+        torch.optim.Adam(plain_params, lr=0.01, foreach=False),
+        MAX_NORM,
+        nonfinite="skip",
+        max_consecutive_skips=2,
+    )
+    return fused_params, fused, plain_params, plain
+
+
+def step_both(
+    pairs: list[tuple[list[nn.Parameter], clipopt.ClippedOptimizer]], step: int, bad: bool
+) -> list[bool]:
+    """Give each wrapper the same grads and step it; True where the step raised."""
+    raised = []
+    for params, opt in pairs:
+        set_grads(params, step)
+        if bad:
+            poison(params)
+        try:
+            opt.step()
+        except clipopt.NonFiniteNormError:
+            raised.append(True)
+        else:
+            raised.append(False)
+    return raised
+
+
+def test_fused_skip_recovers_after_max_consecutive_skips_raised() -> None:
+    """After the raise, finite grads step again, exactly as on the explicit path.
+
+    The fused wrapper skips one NaN step more before it raises (the lagged count), and
+    the explicit one raises on every NaN step after its limit; neither changes a parameter
+    on those steps, so both have taken the same updates.
+    """
+    fused_params, fused, plain_params, plain = skipping_pair()
+    pairs = [(fused_params, fused), (plain_params, plain)]
+    step_both(pairs, 0, bad=False)
+    raised = [False, False]
+    for step in range(1, 10):  # NaN grads until both have raised
+        raised = [r or now for r, now in zip(raised, step_both(pairs, step, bad=True), strict=True)]
+        if all(raised):
+            break
+    assert all(raised)
+    for step in range(10, 14):
+        assert step_both(pairs, step, bad=False) == [False, False]
+    assert int(fused.consecutive_skips) == int(plain.consecutive_skips) == 0
+    assert int(fused.step_count) == int(plain.step_count) == 5
+    torch.testing.assert_close(fused_params, plain_params, **tolerance(torch.float32))
+
+
+def test_fused_skip_steps_again_after_loading_a_clean_count() -> None:
+    fused_params, fused, _, _ = skipping_pair()
+    for step in range(5):
+        step_both([(fused_params, fused)], step, bad=True)
+    state = fused.state_dict()
+    state["clip"]["consecutive_skips"] = torch.zeros((), dtype=torch.int64)
+    fused.load_state_dict(state)
+    before = [p.detach().clone() for p in fused_params]
+    assert step_both([(fused_params, fused)], 5, bad=False) == [False]
+    assert int(fused.step_count) == 1 and int(fused.consecutive_skips) == 0
+    assert all(not torch.equal(p, b) for p, b in zip(fused_params, before, strict=True))
+
+
+@pytest.mark.parametrize("duplicate", ["deepcopy", "pickle"])
+def test_a_copy_keeps_the_lagged_count(duplicate: str) -> None:
+    """A copy made mid-streak raises on its next step, as the original does."""
+    params = make_params(torch.float32, "cpu")
+    opt = clipopt.ClippedOptimizer(
+        FUSED["Adam"](params), MAX_NORM, nonfinite="skip", max_consecutive_skips=2
+    )
+    for step in range(3):
+        step_both([(params, opt)], step, bad=True)
+    twin = copy.deepcopy(opt) if duplicate == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    twin_params = [p for group in twin.param_groups for p in group["params"]]
+    assert step_both([(params, opt), (twin_params, twin)], 3, bad=False) == [True, True]
+    assert step_both([(params, opt), (twin_params, twin)], 4, bad=False) == [False, False]
+    torch.testing.assert_close(params, twin_params, rtol=0, atol=0)
