@@ -124,24 +124,31 @@ def _skips_cleanly(optimizer: Optimizer) -> bool:
 class _LaggedCount:
     """A device counter read one step late, from a copy made without waiting.
 
-    On CUDA the copy goes to pinned memory with ``non_blocking=True`` and an event
-    marks it; by the next step the event has long completed, so reading never stalls.
-    A copy (``copy.deepcopy``, pickle) holds the value read, not the buffer and event.
+    On CUDA the copy goes to a pinned host buffer with ``non_blocking=True`` and an
+    event recorded on the stream that copies marks it; by the next step the event has
+    long completed, so reading never stalls. The buffer and the event are made once per
+    device and reused, so each :meth:`publish` overwrites the previous copy: call
+    :meth:`read` first. A copy (``copy.deepcopy``, pickle) holds the value read, not the
+    buffer and event.
     """
 
     def __init__(self) -> None:
         self._host: Tensor | None = None
         self._event: torch.cuda.Event | None = None
+        self._host_device: torch.device | None = None
 
     def publish(self, count: Tensor) -> None:
-        if count.device.type == "cuda":
-            host = torch.empty((), dtype=count.dtype, pin_memory=True)
-            host.copy_(count, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            self._host, self._event = host, event
-        else:
+        if count.device.type != "cuda":
             self._host, self._event = count.detach().to("cpu", copy=True), None
+            return
+        if self._event is None or self._host is None or self._host_device != count.device:
+            self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._host_device = count.device
+        # The copy runs on the current stream of count's device, which need not be the
+        # current device: the event must be recorded on that same stream.
+        self._host.copy_(count, non_blocking=True)
+        self._event.record(torch.cuda.current_stream(count.device))
 
     def read(self) -> int:
         if self._host is None:
@@ -155,7 +162,7 @@ class _LaggedCount:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._host = torch.tensor(state["value"], dtype=torch.int64)
-        self._event = None
+        self._event, self._host_device = None, None
 
 
 _LAGGED_ATTRIBUTE = "_lagged_consecutive_skips"
@@ -186,6 +193,7 @@ def _skip_on_device(opt: ClippedOptimizer, norms: Tensor) -> Tensor:
     """
     lagged = _lagged_skips(opt)
     limit = opt.max_consecutive_skips
+    # Read before publish: the publish below overwrites the buffer the read comes from.
     if limit is not None and (streak := lagged.read()) > limit:
         forget_lagged_skips(opt)
         raise NonFiniteNormError(
