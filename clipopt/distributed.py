@@ -270,11 +270,15 @@ def _collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torc
 
 
 def _local_contribution(
-    classes: Sequence[tuple[float, list[Tensor]]], p: float, foreach: bool | None
+    classes: Sequence[tuple[float, list[Tensor]]],
+    p: float,
+    foreach: bool | None,
+    device: torch.device,
 ) -> Tensor:
     """This rank's share of the bucket: ``sum w * norm**p``, or ``max norm`` for inf.
 
-    A 1-element float64 tensor on the first tensor's device (CPU when there is none).
+    A 1-element float64 tensor on the first tensor's device; a zero made on ``device``
+    (where the reduction runs) when there is none, so it is never copied there.
     Empty shards are skipped by the kernel, which the inf-norm needs.
     """
     parts: list[Tensor] = []
@@ -284,9 +288,8 @@ def _local_contribution(
         norm = _kernels.total_norm(tensors, p, foreach).to(_REDUCE_DTYPE)
         parts.append(norm if p == _INF else norm.pow(p).mul(weight))
     if not parts:
-        return torch.zeros(1, dtype=_REDUCE_DTYPE)
-    device = parts[0].device
-    stacked = torch.stack([part.to(device) for part in parts])
+        return torch.zeros(1, dtype=_REDUCE_DTYPE, device=device)
+    stacked = torch.stack([part.to(parts[0].device) for part in parts])
     return (stacked.amax() if p == _INF else stacked.sum()).reshape(1)
 
 
@@ -383,10 +386,11 @@ def total_norms(
         size = dist.get_world_size(process_group)
         ids = {id(t) for t in replicated}
         classes = [_weighted_plain_tensors(list(b), ids, size) for b in buckets]
+    device = _collective_device(flat, groups)
     contributions = [
-        _local_contribution(c, p, foreach) for c, p in zip(classes, norm_types, strict=True)
+        _local_contribution(c, p, foreach, device) for c, p in zip(classes, norm_types, strict=True)
     ]
-    return _finish(buckets, norm_types, contributions, groups, flat)
+    return _finish(buckets, norm_types, contributions, groups, device)
 
 
 def _finish(
@@ -394,10 +398,9 @@ def _finish(
     norm_types: Sequence[float],
     contributions: list[Tensor],
     groups: Sequence[Any],
-    flat: Sequence[Tensor],
+    device: torch.device,
 ) -> list[Tensor]:
-    """Reduce the local contributions (one collective per op) and take the p-th roots."""
-    device = _collective_device(flat, groups)
+    """Reduce the local contributions on ``device`` (one collective per op), take p-th roots."""
     sum_at = [i for i, p in enumerate(norm_types) if p != _INF]
     max_at = [i for i, p in enumerate(norm_types) if p == _INF]
     reduced: dict[int, Tensor] = {}

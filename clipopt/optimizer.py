@@ -453,7 +453,14 @@ class ClippedOptimizer(Optimizer):
         own = self._total_norms(grads, norm_types)
         device = next((g[0].device for g in grads if g), own[0].device)
         dtype = _kernels.result_dtype([n.dtype for n in own])
-        group_norms = [n.to(device=device, dtype=dtype) for n in own]
+        # A group without grads gets its zero made here: moving the CPU zero the kernel
+        # returns for it would be a blocking host-to-device copy every step.
+        group_norms = [
+            n.to(device=device, dtype=dtype)
+            if bucket
+            else torch.zeros((), device=device, dtype=dtype)
+            for n, bucket in zip(own, grads, strict=True)
+        ]
         norm = torch.linalg.vector_norm(torch.stack(group_norms), float(self.defaults["norm_type"]))
         return norm, group_norms
 

@@ -925,3 +925,15 @@ def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one:
     after = optimizer.state_dict()
     assert after["clip"]["settings"] == before["clip"]["settings"]
     assert int(after["clip"]["step_count"]) == 0
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_a_rank_without_grads_contributes_a_zero_made_on_the_reduction_device(p: float) -> None:
+    # The meta device stands for an accelerator: a CPU zero would be copied there, a
+    # blocking host-to-device copy every step on the rank that holds no grads.
+    zero = cdist._local_contribution([(1.0, [])], p, None, torch.device("meta"))
+    assert zero.device.type == "meta" and zero.dtype == torch.float64 and zero.shape == (1,)
+    one_rank = cdist._local_contribution(
+        [(1.0, [torch.tensor([3.0, 4.0])])], p, None, torch.device("meta")
+    )
+    assert one_rank.device.type == "cpu"  # a rank's own norm stays where its grads are

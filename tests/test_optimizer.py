@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import clipopt
 from clipopt import ClippedOptimizer, NonFiniteNormError
@@ -959,3 +960,63 @@ def test_cuda_step_never_syncs_and_keeps_everything_on_device(per_group: bool) -
             torch.cuda.set_sync_debug_mode("default")
     assert opt.last_norm is not None and opt.last_norm.device.type == "cuda"
     assert opt.step_count.device.type == "cuda" and int(opt.step_count) == 2
+
+
+class _HostToDeviceCopies(TorchDispatchMode):
+    """Records every copy of a CPU tensor onto another device made while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[torch.device, torch.device]] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default:
+            source, target = args[0], out
+        elif func is torch.ops.aten.copy_.default:
+            target, source = args[0], args[1]
+        else:
+            return out
+        if source.device.type == "cpu" and target.device.type != "cpu":
+            self.copies.append((source.device, target.device))
+        return out
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+def test_a_group_without_grads_copies_nothing_from_the_host(per_group: bool) -> None:
+    # The meta device stands for an accelerator: any CPU tensor moved there would be a
+    # blocking host-to-device copy on CUDA.
+    with_grads = nn.Parameter(torch.zeros(3, device="meta"))
+    without = nn.Parameter(torch.zeros(2, device="meta"))
+    inner = torch.optim.SGD([{"params": [with_grads]}, {"params": [without]}], lr=0.1)
+    opt = ClippedOptimizer(inner, max_norm=1.0, per_group=per_group)
+    with_grads.grad = torch.ones(3, device="meta")
+    opt.step()  # the first step moves the counters onto the grads' device, once
+    with _HostToDeviceCopies() as spy:
+        opt.step()
+    assert spy.copies == []
+    assert opt.last_norm is not None and opt.last_norm.device.type == "meta"
+    if per_group:
+        assert opt.last_group_norms is not None
+        assert opt.last_group_norms.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_per_group_step_with_an_empty_group_never_syncs() -> None:
+    model = _model().cuda()
+    spare = nn.Parameter(torch.zeros(2, device="cuda"))
+    inner = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [spare]}], lr=0.1)
+    opt = ClippedOptimizer(inner, max_norm=0.1, per_group=True)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).cuda()
+    for checked in (False, True):  # the first step moves the counters
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert opt.last_group_norms is not None and opt.last_group_norms[1].item() == 0.0
