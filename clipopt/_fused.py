@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,9 +38,10 @@ from torch.optim import Optimizer
 from clipopt.functional import NonFiniteNormError
 
 if TYPE_CHECKING:
+    from clipopt._clip_state import Threshold
     from clipopt.optimizer import ClippedOptimizer
 
-__all__ = ["can_fold", "folded_step"]
+__all__ = ["FoldPlan", "fold_plan", "folded_step"]
 
 _FUSABLE: tuple[type[Optimizer], ...] = (
     torch.optim.Adam,
@@ -63,24 +64,35 @@ def _scale_attributes_free(optimizer: Optimizer) -> bool:
     return all(getattr(optimizer, name, None) is None for name in _ATTRIBUTES)
 
 
-def can_fold(opt: ClippedOptimizer, closure: Any) -> bool:
-    """Whether this step's clip can ride on the inner optimizer's fused kernel.
+class FoldPlan(NamedTuple):
+    """What :func:`fold_plan` read for a step that folds, handed on to :func:`folded_step`."""
+
+    thresholds: list[Threshold]
+    norm_types: list[float]
+    grads: list[list[Tensor]]
+
+
+def fold_plan(opt: ClippedOptimizer, closure: Any) -> FoldPlan | None:
+    """The settings and grads of a step whose clip can ride on the fused kernel, or None.
 
     It can when the inner optimizer is a fused torch Adam/AdamW/SGD/Adagrad, the step
     has no closure, one coefficient scales every group (one global norm and one
-    threshold) and no parameter is float64 (``grad_scale`` is a float32 tensor, and
-    double grads deserve a double coefficient).
+    threshold) and no grad is float64 (``grad_scale`` is a float32 tensor, and double
+    grads deserve a double coefficient). What was read to decide is returned, so the
+    step reads the group settings and collects the grads once.
     """
     inner = opt.optimizer
     if closure is not None or opt.per_group or not _fused_kernel_takes_scale(inner):
-        return False
+        return None
     if not _scale_attributes_free(inner):
-        return False
-    thresholds, _ = opt._group_settings()
+        return None
+    thresholds, norm_types = opt._group_settings()
     if len({t if isinstance(t, float) else id(t) for t in thresholds}) != 1:
-        return False
-    params = (p for group in inner.param_groups for p in group["params"])
-    return all(p.dtype != torch.float64 for p in params)
+        return None
+    grads = opt._grads_per_group()
+    if any(g.dtype == torch.float64 for group in grads for g in group):
+        return None
+    return FoldPlan(thresholds, norm_types, grads)
 
 
 @contextlib.contextmanager
@@ -209,16 +221,16 @@ def _skip_on_device(opt: ClippedOptimizer, norms: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _measure_and_fold(opt: ClippedOptimizer) -> tuple[bool, Tensor | None, Tensor | None]:
+def _measure_and_fold(
+    opt: ClippedOptimizer, plan: FoldPlan
+) -> tuple[bool, Tensor | None, Tensor | None]:
     """Measure the norm and decide what the fused kernel gets.
 
     Returns:
       ``(run, grad_scale, found_inf)``: ``run`` is False when a host check already
       decided to skip the step (``nonfinite="raise"`` raises instead).
     """
-    thresholds, norm_types = opt._group_settings()
-    grads = opt._grads_per_group()
-    norm, group_norms = opt._measure(grads, norm_types)
+    norm, group_norms = opt._measure(plan.grads, plan.norm_types)
     opt._move_counters(norm.device)
     on_device = opt.nonfinite == "skip" and _skips_cleanly(opt.optimizer)
     if opt.nonfinite != "propagate" and not on_device and not opt._finite_or_raise(norm, True):
@@ -226,17 +238,17 @@ def _measure_and_fold(opt: ClippedOptimizer) -> tuple[bool, Tensor | None, Tenso
         return False, None, None
     found_inf = _skip_on_device(opt, norm) if on_device else None
     opt._last_norm, opt._last_group_norms = norm, None
-    coefficient = opt._clip_coefficients(group_norms, thresholds)[0]
+    coefficient = opt._clip_coefficients(group_norms, plan.thresholds)[0]
     grad_scale = None if coefficient is None else coefficient.float().reciprocal()
     return True, grad_scale, found_inf
 
 
-def folded_step(opt: ClippedOptimizer) -> Any:
+def folded_step(opt: ClippedOptimizer, plan: FoldPlan) -> Any:
     """One clipped step with the scale (and a skip) inside the inner fused kernel.
 
-    Call only when :func:`can_fold` says so.
+    ``plan`` is what :func:`fold_plan` returned for this step.
     """
-    run, grad_scale, found_inf = _measure_and_fold(opt)
+    run, grad_scale, found_inf = _measure_and_fold(opt, plan)
     if not run:
         return None
     with _scaled_step(opt.optimizer, grad_scale, found_inf):

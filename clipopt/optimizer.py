@@ -359,8 +359,9 @@ class ClippedOptimizer(Optimizer):
         return args, kwargs
 
     def _clipped_step(self, closure: Closure | None) -> Any:
-        if _fused.can_fold(self, closure):
-            return _fused.folded_step(self)  # the scale rides on the fused kernel
+        plan = _fused.fold_plan(self, closure)
+        if plan is not None:
+            return _fused.folded_step(self, plan)  # the scale rides on the fused kernel
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -67,7 +67,7 @@ def explicit_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None
     """Call to switch folding off (the explicit path: scale the grads, then step)."""
 
     def switch_off() -> None:
-        monkeypatch.setattr(_fused, "can_fold", lambda opt, closure: False)
+        monkeypatch.setattr(_fused, "fold_plan", lambda opt, closure: None)
 
     yield switch_off
 
@@ -187,7 +187,7 @@ def test_scale_set_by_someone_else_is_left_alone(explicit_only: Callable[[], Non
     inner = FUSED["SGD"](params)
     inner.grad_scale = torch.tensor(1.0)  # type: ignore[attr-defined]
     opt = clipopt.ClippedOptimizer(inner, max_norm=MAX_NORM)
-    assert not _fused.can_fold(opt, None)
+    assert _fused.fold_plan(opt, None) is None
 
 
 @pytest.mark.parametrize(
@@ -222,16 +222,33 @@ def test_cases_that_cannot_fold(
     build: Callable[[list[nn.Parameter]], clipopt.ClippedOptimizer],
 ) -> None:
     opt = build(make_params(torch.float32, "cpu"))
-    assert not _fused.can_fold(opt, None)
+    assert _fused.fold_plan(opt, None) is None
 
 
-def test_double_params_and_closures_do_not_fold() -> None:
+def test_double_grads_and_closures_do_not_fold() -> None:
     params = make_params(torch.float64, "cpu")
-    assert not _fused.can_fold(clipopt.ClippedOptimizer(FUSED["Adam"](params), MAX_NORM), None)
+    set_grads(params, 0)
+    opt64 = clipopt.ClippedOptimizer(FUSED["Adam"](params), MAX_NORM)
+    assert _fused.fold_plan(opt64, None) is None
     params32 = make_params(torch.float32, "cpu")
+    set_grads(params32, 0)
     opt = clipopt.ClippedOptimizer(FUSED["Adam"](params32), MAX_NORM)
-    assert _fused.can_fold(opt, None)
-    assert not _fused.can_fold(opt, lambda: 0.0)
+    plan = _fused.fold_plan(opt, None)
+    assert plan is not None and plan.grads == [[p.grad for p in params32]]
+    assert plan.thresholds == [MAX_NORM] and plan.norm_types == [2.0]
+    assert _fused.fold_plan(opt, lambda: 0.0) is None
+
+
+def test_a_double_group_added_later_stops_the_fold() -> None:
+    params = make_params(torch.float32, "cpu")
+    opt = clipopt.ClippedOptimizer(FUSED["Adam"](params), MAX_NORM)
+    set_grads(params, 0)
+    assert _fused.fold_plan(opt, None) is not None
+    extra = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt.add_param_group({"params": [extra]})
+    assert _fused.fold_plan(opt, None) is not None  # no grad yet: nothing to scale
+    extra.grad = torch.ones(3, dtype=torch.float64)
+    assert _fused.fold_plan(opt, None) is None
 
 
 def poison(params: list[nn.Parameter]) -> None:
