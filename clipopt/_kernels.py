@@ -424,9 +424,25 @@ def grouped_total_norm(
 
 
 def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:
-    """``min(1, max_norm / (norm + EPS))`` on ``norm``'s device, without a host sync."""
+    """``min(1, max_norm / (norm + EPS))`` on ``norm``'s device, without a host sync.
+
+    A tensor ``max_norm`` of inf gives exactly 1.0, as a float inf scales nothing:
+    ``inf / (inf + EPS)`` would otherwise turn an inf norm's grads into NaN.
+    """
     coef: Tensor = torch.clamp(max_norm / (norm + EPS), max=1.0)
+    if isinstance(max_norm, Tensor):
+        coef = torch.where(torch.isinf(_beside(max_norm, coef)), 1.0, coef)
     return coef
+
+
+def _beside(value: Tensor, other: Tensor) -> Tensor:
+    """``value`` on ``other``'s device; a CPU scalar is read by an add, never copied.
+
+    ``torch.where`` would copy a CPU condition to the device, a blocking transfer.
+    """
+    if value.device == other.device:
+        return value
+    return other.new_zeros(()) + value
 
 
 def scale_(tensors: Sequence[Tensor], coef: Tensor, foreach: bool | None = None) -> None:

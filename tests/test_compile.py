@@ -97,14 +97,20 @@ def test_fullgraph_compile_gives_the_eager_result(step: Step, norm_type: float) 
         assert_same_result(traced, eager, traced_norm, eager_norm)
 
 
-def test_fullgraph_compile_with_a_tensor_max_norm() -> None:
-    """A threshold computed on device each step (as adaptive clipping does) also traces."""
-    compiled = torch.compile(clip_in_place, fullgraph=True, backend=BACKEND)
-    for call, max_norm in enumerate([torch.tensor(1.0), torch.tensor(250.0)]):
+@pytest.mark.parametrize("step", [clip_in_place, norm_then_scale])
+def test_fullgraph_compile_with_a_tensor_max_norm(step: Step) -> None:
+    """A threshold computed on device each step (as adaptive clipping does) also traces,
+    an inf one included (it scales by exactly 1.0, chosen on device)."""
+    compiled = torch.compile(step, fullgraph=True, backend=BACKEND)
+    thresholds = [torch.tensor(1.0), torch.tensor(250.0), torch.tensor(math.inf)]
+    for call, max_norm in enumerate(thresholds):
         traced, eager = make_params(call), make_params(call)
+        before = [None if p.grad is None else p.grad.clone() for p in traced]
         traced_norm = compiled(traced, max_norm, 2.0)
-        eager_norm = clip_in_place(eager, max_norm, 2.0)
+        eager_norm = step(eager, max_norm, 2.0)
         assert_same_result(traced, eager, traced_norm, eager_norm)
+    for param, grad in zip(traced, before, strict=True):  # the inf call scaled nothing
+        assert (param.grad is None and grad is None) or torch.equal(param.grad, grad)
 
 
 def test_a_python_branch_on_the_norm_breaks_the_graph() -> None:

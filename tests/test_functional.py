@@ -652,3 +652,39 @@ def test_clip_grad_value_is_bit_identical_to_torch(clip_value: float, foreach: b
     torch.nn.utils.clip_grad_value_(theirs, clip_value, foreach=foreach)
     for a, b in zip(ours, theirs, strict=True):
         assert same_bits(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(
+    "grads",
+    [
+        [torch.tensor([math.inf, 1.0])],
+        [torch.tensor([math.nan, -0.0])],
+        [torch.tensor([3.0, -4.0]), torch.tensor([1e30, 1e-30], dtype=torch.float64)],
+    ],
+    ids=["inf", "nan", "finite"],
+)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_a_tensor_max_norm_of_inf_scales_nothing_like_the_float_inf(
+    grads: list[Tensor], norm_type: float
+) -> None:
+    by_float, by_tensor = with_grads(*clones(grads)), with_grads(*clones(grads))
+    float_norm = clipopt.clip_grad_norm_(by_float, math.inf, norm_type)
+    tensor_norm = clipopt.clip_grad_norm_(by_tensor, torch.tensor(math.inf), norm_type)
+    assert same_bits(tensor_norm, float_norm)
+    for got, float_got, original in zip(
+        snapshot(by_tensor), snapshot(by_float), grads, strict=True
+    ):
+        assert same_bits(got, original) and same_bits(float_got, original)
+    norm = clipopt.get_total_norm(grads, norm_type)
+    after_norm = with_grads(*clones(grads))
+    clipopt.clip_grads_with_norm_(after_norm, torch.tensor(math.inf, dtype=torch.float64), norm)
+    assert all(same_bits(a, b) for a, b in zip(snapshot(after_norm), grads, strict=True))
+
+
+def test_a_finite_tensor_max_norm_still_propagates_a_nan_norm() -> None:
+    # Only an inf threshold is exempt: torch scales the grads of an inf norm to NaN.
+    ours = with_grads(torch.tensor([math.inf, 4.0]))
+    theirs = with_grads(torch.tensor([math.inf, 4.0]))
+    clipopt.clip_grad_norm_(ours, torch.tensor(1.0))
+    torch.nn.utils.clip_grad_norm_(theirs, torch.tensor(1.0))
+    assert same_bits(ours[0].grad, theirs[0].grad)

@@ -1020,3 +1020,45 @@ def test_cuda_per_group_step_with_an_empty_group_never_syncs() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert opt.last_group_norms is not None and opt.last_group_norms[1].item() == 0.0
+
+
+@pytest.mark.parametrize("inf_threshold", [math.inf, torch.tensor(math.inf)], ids=repr)
+def test_a_group_with_an_inf_tensor_max_norm_is_measured_not_scaled(inf_threshold: Any) -> None:
+    measured = nn.Parameter(torch.zeros(2))
+    clipped = nn.Parameter(torch.zeros(2))
+    measured.grad = torch.tensor([math.inf, 1.0])
+    clipped.grad = torch.tensor([30.0, 40.0])
+    expected = clipped.grad.clone()
+    reference = nn.Parameter(torch.zeros(2))
+    reference.grad = expected
+    clipopt.clip_grad_norm_([reference], 1.0)
+    inner = torch.optim.SGD(
+        [{"params": [measured], "max_norm": inf_threshold}, {"params": [clipped]}], lr=0.0
+    )
+    opt = ClippedOptimizer(inner, max_norm=1.0, per_group=True)
+    opt.step()
+    assert torch.equal(measured.grad, torch.tensor([math.inf, 1.0]))
+    assert torch.equal(clipped.grad, reference.grad)
+    assert opt.last_group_norms is not None
+    assert opt.last_group_norms.tolist() == [math.inf, 50.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_tensor_max_norms_on_cuda_grads_never_sync() -> None:
+    # torch.where copies a CPU condition to the device; the inf check must not.
+    params = [nn.Parameter(torch.zeros(3, device="cuda")) for _ in range(2)]
+    thresholds = [torch.tensor(math.inf), torch.tensor(0.5)]
+    groups = [{"params": [p], "max_norm": t} for p, t in zip(params, thresholds, strict=True)]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.0), max_norm=1.0, per_group=True)
+    for checked in (False, True):  # the first step moves the counters
+        for param in params:
+            param.grad = torch.full((3,), 4.0, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert params[0].grad is not None and params[0].grad.tolist() == [4.0] * 3
+    assert params[1].grad is not None
+    assert math.isclose(float(params[1].grad.norm()), 0.5, rel_tol=1e-5)
