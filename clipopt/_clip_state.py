@@ -31,7 +31,9 @@ __all__ = [
     "NonFinite",
     "Settings",
     "Threshold",
+    "check_group_settings",
     "check_inner_state_dict",
+    "check_one_norm_type",
     "group_max_norm",
     "group_norm_type",
     "parse_clip_state",
@@ -124,6 +126,40 @@ def group_norm_type(index: int, value: Any) -> float:
         raise type(error)(f"param_groups[{index}]['norm_type']: {error}") from None
 
 
+def check_group_settings(index: int, group: Mapping[str, Any]) -> None:
+    """Validate a param group's own ``max_norm`` / ``norm_type``, where it has them."""
+    if "max_norm" in group:
+        group_max_norm(index, group["max_norm"])
+    if "norm_type" in group:
+        group_norm_type(index, group["norm_type"])
+
+
+def check_one_norm_type(
+    groups: Sequence[Mapping[str, Any]], default_norm_type: float, per_group: bool
+) -> list[float]:
+    """Each group's norm order; without ``per_group`` they must all be the same.
+
+    One global norm over all groups needs one order, so a mismatch is refused when
+    the groups are set up rather than at the first step.
+
+    Returns:
+      The validated order of each group (``default_norm_type`` where it has none).
+
+    Raises:
+      ValueError: without ``per_group``, two groups use different orders.
+    """
+    norm_types = [
+        group_norm_type(index, group.get("norm_type", default_norm_type))
+        for index, group in enumerate(groups)
+    ]
+    if not per_group and len(set(norm_types)) > 1:
+        raise ValueError(
+            f"param groups use different norm_type values {norm_types}; one global norm "
+            "needs one order (pass per_group=True to clip each group by its own norm)"
+        )
+    return norm_types
+
+
 def check_inner_state_dict(
     state_dict: Mapping[str, Any], live_groups: Sequence[Mapping[str, Any]]
 ) -> None:
@@ -145,10 +181,7 @@ def check_inner_state_dict(
                 f"state_dict['param_groups'][{index}] has {len(params)} params, "
                 f"this optimizer's group {index} has {len(live['params'])}"
             )
-        if "max_norm" in saved:
-            group_max_norm(index, saved["max_norm"])
-        if "norm_type" in saved:
-            group_norm_type(index, saved["norm_type"])
+        check_group_settings(index, saved)
     state = state_dict.get("state", {})
     if not isinstance(state, Mapping) or not all(isinstance(v, Mapping) for v in state.values()):
         raise TypeError("state_dict['state'] must be a dict of dicts")

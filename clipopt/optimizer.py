@@ -36,9 +36,10 @@ from clipopt._clip_state import (
     NonFinite,
     Settings,
     Threshold,
+    check_group_settings,
     check_inner_state_dict,
+    check_one_norm_type,
     group_max_norm,
-    group_norm_type,
     parse_clip_state,
     validated_settings,
 )
@@ -115,7 +116,8 @@ class ClippedOptimizer(Optimizer):
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
         a setting has the wrong type.
-      ValueError: ``optimizer`` has no parameters, or a setting is out of range.
+      ValueError: ``optimizer`` has no parameters, a setting is out of range, or
+        param groups use different ``norm_type`` values without ``per_group``.
 
     Example:
       >>> import torch, clipopt
@@ -151,10 +153,8 @@ class ClippedOptimizer(Optimizer):
         if foreach is not None and not isinstance(foreach, bool):
             raise TypeError(f"foreach must be a bool or None, got {foreach!r}")
         for index, group in enumerate(optimizer.param_groups):
-            if "max_norm" in group:
-                group_max_norm(index, group["max_norm"])
-            if "norm_type" in group:
-                group_norm_type(index, group["norm_type"])
+            check_group_settings(index, group)
+        check_one_norm_type(optimizer.param_groups, settings.norm_type, settings.per_group)
         scope = distributed.NormScope(
             process_group,
             replicated_params,
@@ -166,9 +166,7 @@ class ClippedOptimizer(Optimizer):
         self._foreach = foreach
         self._norm_scope = scope
         self._apply_settings(settings)
-        for group in optimizer.param_groups:
-            group.setdefault("max_norm", settings.max_norm)
-            group.setdefault("norm_type", settings.norm_type)
+        self._fill_group_defaults()
         self._last_norm: Tensor | None = None
         self._last_group_norms: Tensor | None = None
         self._step_count = _new_counter()
@@ -190,6 +188,12 @@ class ClippedOptimizer(Optimizer):
         self._per_group = settings.per_group
         self._nonfinite: NonFinite = settings.nonfinite
         self._max_consecutive_skips = settings.max_consecutive_skips
+
+    def _fill_group_defaults(self) -> None:
+        """Give each param group without its own ``max_norm``/``norm_type`` the defaults."""
+        for group in self.param_groups:
+            group.setdefault("max_norm", self.defaults["max_norm"])
+            group.setdefault("norm_type", self.defaults["norm_type"])
 
     def _settings(self) -> Settings:
         return Settings(
@@ -287,14 +291,16 @@ class ClippedOptimizer(Optimizer):
         """Add a param group to the inner optimizer.
 
         Missing ``max_norm`` / ``norm_type`` are filled from :attr:`defaults`, like
-        every other hyperparameter; given ones are validated first.
+        every other hyperparameter; given ones are validated first, and without
+        ``per_group`` the group's ``norm_type`` must be the one the others use.
+
+        Raises:
+          TypeError, ValueError: a bad ``max_norm``/``norm_type``; nothing is added.
         """
-        index = len(self.param_groups)
         if isinstance(param_group, dict):
-            if "max_norm" in param_group:
-                group_max_norm(index, param_group["max_norm"])
-            if "norm_type" in param_group:
-                group_norm_type(index, param_group["norm_type"])
+            check_group_settings(len(self.param_groups), param_group)
+            groups = [*self.param_groups, param_group]
+            check_one_norm_type(groups, float(self.defaults["norm_type"]), self._per_group)
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -414,15 +420,13 @@ class ClippedOptimizer(Optimizer):
     def _group_settings(self) -> tuple[list[Threshold], list[float]]:
         """Each group's validated threshold and norm order (read fresh every step)."""
         defaults = self.defaults
-        thresholds, norm_types = [], []
-        for index, group in enumerate(self.param_groups):
-            thresholds.append(group_max_norm(index, group.get("max_norm", defaults["max_norm"])))
-            norm_types.append(group_norm_type(index, group.get("norm_type", defaults["norm_type"])))
-        if not self._per_group and len(set(norm_types)) > 1:
-            raise ValueError(
-                f"param groups use different norm_type values {norm_types}; one global norm "
-                "needs one order (pass per_group=True to clip each group by its own norm)"
-            )
+        thresholds = [
+            group_max_norm(index, group.get("max_norm", defaults["max_norm"]))
+            for index, group in enumerate(self.param_groups)
+        ]
+        norm_types = check_one_norm_type(
+            self.param_groups, float(defaults["norm_type"]), self._per_group
+        )
         return thresholds, norm_types
 
     def _grads_per_group(self) -> list[list[Tensor]]:
@@ -589,6 +593,8 @@ class ClippedOptimizer(Optimizer):
                 loaded = dict(result)
         clip_state = parse_clip_state(loaded.pop(CLIP_KEY, None), len(self.param_groups))
         check_inner_state_dict(loaded, self.param_groups)
+        settings = self._settings() if clip_state is None else clip_state.settings
+        check_one_norm_type(loaded["param_groups"], settings.norm_type, settings.per_group)
         snapshot = dict(self.optimizer.__dict__)
         try:
             self.optimizer.load_state_dict(loaded)
@@ -598,9 +604,7 @@ class ClippedOptimizer(Optimizer):
             raise
         if clip_state is not None:
             self._apply_clip_state(clip_state)
-        for group in self.param_groups:
-            group.setdefault("max_norm", self.defaults["max_norm"])
-            group.setdefault("norm_type", self.defaults["norm_type"])
+        self._fill_group_defaults()
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
 

@@ -281,18 +281,69 @@ def test_per_group_max_norm_with_one_global_norm() -> None:
         torch.testing.assert_close(p.grad.double(), expected, rtol=1e-6, atol=0)  # type: ignore[union-attr]
 
 
-def test_mixed_norm_types_need_per_group_and_touch_nothing() -> None:
+def _two_groups(model: nn.Module, first_norm_type: float | None) -> list[dict[str, Any]]:
+    first: dict[str, Any] = {"params": list(model[0].parameters())}
+    if first_norm_type is not None:
+        first["norm_type"] = first_norm_type
+    return [first, {"params": list(model[2].parameters())}]
+
+
+def test_mixed_norm_types_need_per_group_at_construction() -> None:
+    inner = torch.optim.SGD(_two_groups(_model(), 1.0), lr=0.1)
+    groups_before = copy.deepcopy(inner.state_dict()["param_groups"])
+    with pytest.raises(ValueError, match=r"norm_type.*per_group=True"):
+        ClippedOptimizer(inner, max_norm=0.1)
+    assert inner.state_dict()["param_groups"] == groups_before  # no defaults filled in
+    ClippedOptimizer(inner, max_norm=0.1, norm_type=1.0)  # the same order everywhere is fine
+    assert ClippedOptimizer(inner, max_norm=0.1, per_group=True).per_group
+
+
+def test_mixed_norm_types_set_after_construction_fail_the_step_and_touch_nothing() -> None:
     model = _model()
-    inner = torch.optim.SGD(
-        [{"params": model[0].parameters(), "norm_type": 1.0}, {"params": model[2].parameters()}],
-        lr=0.1,
-    )
-    opt = ClippedOptimizer(inner, max_norm=0.1)
+    opt = ClippedOptimizer(torch.optim.SGD(_two_groups(model, None), lr=0.1), max_norm=0.1)
+    opt.param_groups[0]["norm_type"] = 1.0
     _backward(model)
     before = _full_state(opt, model)
     with pytest.raises(ValueError, match=r"norm_type.*per_group=True"):
         opt.step()
     _assert_same(before, _full_state(opt, model))
+
+
+def test_add_param_group_refuses_a_second_norm_type_without_per_group() -> None:
+    model = _model()
+    groups = _two_groups(model, None)
+    opt = ClippedOptimizer(torch.optim.SGD(groups[:1], lr=0.1), max_norm=0.1)
+    before = _full_state(opt, model)
+    with pytest.raises(ValueError, match=r"norm_type.*per_group=True"):
+        opt.add_param_group({**groups[1], "norm_type": math.inf})
+    _assert_same(before, _full_state(opt, model))
+    opt.add_param_group({**groups[1], "norm_type": 2})  # the shared order, spelled as an int
+    per_group = ClippedOptimizer(torch.optim.SGD(groups[:1], lr=0.1), 0.1, per_group=True)
+    per_group.add_param_group({**groups[1], "norm_type": math.inf})
+    assert [g["norm_type"] for g in per_group.param_groups] == [2.0, math.inf]
+
+
+@pytest.mark.parametrize("with_clip_entry", [True, False])
+def test_load_state_dict_refuses_mixed_norm_types_without_per_group(
+    with_clip_entry: bool,
+) -> None:
+    model = _model()
+    source = ClippedOptimizer(
+        torch.optim.SGD(_two_groups(model, 1.0), lr=0.1), max_norm=0.1, per_group=True
+    )
+    saved = source.state_dict()
+    if with_clip_entry:  # the checkpoint itself says one global norm
+        saved["clip"]["settings"]["per_group"] = False
+    else:  # a plain inner state dict, loaded into a wrapper without per_group
+        del saved["clip"]
+    target = ClippedOptimizer(torch.optim.SGD(_two_groups(model, None), lr=0.5), max_norm=0.2)
+    _backward(model)
+    target.step()
+    before = _full_state(target, model)
+    with pytest.raises(ValueError, match=r"norm_type.*per_group=True"):
+        target.load_state_dict(saved)
+    _assert_same(before, _full_state(target, model))
+    assert target.param_groups[0]["lr"] == 0.5
 
 
 @pytest.mark.parametrize("norm_types", [(2.0, 2.0), (1.0, math.inf)])
