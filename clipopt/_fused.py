@@ -230,7 +230,7 @@ def _measure_and_fold(
       ``(run, grad_scale, found_inf)``: ``run`` is False when a host check already
       decided to skip the step (``nonfinite="raise"`` raises instead).
     """
-    norm, group_norms = opt._measure(plan.grads, plan.norm_types)
+    norm, group_norms, _ = opt._measure(plan.grads, plan.norm_types)
     opt._move_counters(norm.device)
     on_device = opt.nonfinite == "skip" and _skips_cleanly(opt.optimizer)
     if opt.nonfinite != "propagate" and not on_device and not opt._finite_or_raise(norm, True):

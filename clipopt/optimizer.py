@@ -405,8 +405,7 @@ class ClippedOptimizer(Optimizer):
         """Measure, decide on a non-finite norm, scale. False: the step is skipped."""
         thresholds, norm_types = self._group_settings()
         grads = self._grads_per_group()
-        norm, group_norms = self._measure(grads, norm_types)
-        stacked = torch.stack(group_norms) if self._per_group else None
+        norm, group_norms, stacked = self._measure(grads, norm_types)
         self._move_counters(norm.device)
         if self._nonfinite != "propagate" and not self._finite_or_raise(
             stacked if stacked is not None else norm, may_skip
@@ -444,17 +443,19 @@ class ClippedOptimizer(Optimizer):
 
     def _measure(
         self, grads: list[list[Tensor]], norm_types: list[float]
-    ) -> tuple[Tensor, list[Tensor]]:
+    ) -> tuple[Tensor, list[Tensor], Tensor | None]:
         """The total norm to record and, per group, the norm that group is clipped by.
 
         Returns:
-          ``(norm, group_norms)``: without ``per_group`` every entry of ``group_norms``
-          is ``norm`` itself; with it they are the groups' own norms, moved to one
-          device and dtype, and ``norm`` is their norm with the default order.
+          ``(norm, group_norms, stacked)``: without ``per_group`` every entry of
+          ``group_norms`` is ``norm`` itself and ``stacked`` is None; with it they are
+          the groups' own norms, moved to one device and dtype, ``stacked`` is them in
+          one 1-D tensor (stacked once per step) and ``norm`` is its norm with the
+          default order.
         """
         if not self._per_group:
             norm = self._total_norm([g for group in grads for g in group], norm_types[0])
-            return norm, [norm] * len(grads)
+            return norm, [norm] * len(grads), None
         own = self._total_norms(grads, norm_types)
         device = next((g[0].device for g in grads if g), own[0].device)
         dtype = _kernels.result_dtype([n.dtype for n in own])
@@ -466,8 +467,9 @@ class ClippedOptimizer(Optimizer):
             else torch.zeros((), device=device, dtype=dtype)
             for n, bucket in zip(own, grads, strict=True)
         ]
-        norm = torch.linalg.vector_norm(torch.stack(group_norms), float(self.defaults["norm_type"]))
-        return norm, group_norms
+        stacked = torch.stack(group_norms)
+        norm = torch.linalg.vector_norm(stacked, float(self.defaults["norm_type"]))
+        return norm, group_norms, stacked
 
     def _clip_coefficients(
         self, group_norms: list[Tensor], thresholds: list[Threshold]
