@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from helpers import assert_identical
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -129,27 +130,10 @@ def _assert_untouched(
     last_norm: Tensor | None,
 ) -> None:
     """Nothing moved: state dict (inner state, step and skip counts), params, last_norm."""
-    _assert_equal(_snapshot(opt), state)
-    _assert_equal(list(model.parameters()), params)
+    assert_identical(_snapshot(opt), state)
+    assert_identical(list(model.parameters()), params)
     assert last_norm is not None and opt.last_norm is not None
     assert torch.equal(opt.last_norm, last_norm)
-
-
-def _assert_equal(ours: object, theirs: object, where: str = "") -> None:
-    """Exact equality of nested dicts, sequences, tensors (dtype and bits) and plain values."""
-    if isinstance(theirs, Tensor):
-        assert isinstance(ours, Tensor), where
-        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
-    elif isinstance(theirs, dict):
-        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), where
-        for key in theirs:
-            _assert_equal(ours[key], theirs[key], f"{where}/{key}")
-    elif isinstance(theirs, (list, tuple)):
-        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            _assert_equal(a, b, f"{where}[{i}]")
-    else:
-        assert ours == theirs, f"{where}: {ours!r} != {theirs!r}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

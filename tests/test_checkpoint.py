@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 import torch_optimizer
-from torch import Tensor, nn
+from helpers import assert_same
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -92,22 +93,6 @@ def _train(
             assert opt.last_norm.item() > MAX_NORM, "every step clips"
 
 
-def _assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, Tensor):
-        assert isinstance(b, Tensor) and a.dtype == b.dtype and a.device == b.device, path
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=path)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for key in a:
-            _assert_bit_identical(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_bit_identical(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 def _resume_case(
     tmp_path: Path, name: str, per_group: bool, nonfinite: str, device: str, split: int
 ) -> None:
@@ -132,13 +117,11 @@ def _resume_case(
     _train(*resumed, range(split, TOTAL_STEPS), poison)
 
     (model_a, opt_a, sched_a), (model_b, opt_b, sched_b) = straight, resumed
-    _assert_bit_identical(list(model_a.parameters()), list(model_b.parameters()), "params")
-    _assert_bit_identical(sched_a.get_last_lr(), sched_b.get_last_lr(), "lrs")
-    _assert_bit_identical(
-        [g["lr"] for g in opt_a.param_groups], [g["lr"] for g in opt_b.param_groups], "lr"
-    )
-    _assert_bit_identical(opt_a.last_norm, opt_b.last_norm, "last_norm")
-    _assert_bit_identical(opt_a.state_dict(), opt_b.state_dict(), "optimizer")
+    assert_same(list(model_a.parameters()), list(model_b.parameters()), "params")
+    assert_same(sched_a.get_last_lr(), sched_b.get_last_lr(), "lrs")
+    assert_same([g["lr"] for g in opt_a.param_groups], [g["lr"] for g in opt_b.param_groups], "lr")
+    assert_same(opt_a.last_norm, opt_b.last_norm, "last_norm")
+    assert_same(opt_a.state_dict(), opt_b.state_dict(), "optimizer")
     expected_skips = 1 if poison else 0
     assert int(opt_b.skip_count) == expected_skips
     assert int(opt_b.step_count) == TOTAL_STEPS - expected_skips
@@ -191,6 +174,6 @@ def test_run_started_unwrapped_resumes_wrapped(tmp_path: Path) -> None:
         opt.zero_grad()
         _backward(fresh, step, poison=False)
         opt.step()
-    _assert_bit_identical(list(reference.parameters()), list(fresh.parameters()), "params")
-    _assert_bit_identical(reference_opt.state_dict()["state"], opt.state_dict()["state"], "state")
+    assert_same(list(reference.parameters()), list(fresh.parameters()), "params")
+    assert_same(reference_opt.state_dict()["state"], opt.state_dict()["state"], "state")
     assert int(opt.step_count) == TOTAL_STEPS - 3

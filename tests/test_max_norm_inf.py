@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch_optimizer
+from helpers import assert_identical
 from torch import Tensor, nn
 from torch.optim import Optimizer, lr_scheduler
 
@@ -147,24 +148,6 @@ def _run(case: Case, per_group: bool | None) -> tuple[list[Observed], list[Tenso
     return observed, norms
 
 
-def _assert_equal(ours: object, theirs: object, where: str = "") -> None:
-    """Exact equality of nested dicts, sequences, tensors (dtype and bits) and plain values."""
-    if isinstance(theirs, Tensor):
-        assert isinstance(ours, Tensor), where
-        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
-    elif isinstance(theirs, dict):
-        assert isinstance(ours, dict), where
-        assert ours.keys() == theirs.keys(), f"{where}: {sorted(ours)} != {sorted(theirs)}"
-        for key in theirs:
-            _assert_equal(ours[key], theirs[key], f"{where}/{key}")
-    elif isinstance(theirs, (list, tuple)):
-        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            _assert_equal(a, b, f"{where}[{i}]")
-    else:
-        assert ours == theirs, f"{where}: {ours!r} != {theirs!r}"
-
-
 @pytest.mark.parametrize("per_group", [False, True], ids=["global", "per-group"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_infinite_max_norm_is_the_bare_optimizer(name: str, per_group: bool) -> None:
@@ -174,7 +157,7 @@ def test_infinite_max_norm_is_the_bare_optimizer(name: str, per_group: bool) -> 
     assert all(bool(n > 0) for n in bare_norms)
     for step, (ours, theirs) in enumerate(zip(wrapped, bare, strict=True)):
         for field in ("params", "grads", "returned", "hyperparameters", "state_dict"):
-            _assert_equal(getattr(ours, field), getattr(theirs, field), f"step {step} {field}")
+            assert_identical(getattr(ours, field), getattr(theirs, field), f"step {step} {field}")
 
 
 def test_state_dict_loads_into_the_bare_optimizer() -> None:
@@ -189,4 +172,4 @@ def test_state_dict_loads_into_the_bare_optimizer() -> None:
     del saved["clip"]
     bare = torch.optim.Adam(_groups(model), lr=0.5)
     bare.load_state_dict(saved)
-    _assert_equal(bare.state_dict(), saved)
+    assert_identical(bare.state_dict(), saved)

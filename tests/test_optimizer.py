@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -58,26 +59,6 @@ def _ref_norm(tensors: list[Tensor], p: float) -> float:
     """The p-norm of the concatenated tensors, in float64."""
     flat = torch.cat([t.detach().double().reshape(-1) for t in tensors])
     return torch.linalg.vector_norm(flat, p).item()
-
-
-def _assert_same(a: Any, b: Any, path: str = "") -> None:
-    """Recursive bit-exact equality (NaN equals NaN) of nested dicts, lists, tensors."""
-    if isinstance(a, Tensor):
-        assert isinstance(b, Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, path
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=path)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for key in a:
-            _assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), path
-    else:
-        assert a == b, path
 
 
 def _full_state(opt: ClippedOptimizer, model: nn.Module) -> dict[str, Any]:
@@ -224,8 +205,8 @@ def test_last_norm_none_before_first_step_then_matches_hand_driven_bit_for_bit()
         assert opt.last_norm is not None
         assert opt.last_norm.dtype == torch.float32 and opt.last_norm.dim() == 0
         assert torch.equal(opt.last_norm, hand_norm)
-        _assert_same(_grads(model_a), _grads(model_b))
-        _assert_same(_params(model_a), _params(model_b))
+        assert_same(_grads(model_a), _grads(model_b))
+        assert_same(_params(model_a), _params(model_b))
         opt.zero_grad()
         ref_opt.zero_grad()
     assert int(opt.step_count) == 4
@@ -306,7 +287,7 @@ def test_mixed_norm_types_set_after_construction_fail_the_step_and_touch_nothing
     before = _full_state(opt, model)
     with pytest.raises(ValueError, match=r"norm_type.*per_group=True"):
         opt.step()
-    _assert_same(before, _full_state(opt, model))
+    assert_same(before, _full_state(opt, model))
 
 
 def test_add_param_group_refuses_a_second_norm_type_without_per_group() -> None:
@@ -316,7 +297,7 @@ def test_add_param_group_refuses_a_second_norm_type_without_per_group() -> None:
     before = _full_state(opt, model)
     with pytest.raises(ValueError, match=r"norm_type.*per_group=True"):
         opt.add_param_group({**groups[1], "norm_type": math.inf})
-    _assert_same(before, _full_state(opt, model))
+    assert_same(before, _full_state(opt, model))
     opt.add_param_group({**groups[1], "norm_type": 2})  # the shared order, spelled as an int
     per_group = ClippedOptimizer(torch.optim.SGD(groups[:1], lr=0.1), 0.1, per_group=True)
     per_group.add_param_group({**groups[1], "norm_type": math.inf})
@@ -342,7 +323,7 @@ def test_load_state_dict_refuses_mixed_norm_types_without_per_group(
     before = _full_state(target, model)
     with pytest.raises(ValueError, match=r"norm_type.*per_group=True"):
         target.load_state_dict(saved)
-    _assert_same(before, _full_state(target, model))
+    assert_same(before, _full_state(target, model))
     assert target.param_groups[0]["lr"] == 0.5
 
 
@@ -379,7 +360,7 @@ def test_max_norm_inf_leaves_grads_bit_identical_and_still_measures() -> None:
     _backward(model, scale=1e4)
     before = _grads(model)
     opt.step()
-    _assert_same(_grads(model), before)
+    assert_same(_grads(model), before)
     assert opt.last_norm is not None
     assert math.isclose(opt.last_norm.item(), _ref_norm(before, 2.0), rel_tol=1e-6)
 
@@ -393,7 +374,7 @@ def test_tensor_threshold_in_a_group() -> None:
     _backward(model_b)
     opt.step()
     clipopt.clip_grad_norm_(model_b.parameters(), 0.5)
-    _assert_same(_grads(model_a), _grads(model_b))
+    assert_same(_grads(model_a), _grads(model_b))
 
 
 def test_no_grads_at_all_steps_and_records_zero() -> None:
@@ -435,7 +416,7 @@ def test_closure_is_clipped_and_its_loss_returned() -> None:
     ref_opt.step()
     assert torch.equal(loss, ref_loss)
     assert opt.last_norm is not None and torch.equal(opt.last_norm, hand_norm)
-    _assert_same(_params(model_a), _params(model_b))
+    assert_same(_params(model_a), _params(model_b))
 
 
 def test_lbfgs_closure_is_clipped_at_every_evaluation() -> None:
@@ -459,7 +440,7 @@ def test_lbfgs_closure_is_clipped_at_every_evaluation() -> None:
         assert torch.equal(opt.step(closure), ref_opt.step(hand_closure))
     assert calls[0] == len(hand_norms) > 2, "LBFGS evaluated the closure several times"
     assert opt.last_norm is not None and torch.equal(opt.last_norm, hand_norms[-1])
-    _assert_same(_params(model_a), _params(model_b))
+    assert_same(_params(model_a), _params(model_b))
     assert int(opt.step_count) == 2
 
 
@@ -501,8 +482,8 @@ def test_skip_leaves_params_state_and_grads_untouched(bad: float, per_group: boo
     assert opt.step() is None
     after = _full_state(opt, model)
     for key in ("params", "grads", "identity"):
-        _assert_same(before[key], after[key])
-    _assert_same(before["optimizer"]["state"], after["optimizer"]["state"])
+        assert_same(before[key], after[key])
+    assert_same(before["optimizer"]["state"], after["optimizer"]["state"])
     clip = after["optimizer"]["clip"]
     assert (int(clip["step_count"]), int(clip["skip_count"]), int(clip["consecutive_skips"])) == (
         1,
@@ -528,7 +509,7 @@ def test_skip_with_closure_returns_loss_without_stepping() -> None:
         return loss
 
     assert torch.isfinite(opt.step(closure))
-    _assert_same(params, _params(model))
+    assert_same(params, _params(model))
     assert int(opt.skip_count) == 1
 
 
@@ -564,7 +545,7 @@ def test_raise_touches_nothing(bad: float) -> None:
     with pytest.raises(FloatingPointError, match="non-finite") as raised:
         opt.step()
     assert isinstance(raised.value, RuntimeError) and isinstance(raised.value, NonFiniteNormError)
-    _assert_same(before, _full_state(opt, model))
+    assert_same(before, _full_state(opt, model))
 
 
 def test_max_consecutive_skips_raises_then_none_never_does() -> None:
@@ -577,7 +558,7 @@ def test_max_consecutive_skips_raises_then_none_never_does() -> None:
     before = _full_state(opt, model)
     with pytest.raises(NonFiniteNormError, match=r"3 skipped steps in a row"):
         opt.step()
-    _assert_same(before, _full_state(opt, model))
+    assert_same(before, _full_state(opt, model))
     assert int(opt.consecutive_skips) == 3
 
     patient = ClippedOptimizer(
@@ -704,14 +685,14 @@ def test_copies_are_independent_and_equivalent(how: str) -> None:
     assert clone.param_groups is clone.optimizer.param_groups
     assert clone.param_groups is not opt.param_groups
     assert not clone._optimizer_step_post_hooks, "hooks are not copied, as in torch"
-    _assert_same(opt.state_dict(), clone.state_dict())
+    assert_same(opt.state_dict(), clone.state_dict())
     clone_params = [p for g in clone.param_groups for p in g["params"]]
     for p, q in zip(model.parameters(), clone_params, strict=True):
         assert p is not q
         q.grad = p.grad.clone()  # type: ignore[union-attr]
     opt.step()
     clone.step()
-    _assert_same(opt.state_dict(), clone.state_dict())
+    assert_same(opt.state_dict(), clone.state_dict())
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -768,7 +749,7 @@ def test_bad_group_value_raises_at_step_naming_the_group() -> None:
     before = _full_state(opt, model)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['max_norm'\].*-3\.0"):
         opt.step()
-    _assert_same(before, _full_state(opt, model))
+    assert_same(before, _full_state(opt, model))
 
 
 # ---------------------------------------------------------------------------- state dicts
@@ -809,7 +790,7 @@ def test_state_dict_layout_and_weights_only_round_trip() -> None:
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     buffer.seek(0)
-    _assert_same(saved, torch.load(buffer, weights_only=True))
+    assert_same(saved, torch.load(buffer, weights_only=True))
 
 
 def test_load_restores_clip_state_and_settings() -> None:
@@ -825,7 +806,7 @@ def test_load_restores_clip_state_and_settings() -> None:
         max_norm=9.0,
     )
     fresh.load_state_dict(saved)
-    _assert_same(saved, fresh.state_dict())
+    assert_same(saved, fresh.state_dict())
     assert fresh.per_group and fresh.nonfinite == "skip" and fresh.defaults["max_norm"] == 0.5
     assert fresh.param_groups[1]["lr"] == 0.05
 
@@ -841,7 +822,7 @@ def test_load_a_plain_inner_state_dict() -> None:
     opt.load_state_dict(inner_saved)
     assert opt.param_groups[0]["max_norm"] == 0.7 and opt.param_groups[0]["norm_type"] == 2.0
     assert opt.last_norm is None and int(opt.step_count) == 0
-    _assert_same(inner_saved["state"], opt.state_dict()["state"])
+    assert_same(inner_saved["state"], opt.state_dict()["state"])
     plain.load_state_dict(opt.state_dict())  # and a wrapped dict loads into a bare optimizer
 
 
@@ -902,7 +883,7 @@ def test_bad_state_dict_raises_and_changes_nothing(
     before = _full_state(opt, model)
     with pytest.raises(error, match=pattern):
         opt.load_state_dict(bad)
-    _assert_same(before, _full_state(opt, model))
+    assert_same(before, _full_state(opt, model))
 
 
 def test_inner_load_failure_rolls_back() -> None:
@@ -917,7 +898,7 @@ def test_inner_load_failure_rolls_back() -> None:
     opt.optimizer.register_load_state_dict_post_hook(fail)
     with pytest.raises(RuntimeError, match="disk on fire"):
         opt.load_state_dict(saved)
-    _assert_same(before, _full_state(opt, model))
+    assert_same(before, _full_state(opt, model))
 
 
 def test_non_mapping_state_dict_is_refused() -> None:
@@ -970,7 +951,7 @@ def test_state_dict_round_trips_through_a_file(
         max_norm=1.0,
     )
     fresh.load_state_dict(torch.load(buffer, weights_only=True))
-    _assert_same(opt.state_dict(), fresh.state_dict())
+    assert_same(opt.state_dict(), fresh.state_dict())
     assert repr(fresh).splitlines()[0] == repr(opt).splitlines()[0]
 
 
