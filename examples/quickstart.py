@@ -13,7 +13,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     max_norm = 25.0
-    opt = clipopt.ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm)
+    opt = clipopt.ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-2), max_norm)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
     inputs = torch.randn(256, 16)
     targets = inputs @ torch.randn(16, 1) * 3.0
