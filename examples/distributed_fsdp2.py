@@ -69,7 +69,8 @@ def main() -> None:
     try:
         norm = train()
         # Reading the norm on the host is this script's purpose, so it syncs once here.
-        print(f"rank {dist.get_rank()}: last_norm={norm.item():.6f}", flush=True)
+        # One write per line: unbuffered ranks sharing a pipe would interleave text and "\n".
+        print(f"rank {dist.get_rank()}: last_norm={norm.item():.6f}\n", end="", flush=True)
     finally:
         if launched_here:
             dist.destroy_process_group()

@@ -681,7 +681,7 @@ def test_example_under_torchrun_prints_one_norm_on_every_rank() -> None:
         launch.communicate()
         pytest.fail("torchrun did not finish within 180 s")
     assert launch.returncode == 0, stdout + stderr
-    lines = re.findall(r"rank (\d+): last_norm=(\S+)", stdout)
+    lines = re.findall(r"rank (\d+): last_norm=(\d+\.\d{6})", stdout)
     assert sorted(rank for rank, _ in lines) == [str(r) for r in range(WORLD_SIZE)], stdout
     assert len({norm for _, norm in lines}) == 1, stdout
 
