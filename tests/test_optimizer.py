@@ -975,21 +975,31 @@ def test_mixed_dtypes_are_measured_in_float64(per_group: bool) -> None:
             assert math.isclose(got, ref, rel_tol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("per_group", [False, True])
-def test_cuda_step_never_syncs_and_keeps_everything_on_device(per_group: bool) -> None:
-    model = _model().cuda()
-    opt = ClippedOptimizer(_sgd(model, foreach=True), max_norm=0.1, per_group=per_group)
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).cuda()
-    for checked in (False, True):  # the first step creates buffers and moves counters
-        opt.zero_grad()
-        model(x).pow(2).sum().backward()
+def _two_steps_second_without_syncs(opt: ClippedOptimizer, make_grads: Callable[[], None]) -> None:
+    """Step twice on fresh grads; the second step (buffers and counters in place by
+    then) runs under CUDA's sync debug mode, so any host sync raises."""
+    for checked in (False, True):
+        make_grads()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if checked else "default")
         try:
             opt.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_group", [False, True])
+def test_cuda_step_never_syncs_and_keeps_everything_on_device(per_group: bool) -> None:
+    model = _model().cuda()
+    opt = ClippedOptimizer(_sgd(model, foreach=True), max_norm=0.1, per_group=per_group)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).cuda()
+
+    def make_grads() -> None:
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+
+    _two_steps_second_without_syncs(opt, make_grads)
     assert opt.last_norm is not None and opt.last_norm.device.type == "cuda"
     assert opt.step_count.device.type == "cuda" and int(opt.step_count) == 2
 
@@ -1042,15 +1052,12 @@ def test_cuda_per_group_step_with_an_empty_group_never_syncs() -> None:
     inner = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [spare]}], lr=0.1)
     opt = ClippedOptimizer(inner, max_norm=0.1, per_group=True)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).cuda()
-    for checked in (False, True):  # the first step moves the counters
+
+    def make_grads() -> None:
         opt.zero_grad()
         model(x).pow(2).sum().backward()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error" if checked else "default")
-        try:
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+
+    _two_steps_second_without_syncs(opt, make_grads)
     assert opt.last_group_norms is not None and opt.last_group_norms[1].item() == 0.0
 
 
@@ -1082,15 +1089,12 @@ def test_cpu_tensor_max_norms_on_cuda_grads_never_sync() -> None:
     thresholds = [torch.tensor(math.inf), torch.tensor(0.5)]
     groups = [{"params": [p], "max_norm": t} for p, t in zip(params, thresholds, strict=True)]
     opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.0), max_norm=1.0, per_group=True)
-    for checked in (False, True):  # the first step moves the counters
+
+    def make_grads() -> None:
         for param in params:
             param.grad = torch.full((3,), 4.0, device="cuda")
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error" if checked else "default")
-        try:
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+
+    _two_steps_second_without_syncs(opt, make_grads)
     assert params[0].grad is not None and params[0].grad.tolist() == [4.0] * 3
     assert params[1].grad is not None
     assert math.isclose(float(params[1].grad.norm()), 0.5, rel_tol=1e-5)
