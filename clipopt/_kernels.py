@@ -209,7 +209,7 @@ def _strided_partials(t: Tensor, p: float) -> Tensor:
 
 def _packed_partials(run: list[Tensor], p: float) -> list[Tensor]:
     """Partial norms of tensors that ``torch.cat`` joins: one copy, one reduction."""
-    return _flat_partials(torch.cat(run).view(-1), p)
+    return _flat_partials(torch.cat(run).reshape(-1), p)  # cat keeps channels-last
 
 
 class _Packer:

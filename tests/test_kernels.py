@@ -129,6 +129,19 @@ def test_non_contiguous_large_tensors(name: str, p: float, dtype: torch.dtype) -
     assert_norm_close(_kernels.total_norm([t], p), [t], p)
 
 
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_non_contiguous_small_tensors_are_packed(p: float) -> None:
+    """Below ``_PACK_BELOW`` a tensor is packed by ``torch.cat``, which keeps a lone
+    channels-last input channels-last: the packed run must still be read flat."""
+    conv = randn(8 * 3 * 5 * 5, seed=9).view(8, 3, 5, 5)
+    for t in (
+        conv.contiguous(memory_format=torch.channels_last),
+        randn(600, seed=3).view(30, 20).t(),
+    ):
+        assert not t.is_contiguous() and t.numel() < _PACK_BELOW
+        assert_norm_close(_kernels.total_norm([t], p), [t], p)
+
+
 def test_the_norm_never_writes_its_inputs() -> None:
     tensors = [t.clone() for t in _layouts().values()] + [randn(100), randn(70_000, torch.float16)]
     before = [t.clone() for t in tensors]
