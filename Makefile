@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_native.c
 	$(PIP) -e '.[test,dev]'
 	touch $(STAMP)
 
@@ -18,8 +18,8 @@ demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check clipopt tests examples benchmarks
-	$(BIN)/ruff format --check clipopt tests examples benchmarks
+	$(BIN)/ruff check clipopt tests examples benchmarks setup.py
+	$(BIN)/ruff format --check clipopt tests examples benchmarks setup.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy clipopt
@@ -33,4 +33,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build clipopt/*.so

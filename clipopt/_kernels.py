@@ -7,30 +7,27 @@ A total p-norm is the p-norm of partial p-norms, so every path reduces each
 (device, dtype) group to short vectors of partial norms and combines those with one
 ``sum`` of p-th powers (``torch.sum`` is a cascade sum, accurate to a few ulp).
 
-CPU, finite p:
+CPU, p in (1, 2, inf) and float32, float64, bfloat16 or float16 grads: every grad
+whose memory is dense (contiguous, or contiguous up to a permutation of its dims, e.g.
+channels-last) is read by one call into the C reduction of :mod:`clipopt._cpu_norms`,
+on torch's own threads, at the speed of ``torch.sum``; grads with gaps in memory
+(a strided slice) are reduced in place by torch ops, their last dim split into rows.
 
-- A tensor of at least ``_PACK_BELOW`` elements whose memory is dense (contiguous, or
-  contiguous up to a permutation of its dims, e.g. channels-last) is viewed as rows of
-  ``_ROW`` elements and reduced row-wise, one ``vector_norm(dim=1)`` per tensor. Short
-  rows keep float32 accumulation exact: 4e-8 relative at 40M elements (one flat
-  ``vector_norm`` drifts by 3e-3) and ~1e-7 even on data with short mantissas, where
-  longer rows (and BLAS ``dot``) build a bias of 1e-6 and more. Its ragged tail joins
-  the small tensors.
+CPU, any other p or dtype (complex): torch ops.
+
+- A tensor of at least ``_PACK_BELOW`` elements whose memory is dense is viewed as rows
+  of ``_ROW`` elements and reduced row-wise, one ``vector_norm(dim=1)`` per tensor.
+  Short rows keep float32 accumulation exact: 4e-8 relative at 40M elements (one flat
+  ``vector_norm`` drifts by 3e-3). Its ragged tail joins the small tensors.
 - Smaller tensors are packed ``_PACK_RUN`` elements at a time into one buffer by
   ``torch.cat`` (tensors whose shapes agree past dim 0 join without a per-tensor view),
   which is then reduced row-wise. A per-tensor reduction costs a dispatch per tensor
   and ``_foreach_norm`` on CPU is a loop of them; packing costs one bounded copy.
 - Half types are widened to float32 ``_CHUNK`` elements at a time in a scratch buffer,
   so nothing proportional to the model is allocated.
-- Large tensors with gaps in memory (e.g. a strided slice) are reduced in place, their
-  last dim split into rows.
 
 Each CPU group is read last to first: the pass that usually follows (the scale, a fused
 optimizer step) runs first to last and so starts on grads still in cache.
-
-CPU, inf: one ``aminmax`` per large tensor (whatever its strides) or packed run of
-small ones, never ``vector_norm(inf)`` (about 10x slower on the same bytes) and never a
-materialised ``abs()``; the (min, max) pairs are combined by one ``stack`` and ``abs``.
 
 Other devices (CUDA): one ``torch._foreach_norm`` per (device, dtype) group, with
 float32 accumulation for half types.
@@ -44,6 +41,8 @@ from typing import cast
 
 import torch
 from torch import Tensor
+
+from clipopt import _cpu_norms
 
 __all__ = [
     "EPS",
@@ -127,19 +126,6 @@ def _abs_max(t: Tensor) -> Tensor:
     return torch.maximum(hi, -lo).reshape(1)
 
 
-def _dense_flat_view(t: Tensor) -> Tensor | None:
-    """``t``'s elements as a contiguous 1-D view in memory order; None if it has gaps.
-
-    A norm ignores order, so a channels-last or transposed tensor is as good as a
-    contiguous one once its dims are permuted by decreasing stride.
-    """
-    if t.is_contiguous():
-        return t.view(-1)
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
-    permuted = t.permute(order)
-    return permuted.view(-1) if permuted.is_contiguous() else None
-
-
 def _row_norms(flat: Tensor, p: float) -> Tensor:
     """p-norms of the ``_ROW``-element rows of a 1-D tensor whose length they divide."""
     rows = flat.view(-1, _ROW)
@@ -166,8 +152,6 @@ def _body_partials(flat: Tensor, p: float) -> list[Tensor]:
     """Partial norms of a dense 1-D tensor whose length ``_ROW`` divides."""
     if flat.numel() == 0:
         return []
-    if _is_real_inf(p, flat.dtype):
-        return [_abs_max(flat)]
     if _accumulate_dtype(flat.dtype) is not None:
         return _widened_row_norms(flat, p)
     return [_row_norms(flat, p)]
@@ -180,10 +164,7 @@ def _flat_partials(flat: Tensor, p: float) -> list[Tensor]:
     if body < flat.numel():
         tail = flat[body:]
         acc = _accumulate_dtype(flat.dtype)
-        if _is_real_inf(p, flat.dtype):
-            parts.append(_abs_max(tail))
-        else:
-            parts.append(torch.linalg.vector_norm(tail, p, dtype=acc).reshape(1))
+        parts.append(torch.linalg.vector_norm(tail, p, dtype=acc).reshape(1))
     return parts
 
 
@@ -253,7 +234,7 @@ class _Packer:
 
 def _large_partials(t: Tensor, p: float) -> tuple[list[Tensor], Tensor | None]:
     """Partial norms of a large tensor read in place, and its tail to pack (or None)."""
-    flat = _dense_flat_view(t)
+    flat = _cpu_norms.dense_flat_view(t)
     if flat is None:
         return [_strided_partials(t, p)], None
     ragged = flat.numel() % _ROW
@@ -264,7 +245,21 @@ def _large_partials(t: Tensor, p: float) -> tuple[list[Tensor], Tensor | None]:
 
 
 def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
-    """Partial norms of one dense CPU group: large tensors in place, small ones packed.
+    """Partial norms of one dense CPU group: the C reduction where it applies, else torch's."""
+    if not _cpu_norms.supports(p, tensors[0].dtype):
+        return _torch_cpu_partials(tensors, p)
+    dense: list[Tensor] = []
+    gappy: list[Tensor] = []
+    for t in tensors:
+        if t.numel():
+            (dense if _cpu_norms.is_dense(t) else gappy).append(t)
+    parts = [_cpu_norms.native_norm_partial(dense, p)] if dense else []
+    return parts + [_strided_partials(t, p) for t in gappy]
+
+
+def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
+    """Partial norms of one dense CPU group from torch ops: large tensors in place, small
+    ones packed. Never the real inf-norm, which the C reduction always takes.
 
     Small 1-D tensors (the usual biases and norms) take the short path through this
     loop: on thousands of them the Python cost per tensor is what shows.
@@ -273,16 +268,11 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     others = _Packer(p)
     run: list[Tensor] = []
     run_size = 0
-    extremes: list[Tensor] = []
-    max_abs_only = _is_real_inf(p, tensors[0].dtype)
     # Last to first: the pass that usually follows (the scale, or a fused optimizer step)
     # runs first to last, and then finds the grads it starts with still in cache.
     for t in reversed(tensors):
         numel = t.numel()
         if numel >= _PACK_BELOW:
-            if max_abs_only:
-                extremes.extend(torch.aminmax(t))
-                continue
             large, tail = _large_partials(t, p)
             parts.extend(large)
             if tail is None:
@@ -300,19 +290,7 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
         run_size += numel
     if run:
         parts.extend(_packed_partials(run, p))
-    if extremes:
-        parts.append(_abs_of_extremes(extremes))
     return parts + others.flush()
-
-
-def _abs_of_extremes(extremes: list[Tensor]) -> Tensor:
-    """The inf-norm partials of large tensors from their (min, max) pairs, in one vector.
-
-    One ``aminmax`` per whole tensor, whatever its strides, and the pairs combined by a
-    single ``stack`` and ``abs``: per-tensor slicing and combining cost 8% of the norm on
-    a transformer's grads.
-    """
-    return torch.stack(extremes).abs()
 
 
 def _group_partial_norms(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:

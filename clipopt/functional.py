@@ -134,7 +134,7 @@ def get_total_norm(
       >>> clipopt.get_total_norm([torch.tensor([3.0]), torch.tensor([4.0])])
       tensor(5.)
       >>> clipopt.get_total_norm([torch.full((1000,), 3000.0, dtype=torch.float16)])
-      tensor(94868.3125)
+      tensor(94868.3281)
     """
     p = check_norm_type(norm_type)
     present = _present(tensors)

@@ -1,0 +1,216 @@
+"""The C reduction (``clipopt/_native.c``) against float64 references.
+
+It cuts buffers into chunks of ``CHUNK`` elements (the unit handed to a thread) and
+sums float32 blocks of ``BLOCK`` elements in ``LANES`` lanes, so the sizes below sit on
+both sides of each. Error bounds are derived, not fitted: a lane adds at most
+``BLOCK / LANES = 32`` terms and the lanes fold in 5 pairwise levels, so a float32
+block sum of non-negative terms is off by at most ``(31 + 5) u`` relative
+(``u = 2**-24``); the double additions after it cost ~1e-16 each. The 2-norm, a square
+root, halves that.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+import clipopt
+from clipopt import _cpu_norms, _native
+
+CHUNK = 1 << 16
+BLOCK = 1024
+PER_THREAD = 1 << 18
+U = 2.0**-24
+RTOL = {1.0: 37 * U, 2.0: 19 * U, math.inf: 0.0}
+RTOL_DOUBLE = 1e-13
+OPS = {2.0: 0, 1.0: 1, math.inf: 2}
+CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+NORMS = [1.0, 2.0, math.inf]
+SIZES = [1, 31, 32, 33, BLOCK - 1, BLOCK, BLOCK + 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7]
+
+
+def reference(tensors: Sequence[Tensor], p: float) -> float:
+    """The p-norm of every element, computed in float64."""
+    values = torch.cat([t.double().abs().reshape(-1) for t in tensors])
+    if p == math.inf:
+        return values.max().item()
+    return values.pow(p).sum().pow(1.0 / p).item()
+
+
+def native(tensors: Sequence[Tensor], p: float, threads: int | None = None) -> float:
+    """The C reduction's p-norm of ``tensors`` (all dense, one dtype)."""
+    value = _native.reduce(
+        OPS[p],
+        CODES[tensors[0].dtype],
+        [t.data_ptr() for t in tensors],
+        [t.numel() for t in tensors],
+        torch.get_num_threads() if threads is None else threads,
+    )
+    return math.sqrt(value) if p == 2.0 else value
+
+
+def assert_matches(got: float, tensors: Sequence[Tensor], p: float) -> None:
+    rtol = RTOL_DOUBLE if tensors[0].dtype == torch.float64 and p != math.inf else RTOL[p]
+    expected = reference(tensors, p)
+    assert got == pytest.approx(expected, rel=rtol, abs=0.0), (got, expected)
+
+
+def gaussian(n: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=generator, dtype=torch.float64) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(CODES))
+@pytest.mark.parametrize("p", NORMS)
+@pytest.mark.parametrize("n", SIZES)
+def test_each_size_dtype_and_norm(n: int, p: float, dtype: torch.dtype) -> None:
+    t = gaussian(n, dtype, seed=n)
+    assert_matches(native([t], p), [t], p)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from(SIZES) | st.integers(0, 5000), min_size=1, max_size=6),
+    dtype=st.sampled_from(list(CODES)),
+    p=st.sampled_from(NORMS),
+    exponent=st.integers(-30, 30),
+    seed=st.integers(0, 2**16),
+)
+def test_many_buffers_at_any_scale(
+    sizes: list[int], dtype: torch.dtype, p: float, exponent: int, seed: int
+) -> None:
+    """Scales whose float32 squares overflow (1e30) or underflow (1e-30) stay exact."""
+    if dtype in (torch.float16, torch.bfloat16):
+        exponent = max(min(exponent, 2), -2) if dtype == torch.float16 else exponent
+    tensors = [gaussian(n, dtype, seed + i, scale=10.0**exponent) for i, n in enumerate(sizes)]
+    if sum(t.numel() for t in tensors) == 0:
+        assert native(tensors, p) == 0.0
+        return
+    assert_matches(native(tensors, p), tensors, p)
+
+
+def test_float32_squares_past_overflow_and_underflow_in_one_block() -> None:
+    """One block mixing 1e30 (square overflows float32) with 1e-30 (square underflows)."""
+    t = torch.tensor([1e30, -1e-30, 3e29, 1e-30] * 300, dtype=torch.float32)
+    assert math.isfinite(native([t], 2.0))
+    assert_matches(native([t], 2.0), [t], 2.0)
+    tiny = torch.full((5000,), 1e-30, dtype=torch.float32)
+    assert_matches(native([tiny], 2.0), [tiny], 2.0)
+    assert torch.linalg.vector_norm(tiny).item() == 0.0  # what the C reduction avoids
+
+
+def test_zeros() -> None:
+    zeros = torch.zeros(3 * BLOCK + 5)
+    for p in NORMS:
+        assert native([zeros], p) == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(list(CODES)),
+    p=st.sampled_from(NORMS),
+    special=st.sampled_from([math.nan, math.inf, -math.inf]),
+    index=st.integers(0, 3 * CHUNK - 1),
+    with_nan_elsewhere=st.booleans(),
+)
+def test_nan_and_inf_propagate(
+    dtype: torch.dtype, p: float, special: float, index: int, with_nan_elsewhere: bool
+) -> None:
+    t = gaussian(3 * CHUNK, dtype, seed=index)
+    t[index] = special
+    if with_nan_elsewhere:
+        t[(index + CHUNK + 17) % t.numel()] = math.nan
+    got = native([t], p)
+    if math.isnan(special) or with_nan_elsewhere:
+        assert math.isnan(got)
+    else:
+        assert got == math.inf
+
+
+def test_every_float16_value() -> None:
+    """The half-to-float conversion is done with integer operations: check all 65536."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = every[torch.isfinite(every)]
+    for p in (1.0, 2.0):
+        assert_matches(native([finite], p), [finite], p)
+    address = every.data_ptr()
+    for i, value in enumerate(every.double().abs().tolist()):
+        got = _native.reduce(2, 3, [address + 2 * i], [1], 1)
+        assert got == value or (math.isnan(got) and math.isnan(value)), (i, got, value)
+
+
+def test_result_does_not_depend_on_threads() -> None:
+    """Chunks are combined in a fixed order: every thread count gives the same bits."""
+    tensors = [gaussian(n, torch.float32, seed=n) for n in (5 * PER_THREAD + 3, 1000, CHUNK * 7)]
+    for p in NORMS:
+        one = native(tensors, p, threads=1)
+        assert all(native(tensors, p, threads=t) == one for t in (2, 3, 4, 7))
+
+
+def test_bad_arguments_raise() -> None:
+    t = torch.ones(4)
+    with pytest.raises(ValueError, match="op must be"):
+        _native.reduce(7, 0, [t.data_ptr()], [4], 1)
+    with pytest.raises(ValueError, match="dtype must be"):
+        _native.reduce(0, 9, [t.data_ptr()], [4], 1)
+    with pytest.raises(ValueError, match="differ in length"):
+        _native.reduce(0, 0, [t.data_ptr()], [4, 4], 1)
+    with pytest.raises(ValueError, match="numels must be >= 0"):
+        _native.reduce(0, 0, [t.data_ptr()], [-1], 1)
+    with pytest.raises(TypeError, match="addresses must hold ints"):
+        _native.reduce(0, 0, ["x"], [4], 1)
+
+
+# ---------------------------------------------------------------- use by clipopt
+
+
+@pytest.fixture
+def reduce_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the buffer count of every call into the C reduction."""
+    calls: list[int] = []
+    real = _native.reduce
+
+    def counted(op: int, dtype: int, addresses: list[int], numels: list[int], t: int) -> float:
+        calls.append(len(addresses))
+        return real(op, dtype, addresses, numels, t)
+
+    monkeypatch.setattr(_cpu_norms._native, "reduce", counted)
+    return calls
+
+
+def test_clip_grad_norm_reads_each_group_in_one_call(reduce_calls: list[int]) -> None:
+    """Dense grads of each dtype in one call, channels-last included; a grad with gaps
+    in memory, an empty one and a norm order the C code lacks take torch's path."""
+    conv = torch.randn(8, 3, 5, 5).to(memory_format=torch.channels_last)
+    gappy = torch.randn(64, 300)[:, :200]
+    grads = [torch.randn(3000), conv, gappy, torch.zeros(0), torch.randn(700).bfloat16()]
+    for p in NORMS:
+        reduce_calls.clear()
+        got = clipopt.get_total_norm(grads, p).item()
+        assert reduce_calls == [2, 1]  # float32: the vector and the conv; then bfloat16
+        assert got == pytest.approx(reference(grads, p), rel=1e-6)
+    reduce_calls.clear()
+    clipopt.get_total_norm(grads, 3.0)
+    assert reduce_calls == []
+
+
+def test_custom_op_passes_torch_opcheck() -> None:
+    """The op that ``torch.compile`` traces: schema, fake kernel and eager kernel agree."""
+    tensors = [torch.randn(5000), torch.randn(3, 7)]
+    for p in NORMS:
+        torch.library.opcheck(_cpu_norms._reduce_op, (tensors, p))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_shares_torchs_openmp_runtime() -> None:
+    """A second OpenMP pool would fight torch's spinning workers for the cores."""
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}
+    assert len(runtimes) == 1, runtimes
