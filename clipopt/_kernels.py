@@ -9,7 +9,7 @@ A total p-norm is the p-norm of partial p-norms, so every path reduces each
 
 CPU, p in (1, 2, inf) and float32, float64, bfloat16 or float16 grads: every grad
 whose memory is dense (contiguous, or contiguous up to a permutation of its dims, e.g.
-channels-last) is read by one call into the C reduction of :mod:`clipopt._cpu_norms`,
+channels-last) is read by one call into the C reduction of :mod:`clipopt._cpu`,
 on torch's own threads, at the speed of ``torch.sum``; grads with gaps in memory
 (a strided slice) are reduced in place by torch ops, their last dim split into rows.
 
@@ -42,7 +42,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from clipopt import _cpu_norms
+from clipopt import _cpu
 
 __all__ = [
     "EPS",
@@ -234,7 +234,7 @@ class _Packer:
 
 def _large_partials(t: Tensor, p: float) -> tuple[list[Tensor], Tensor | None]:
     """Partial norms of a large tensor read in place, and its tail to pack (or None)."""
-    flat = _cpu_norms.dense_flat_view(t)
+    flat = _cpu.dense_flat_view(t)
     if flat is None:
         return [_strided_partials(t, p)], None
     ragged = flat.numel() % _ROW
@@ -246,14 +246,14 @@ def _large_partials(t: Tensor, p: float) -> tuple[list[Tensor], Tensor | None]:
 
 def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     """Partial norms of one dense CPU group: the C reduction where it applies, else torch's."""
-    if not _cpu_norms.supports(p, tensors[0].dtype):
+    if not _cpu.supports(p, tensors[0].dtype):
         return _torch_cpu_partials(tensors, p)
     dense: list[Tensor] = []
     gappy: list[Tensor] = []
     for t in tensors:
         if t.numel():
-            (dense if _cpu_norms.is_dense(t) else gappy).append(t)
-    parts = [_cpu_norms.native_norm_partial(dense, p)] if dense else []
+            (dense if _cpu.is_dense(t) else gappy).append(t)
+    parts = [_cpu.norm_partial(dense, p)] if dense else []
     return parts + [_strided_partials(t, p) for t in gappy]
 
 
@@ -426,21 +426,40 @@ def _beside(value: Tensor, other: Tensor) -> Tensor:
 def scale_(tensors: Sequence[Tensor], coef: Tensor, foreach: bool | None = None) -> None:
     """Multiply every tensor in place by the 0-dim ``coef`` (moved to each device once).
 
-    Dense groups use one ``_foreach_mul_`` unless ``foreach=False``; on CPU that is a
-    C++ loop and still beats a Python one. Sparse COO tensors are scaled one by one.
+    Dense CPU grads of float32, float64 and bfloat16 take one call into the C kernel of
+    :mod:`clipopt._cpu`, whatever ``foreach`` says (it rounds as ``mul_`` does, and
+    writes nothing when ``coef`` is exactly 1). Other dense groups use one
+    ``_foreach_mul_`` unless ``foreach=False``. Sparse COO tensors are scaled one by one.
     """
     sparse = [t for t in tensors if t.is_sparse]
     dense = [t for t in tensors if not t.is_sparse] if sparse else list(tensors)
     scale_groups_((_group_in_cpp(dense), group_by_device_and_dtype(sparse)), coef, foreach)
 
 
+_COEF_DTYPES = (torch.float32, torch.float64)
+
+
+def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
+    """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch."""
+    dense: list[Tensor] = []
+    gappy: list[Tensor] = []
+    for t in group:
+        (dense if _cpu.is_dense(t) else gappy).append(t)
+    if dense:
+        _cpu.scale_(dense, coef)
+    if gappy:
+        torch._foreach_mul_(gappy, coef)
+
+
 def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> None:
     """:func:`scale_` over tensors already grouped, e.g. by :func:`grouped_total_norm`."""
     dense, sparse = groups
     coef_on: dict[torch.device, Tensor] = {}
-    for (device, _), group in dense.items():
+    for (device, dtype), group in dense.items():
         coef_here = coef_on.setdefault(device, coef.to(device))
-        if foreach is False:
+        if device.type == "cpu" and _cpu.scales(dtype) and coef_here.dtype in _COEF_DTYPES:
+            _scale_cpu_group_(group, coef_here)
+        elif foreach is False:
             for t in group:
                 t.mul_(coef_here)
         else:

@@ -1,21 +1,27 @@
-/* Exact norm reductions over many dense CPU buffers, at the speed of reading them.
+/* Exact norm reductions and in-place scaling over many dense CPU buffers, at the speed
+ * of reading (and writing) them.
  *
- * clipopt._kernels hands over one (device, dtype) group of contiguous grads as lists of
- * data pointers and element counts. Each buffer is cut into chunks of CHUNK elements;
- * threads take runs of chunks, each chunk is reduced alone, and the chunk results are
- * combined in chunk order on the calling thread. The result therefore does not depend
- * on the number of threads or on which instruction set a clone below was built for.
+ * clipopt._kernels hands over one (device, dtype) group of dense grads as lists of data
+ * pointers and element counts. Each buffer is cut into chunks of CHUNK elements;
+ * threads take every threads-th chunk, each chunk is reduced alone, and the chunk
+ * results are combined in chunk order on the calling thread. The result therefore does
+ * not depend on the number of threads or on which instruction set a clone below was
+ * built for.
  *
- * Sums (of squares, of absolute values) accumulate in double precision, in LANES
- * independent lanes so that compilers vectorise them without reassociating anything.
- * A float, bfloat16 or half value squared is exact in a double, so these sums cannot
- * overflow and lose at most a few units of 1e-16 per chunk.
+ * Sums (of squares, of absolute values) run in LANES independent lanes, so that
+ * compilers vectorise them without reassociating anything: float32 lanes over blocks
+ * of BLOCK elements, whose sums are added in double (double lanes for float64 grads).
+ * A block whose float32 sum may have overflowed or underflowed is read again in
+ * double, where the square of a float, bfloat16 or half value is exact.
  *
  * max |x| compares the bit patterns of |x| as unsigned integers: for IEEE floats with
  * the sign bit cleared that order is the order of the values, and every NaN sorts
  * above infinity, so a NaN anywhere gives a NaN result.
  *
- * The GIL is released while reducing; the buffers must stay alive and unchanged until
+ * Scaling multiplies in place and rounds as torch's mul_ does; a coefficient of exactly
+ * 1 (no clipping needed) writes nothing.
+ *
+ * The GIL is released while working; the buffers must stay alive and unchanged until
  * the call returns, which the synchronous CPU tensors of the caller guarantee.
  */
 #define PY_SSIZE_T_CLEAN
@@ -166,6 +172,36 @@ DEFINE_MAX_BITS(max_bits_16, uint16_t, 0x7fffu)
 DEFINE_MAX_BITS(max_bits_32, uint32_t, 0x7fffffffu)
 DEFINE_MAX_BITS(max_bits_64, uint64_t, 0x7fffffffffffffffull)
 
+/* In-place scaling by a coefficient, rounded as torch's mul_ rounds: float32 and
+ * bfloat16 grads multiply in float32 (bfloat16 rounded to nearest even, NaN made quiet),
+ * float64 grads in double. */
+CLONED static void f32_scale(float *x, int64_t n, float c) {
+    for (int64_t i = 0; i < n; i++) x[i] *= c;
+}
+
+CLONED static void f64_scale(double *x, int64_t n, double c) {
+    for (int64_t i = 0; i < n; i++) x[i] *= c;
+}
+
+static inline uint16_t bf16_round(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    uint16_t rounded = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    return value != value ? (uint16_t)0x7fc0u : rounded;
+}
+
+CLONED static void bf16_scale(uint16_t *x, int64_t n, float c) {
+    for (int64_t i = 0; i < n; i++) x[i] = bf16_round(bf16_load(x, i) * c);
+}
+
+/* The buffers of one call, cut into chunks of at most CHUNK elements. */
+typedef struct {
+    char **starts;    /* first byte of each chunk */
+    int64_t *lengths; /* elements in each chunk */
+    int64_t count;    /* chunks */
+    int64_t elements;
+} Chunks;
+
 /* One chunk's result: a sum, or for MAX_ABS the bits of its largest |x|. */
 typedef union {
     double sum;
@@ -174,11 +210,16 @@ typedef union {
 
 typedef struct {
     int op, dtype;
-    const char **starts; /* first byte of each chunk */
-    int64_t *lengths;    /* elements in each chunk */
+    const Chunks *chunks;
     ChunkResult *results;
-    int64_t chunks;
-} Work;
+} ReduceWork;
+
+typedef struct {
+    int dtype;
+    const Chunks *chunks;
+    float coefficient;
+    double coefficient64;
+} ScaleWork;
 
 static inline ChunkResult reduce_chunk(int op, int dtype, const char *start, int64_t n) {
     ChunkResult r;
@@ -212,28 +253,70 @@ static inline ChunkResult reduce_chunk(int op, int dtype, const char *start, int
 /* Thread `t` of `threads` reduces chunks t, t + threads, ..., last first: the pass that
  * usually follows (the scale, a fused optimizer step) runs first to last, and then
  * starts on memory that every thread read last, still in cache. */
-static void reduce_chunks(const Work *work, int64_t t, int64_t threads) {
-    if (t >= work->chunks) return;
-    for (int64_t c = t + (work->chunks - 1 - t) / threads * threads; c >= 0; c -= threads)
-        work->results[c] = reduce_chunk(work->op, work->dtype, work->starts[c], work->lengths[c]);
+static void reduce_share(const void *opaque, int64_t t, int64_t threads) {
+    const ReduceWork *work = opaque;
+    const Chunks *chunks = work->chunks;
+    if (t >= chunks->count) return;
+    for (int64_t c = t + (chunks->count - 1 - t) / threads * threads; c >= 0; c -= threads)
+        work->results[c] = reduce_chunk(work->op, work->dtype, chunks->starts[c], chunks->lengths[c]);
 }
 
-/* Reduce every chunk with up to `threads` threads, the calling one included. OpenMP
- * here is the runtime torch already loaded (the same libgomp.so.1), so these are
- * torch's own intra-op threads: a second pool would compete with torch's spinning
- * workers for the cores. */
-static void run_chunks(const Work *base, int64_t elements, int threads) {
-    int64_t chunks = base->chunks;
-    int64_t useful = elements / PER_THREAD;
+/* Thread `t` of `threads` scales chunks t, t + threads, ..., first to last. */
+static void scale_share(const void *opaque, int64_t t, int64_t threads) {
+    const ScaleWork *work = opaque;
+    const Chunks *chunks = work->chunks;
+    for (int64_t c = t; c < chunks->count; c += threads) {
+        char *start = chunks->starts[c];
+        int64_t n = chunks->lengths[c];
+        if (work->dtype == FLOAT64) f64_scale((double *)start, n, work->coefficient64);
+        else if (work->dtype == FLOAT32) f32_scale((float *)start, n, work->coefficient);
+        else bf16_scale((uint16_t *)start, n, work->coefficient);
+    }
+}
+
+/* Runs share(work, t, threads) for t < threads on up to `threads` threads, the calling
+ * one included. OpenMP here is the runtime torch already loaded (the same
+ * libgomp.so.1), so these are torch's own intra-op threads: a second pool would compete
+ * with torch's spinning workers for the cores. */
+static void run_shares(void (*share)(const void *, int64_t, int64_t), const void *work,
+                       const Chunks *chunks, int threads) {
+    int64_t useful = chunks->elements / PER_THREAD;
     if (useful < threads) threads = useful < 1 ? 1 : (int)useful;
-    if (chunks < threads) threads = (int)chunks;
+    if (chunks->count < threads) threads = (int)chunks->count;
+    if (threads < 1) threads = 1;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
 #endif
-    for (int t = 0; t < threads; t++) reduce_chunks(base, t, threads);
+    for (int t = 0; t < threads; t++) share(work, t, threads);
 }
 
 static const int ELEMENT_SIZE[] = {4, 8, 2, 2};
+
+typedef struct {
+    uintptr_t start, end;
+} Span;
+
+static int compare_spans(const void *a, const void *b) {
+    uintptr_t x = ((const Span *)a)->start, y = ((const Span *)b)->start;
+    return (x > y) - (x < y);
+}
+
+/* Whether any two chunks share memory (a grad listed twice, or overlapping views). */
+static int chunks_overlap(const Chunks *chunks, int element_size) {
+    if (chunks->count < 2) return 0;
+    Span *spans = malloc(sizeof(Span) * (size_t)chunks->count);
+    if (spans == NULL) return 1; /* cannot tell: treat as overlapping, the safe answer */
+    for (int64_t c = 0; c < chunks->count; c++) {
+        spans[c].start = (uintptr_t)chunks->starts[c];
+        spans[c].end = spans[c].start + (uintptr_t)(chunks->lengths[c] * element_size);
+    }
+    qsort(spans, (size_t)chunks->count, sizeof(Span), compare_spans);
+    int overlap = 0;
+    for (int64_t c = 0; c + 1 < chunks->count && !overlap; c++)
+        overlap = spans[c].end > spans[c + 1].start;
+    free(spans);
+    return overlap;
+}
 
 static double decode_max(uint64_t bits, int dtype) {
     if (dtype == FLOAT64) {
@@ -247,7 +330,8 @@ static double decode_max(uint64_t bits, int dtype) {
 }
 
 /* Reads a sequence of Python ints into a new array; NULL with an exception set on error. */
-static int64_t *read_ints(PyObject *sequence, Py_ssize_t count, const char *name) {
+static int64_t *read_ints(PyObject *sequence, const char *name) {
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(sequence);
     int64_t *values = PyMem_Malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
     if (values == NULL) return (int64_t *)PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -261,92 +345,149 @@ static int64_t *read_ints(PyObject *sequence, Py_ssize_t count, const char *name
     return values;
 }
 
-PyDoc_STRVAR(reduce_doc,
-             "reduce(op, dtype, addresses, numels, threads) -> float\n\n"
-             "op: 0 sum of squares, 1 sum of |x|, 2 max |x|. dtype: 0 float32, 1 float64,\n"
-             "2 bfloat16, 3 float16. addresses and numels: one int per contiguous buffer.");
+static void free_chunks(Chunks *chunks) {
+    PyMem_Free(chunks->starts);
+    PyMem_Free(chunks->lengths);
+    chunks->starts = NULL;
+    chunks->lengths = NULL;
+}
 
-static PyObject *native_reduce(PyObject *self, PyObject *args) {
-    (void)self;
-    int op, dtype, threads;
-    PyObject *addresses_in, *numels_in;
-    if (!PyArg_ParseTuple(args, "iiOOi", &op, &dtype, &addresses_in, &numels_in, &threads))
-        return NULL;
-    if (op < SUM_SQUARES || op > MAX_ABS) return PyErr_Format(PyExc_ValueError, "op must be 0, 1 or 2, got %d", op);
-    if (dtype < FLOAT32 || dtype > FLOAT16)
-        return PyErr_Format(PyExc_ValueError, "dtype must be 0 to 3, got %d", dtype);
-    PyObject *addresses_seq = PySequence_Fast(addresses_in, "addresses must be a sequence");
-    if (addresses_seq == NULL) return NULL;
-    PyObject *numels_seq = PySequence_Fast(numels_in, "numels must be a sequence");
-    if (numels_seq == NULL) {
-        Py_DECREF(addresses_seq);
-        return NULL;
+/* Cuts the buffers given as addresses and numels into chunks; 0 with an exception set
+ * on bad input. */
+static int read_chunks(PyObject *addresses_in, PyObject *numels_in, int dtype, Chunks *out) {
+    memset(out, 0, sizeof *out);
+    if (dtype < FLOAT32 || dtype > FLOAT16) {
+        PyErr_Format(PyExc_ValueError, "dtype must be 0 to 3, got %d", dtype);
+        return 0;
     }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(addresses_seq);
-    PyObject *result = NULL;
+    PyObject *addresses_seq = PySequence_Fast(addresses_in, "addresses must be a sequence");
+    PyObject *numels_seq =
+        addresses_seq ? PySequence_Fast(numels_in, "numels must be a sequence") : NULL;
     int64_t *addresses = NULL, *numels = NULL;
-    const char **starts = NULL;
-    int64_t *lengths = NULL;
-    ChunkResult *results = NULL;
-    if (PySequence_Fast_GET_SIZE(numels_seq) != count) {
+    int ok = 0;
+    if (numels_seq == NULL) goto done;
+    if (PySequence_Fast_GET_SIZE(numels_seq) != PySequence_Fast_GET_SIZE(addresses_seq)) {
         PyErr_SetString(PyExc_ValueError, "addresses and numels differ in length");
         goto done;
     }
-    if (!(addresses = read_ints(addresses_seq, count, "addresses"))) goto done;
-    if (!(numels = read_ints(numels_seq, count, "numels"))) goto done;
-    int64_t chunks = 0, elements = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
+    if (!(addresses = read_ints(addresses_seq, "addresses"))) goto done;
+    if (!(numels = read_ints(numels_seq, "numels"))) goto done;
+    Py_ssize_t buffers = PySequence_Fast_GET_SIZE(addresses_seq);
+    for (Py_ssize_t i = 0; i < buffers; i++) {
         if (numels[i] < 0) {
             PyErr_Format(PyExc_ValueError, "numels must be >= 0, got %lld", (long long)numels[i]);
             goto done;
         }
-        chunks += (numels[i] + CHUNK - 1) / CHUNK;
-        elements += numels[i];
+        out->count += (numels[i] + CHUNK - 1) / CHUNK;
+        out->elements += numels[i];
     }
-    size_t slots = (size_t)(chunks ? chunks : 1);
-    starts = PyMem_Malloc(sizeof(char *) * slots);
-    lengths = PyMem_Malloc(sizeof(int64_t) * slots);
-    results = PyMem_Malloc(sizeof(ChunkResult) * slots);
-    if (!starts || !lengths || !results) {
+    size_t slots = (size_t)(out->count ? out->count : 1);
+    out->starts = PyMem_Malloc(sizeof(char *) * slots);
+    out->lengths = PyMem_Malloc(sizeof(int64_t) * slots);
+    if (!out->starts || !out->lengths) {
         PyErr_NoMemory();
+        free_chunks(out);
         goto done;
     }
     int64_t c = 0;
-    for (Py_ssize_t i = 0; i < count; i++)
+    for (Py_ssize_t i = 0; i < buffers; i++)
         for (int64_t offset = 0; offset < numels[i]; offset += CHUNK, c++) {
-            starts[c] = (const char *)(uintptr_t)addresses[i] + offset * ELEMENT_SIZE[dtype];
-            lengths[c] = numels[i] - offset < CHUNK ? numels[i] - offset : CHUNK;
+            out->starts[c] = (char *)(uintptr_t)addresses[i] + offset * ELEMENT_SIZE[dtype];
+            out->lengths[c] = numels[i] - offset < CHUNK ? numels[i] - offset : CHUNK;
         }
-    Work work = {op, dtype, starts, lengths, results, chunks};
-    Py_BEGIN_ALLOW_THREADS
-    run_chunks(&work, elements, threads);
-    Py_END_ALLOW_THREADS
-    double total = 0.0;
-    uint64_t top = 0;
-    for (int64_t k = 0; k < chunks; k++) {
-        if (op == MAX_ABS) top = top > results[k].bits ? top : results[k].bits;
-        else total += results[k].sum;
-    }
-    result = PyFloat_FromDouble(op == MAX_ABS ? decode_max(top, dtype) : total);
+    ok = 1;
 done:
     PyMem_Free(addresses);
     PyMem_Free(numels);
-    PyMem_Free(starts);
-    PyMem_Free(lengths);
+    Py_XDECREF(addresses_seq);
+    Py_XDECREF(numels_seq);
+    return ok;
+}
+
+PyDoc_STRVAR(reduce_doc,
+             "reduce(op, dtype, addresses, numels, threads) -> float\n\n"
+             "op: 0 sum of squares, 1 sum of |x|, 2 max |x|. dtype: 0 float32, 1 float64,\n"
+             "2 bfloat16, 3 float16. addresses and numels: one int per dense buffer.");
+
+static PyObject *native_reduce(PyObject *self, PyObject *args) {
+    (void)self;
+    int op, dtype, threads;
+    PyObject *addresses, *numels;
+    if (!PyArg_ParseTuple(args, "iiOOi", &op, &dtype, &addresses, &numels, &threads))
+        return NULL;
+    if (op < SUM_SQUARES || op > MAX_ABS)
+        return PyErr_Format(PyExc_ValueError, "op must be 0, 1 or 2, got %d", op);
+    Chunks chunks;
+    if (!read_chunks(addresses, numels, dtype, &chunks)) return NULL;
+    ChunkResult *results = PyMem_Malloc(sizeof(ChunkResult) * (size_t)(chunks.count ? chunks.count : 1));
+    if (results == NULL) {
+        free_chunks(&chunks);
+        return PyErr_NoMemory();
+    }
+    ReduceWork work = {op, dtype, &chunks, results};
+    Py_BEGIN_ALLOW_THREADS
+    run_shares(reduce_share, &work, &chunks, threads);
+    Py_END_ALLOW_THREADS
+    double total = 0.0;
+    uint64_t top = 0;
+    for (int64_t k = 0; k < chunks.count; k++) {
+        if (op == MAX_ABS) top = top > results[k].bits ? top : results[k].bits;
+        else total += results[k].sum;
+    }
     PyMem_Free(results);
-    Py_DECREF(addresses_seq);
-    Py_DECREF(numels_seq);
-    return result;
+    free_chunks(&chunks);
+    return PyFloat_FromDouble(op == MAX_ABS ? decode_max(top, dtype) : total);
+}
+
+PyDoc_STRVAR(scale_doc,
+             "scale(dtype, addresses, numels, coefficient_address, coefficient_dtype, threads)\n\n"
+             "Multiplies every element in place by the coefficient read from memory (a\n"
+             "float32 or float64 scalar, dtype 0 or 1); does nothing when it is exactly 1.\n"
+             "dtype: 0 float32, 1 float64, 2 bfloat16.");
+
+static PyObject *native_scale(PyObject *self, PyObject *args) {
+    (void)self;
+    int dtype, coefficient_dtype, threads;
+    PyObject *addresses, *numels;
+    unsigned long long coefficient_address;
+    if (!PyArg_ParseTuple(args, "iOOKii", &dtype, &addresses, &numels, &coefficient_address,
+                          &coefficient_dtype, &threads))
+        return NULL;
+    if (dtype < FLOAT32 || dtype > BFLOAT16)
+        return PyErr_Format(PyExc_ValueError, "dtype must be 0 to 2, got %d", dtype);
+    if (coefficient_dtype != FLOAT32 && coefficient_dtype != FLOAT64)
+        return PyErr_Format(PyExc_ValueError, "coefficient_dtype must be 0 or 1, got %d",
+                            coefficient_dtype);
+    Chunks chunks;
+    if (!read_chunks(addresses, numels, dtype, &chunks)) return NULL;
+    const void *coefficient = (const void *)(uintptr_t)coefficient_address;
+    double wide = coefficient_dtype == FLOAT64 ? *(const double *)coefficient
+                                               : (double)*(const float *)coefficient;
+    ScaleWork work = {dtype, &chunks, (float)wide, wide};
+    /* Scaling by exactly 1 changes no value: skip the write (the kernel reads its own
+     * coefficient; the caller never does). */
+    int identity = dtype == FLOAT64 ? wide == 1.0 : work.coefficient == 1.0f;
+    if (!identity) {
+        Py_BEGIN_ALLOW_THREADS
+        /* Memory listed twice is scaled twice, in list order, as a loop of mul_ would. */
+        if (chunks_overlap(&chunks, ELEMENT_SIZE[dtype])) scale_share(&work, 0, 1);
+        else run_shares(scale_share, &work, &chunks, threads);
+        Py_END_ALLOW_THREADS
+    }
+    free_chunks(&chunks);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"reduce", native_reduce, METH_VARARGS, reduce_doc},
+    {"scale", native_scale, METH_VARARGS, scale_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "clipopt._native",
-    "Exact norm reductions over dense CPU buffers (see _native.c).", -1, methods,
+    "Exact norm reductions and scaling over dense CPU buffers (see _native.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -3,3 +3,11 @@ from collections.abc import Sequence
 def reduce(
     op: int, dtype: int, addresses: Sequence[int], numels: Sequence[int], threads: int
 ) -> float: ...
+def scale(
+    dtype: int,
+    addresses: Sequence[int],
+    numels: Sequence[int],
+    coefficient_address: int,
+    coefficient_dtype: int,
+    threads: int,
+) -> None: ...

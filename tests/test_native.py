@@ -1,4 +1,5 @@
-"""The C reduction (``clipopt/_native.c``) against float64 references.
+"""The C kernels (``clipopt/_native.c``): the norm against float64 references, the
+scale bit for bit against torch's ``mul_``.
 
 It cuts buffers into chunks of ``CHUNK`` elements (the unit handed to a thread) and
 sums float32 blocks of ``BLOCK`` elements in ``LANES`` lanes, so the sizes below sit on
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import clipopt
-from clipopt import _cpu_norms, _native
+from clipopt import _cpu, _native
 
 CHUNK = 1 << 16
 BLOCK = 1024
@@ -168,6 +169,111 @@ def test_bad_arguments_raise() -> None:
         _native.reduce(0, 0, ["x"], [4], 1)
 
 
+# ---------------------------------------------------------------- scale
+
+SCALED = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
+SPECIALS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-40, -3e-39, 3e38, 1e-45]
+
+
+def native_scale(tensors: Sequence[Tensor], coef: Tensor, threads: int = 2) -> None:
+    _native.scale(
+        SCALED[tensors[0].dtype],
+        [t.data_ptr() for t in tensors],
+        [t.numel() for t in tensors],
+        coef.data_ptr(),
+        CODES[coef.dtype],
+        threads,
+    )
+
+
+def assert_same_bits(got: Tensor, expected: Tensor) -> None:
+    """Equal values, NaN where NaN (torch's vector and scalar paths differ in NaN bits)."""
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(list(SCALED)),
+    coef_dtype=st.sampled_from([torch.float32, torch.float64]),
+    coef=st.floats(0.0, 1.0, allow_subnormal=True) | st.sampled_from([math.nan, 0.5, 1e-30]),
+    sizes=st.lists(st.sampled_from(SIZES) | st.integers(0, 3000), min_size=1, max_size=5),
+    special_at=st.lists(st.integers(0, 10**6), max_size=6),
+    seed=st.integers(0, 2**16),
+    threads=st.integers(1, 4),
+)
+def test_scale_rounds_like_mul(
+    dtype: torch.dtype,
+    coef_dtype: torch.dtype,
+    coef: float,
+    sizes: list[int],
+    special_at: list[int],
+    seed: int,
+    threads: int,
+) -> None:
+    """Bit for bit what ``mul_`` by the same 0-dim tensor gives, specials and subnormals
+    included, whatever the thread count."""
+    tensors = [gaussian(n, dtype, seed + i, scale=10.0 ** (i - 2)) for i, n in enumerate(sizes)]
+    for k, where in enumerate(special_at):
+        t = tensors[where % len(tensors)]
+        if t.numel():
+            t[where % t.numel()] = SPECIALS[k % len(SPECIALS)]
+    coefficient = torch.tensor(coef, dtype=coef_dtype)
+    expected = [t.clone().mul_(coefficient) for t in tensors]
+    native_scale(tensors, coefficient, threads)
+    for got, want in zip(tensors, expected, strict=True):
+        assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("dtype", list(SCALED))
+def test_scale_on_many_threads_matches_mul(dtype: torch.dtype) -> None:
+    sizes = (5 * PER_THREAD + 3, 1000, CHUNK * 7)
+    coef = torch.tensor(0.3)
+    for threads in (1, 2, 3, 7):
+        tensors = [gaussian(n, dtype, seed=n) for n in sizes]
+        expected = [t.clone().mul_(coef) for t in tensors]
+        native_scale(tensors, coef, threads)
+        for got, want in zip(tensors, expected, strict=True):
+            assert_same_bits(got, want)
+
+
+def test_scale_by_exactly_one_writes_nothing() -> None:
+    """Multiplying a signalling NaN by 1 quiets it; skipping the write keeps its bits."""
+    signalling = torch.tensor([0x7F800001, 0x3F800000], dtype=torch.int32).view(torch.float32)
+    before = signalling.view(torch.int32).clone()
+    native_scale([signalling], torch.tensor(1.0))
+    assert torch.equal(signalling.view(torch.int32), before)
+    native_scale([signalling], torch.tensor(0.5))
+    assert signalling.view(torch.int32)[0].item() != before[0].item()  # the write happened
+    assert math.isnan(signalling[0].item()) and signalling[1].item() == 0.5
+
+
+def test_scale_of_memory_listed_twice_matches_a_loop_of_mul() -> None:
+    """A grad listed twice, and overlapping views, are scaled once per listing."""
+    base = gaussian(6 * PER_THREAD, torch.float32, seed=1)
+    coef = torch.tensor(0.75)
+    for views in (
+        lambda b: [b, b[:1000], b],
+        lambda b: [b[: 4 * PER_THREAD], b[2 * PER_THREAD :]],
+    ):
+        expected = base.clone()
+        for view in views(expected):
+            view.mul_(coef)
+        got = base.clone()
+        native_scale(views(got), coef, threads=4)
+        assert_same_bits(got, expected)
+
+
+def test_scale_bad_arguments_raise() -> None:
+    t, coef = torch.ones(4), torch.tensor(0.5)
+    with pytest.raises(ValueError, match="dtype must be 0 to 2, got 3"):
+        _native.scale(3, [t.data_ptr()], [4], coef.data_ptr(), 0, 1)
+    with pytest.raises(ValueError, match="coefficient_dtype must be 0 or 1, got 2"):
+        _native.scale(0, [t.data_ptr()], [4], coef.data_ptr(), 2, 1)
+    with pytest.raises(ValueError, match="differ in length"):
+        _native.scale(0, [t.data_ptr()], [], coef.data_ptr(), 0, 1)
+    assert torch.equal(t, torch.ones(4))
+
+
 # ---------------------------------------------------------------- use by clipopt
 
 
@@ -181,7 +287,7 @@ def reduce_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(len(addresses))
         return real(op, dtype, addresses, numels, t)
 
-    monkeypatch.setattr(_cpu_norms._native, "reduce", counted)
+    monkeypatch.setattr(_cpu._native, "reduce", counted)
     return calls
 
 
@@ -201,11 +307,57 @@ def test_clip_grad_norm_reads_each_group_in_one_call(reduce_calls: list[int]) ->
     assert reduce_calls == []
 
 
-def test_custom_op_passes_torch_opcheck() -> None:
-    """The op that ``torch.compile`` traces: schema, fake kernel and eager kernel agree."""
+@pytest.fixture
+def scale_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the buffer count of every call into the C scale."""
+    calls: list[int] = []
+    real = _native.scale
+
+    def counted(dtype: int, addresses: list[int], *rest: int) -> None:
+        calls.append(len(addresses))
+        real(dtype, addresses, *rest)
+
+    monkeypatch.setattr(_cpu._native, "scale", counted)
+    return calls
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_clip_grad_norm_scales_each_group_in_one_call(
+    scale_calls: list[int], foreach: bool | None
+) -> None:
+    """Dense float32 and bfloat16 grads in one call each; a grad with gaps and float16
+    grads are scaled by torch; every grad ends up as torch's clip leaves it."""
+
+    def layouts() -> list[Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        conv = torch.randn(8, 3, 5, 5, generator=generator)
+        return [
+            torch.randn(3000, generator=generator),
+            conv.to(memory_format=torch.channels_last),
+            torch.randn(64, 300, generator=generator)[:, :200],
+            torch.randn(700, generator=generator).bfloat16(),
+            torch.randn(50, generator=generator).half(),
+        ]
+
+    params = [torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype)) for g in layouts()]
+    reference_params = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]
+    for p, q, g, h in zip(params, reference_params, layouts(), layouts(), strict=True):
+        p.grad, q.grad = g, h
+    versions = [p.grad._version for p in params]
+    norm = clipopt.clip_grad_norm_(params, 1.0, foreach=foreach)
+    torch.nn.utils.clip_grads_with_norm_(reference_params, 1.0, norm, foreach=foreach)
+    assert scale_calls == [2, 1]
+    for p, q, before in zip(params, reference_params, versions, strict=True):
+        assert_same_bits(p.grad, q.grad)
+        assert p.grad._version > before  # autograd sees the in-place write
+
+
+def test_custom_ops_pass_torch_opcheck() -> None:
+    """The ops that ``torch.compile`` traces: schema, fake kernel and eager kernel agree."""
     tensors = [torch.randn(5000), torch.randn(3, 7)]
     for p in NORMS:
-        torch.library.opcheck(_cpu_norms._reduce_op, (tensors, p))
+        torch.library.opcheck(_cpu._reduce_op, (tensors, p))
+    torch.library.opcheck(_cpu._scale_op, ([t.clone() for t in tensors], torch.tensor(0.5)))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")

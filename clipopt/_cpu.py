@@ -1,4 +1,4 @@
-"""Partial norms of dense CPU grads from the C reduction in ``_native.c``.
+"""Norm and scale of dense CPU grads by the C kernels in ``_native.c``.
 
 For the norms clipping uses (1, 2, inf) of float32, float64, bfloat16 and float16
 grads, one call reads a whole (device, dtype) group at the speed of ``torch.sum``, on
@@ -7,9 +7,14 @@ any block that could have overflowed or underflowed read again in double): about
 1e-9 relative at 40M elements, and no overflow for any finite float32 grad.
 ``torch.linalg.vector_norm`` accumulates the whole tensor in its own dtype.
 
-In eager mode the reduction is called directly; under ``torch.compile`` it is the
-custom op ``clipopt::dense_partial_norm``, the same code, so eager and compiled runs
-give the same bits.
+The scale of float32, float64 and bfloat16 grads is one call too, rounding as
+``mul_`` does, where ``torch._foreach_mul_`` on CPU is one ``mul_`` (and one parallel
+region) per grad. A coefficient of exactly 1 writes nothing: the kernel reads it from
+the coefficient's memory, so no Python code looks at its value.
+
+In eager mode the kernels are called directly; under ``torch.compile`` they are the
+custom ops ``clipopt::dense_partial_norm`` and ``clipopt::dense_scale_``, the same
+code, so eager and compiled runs give the same bits.
 """
 
 from __future__ import annotations
@@ -21,16 +26,22 @@ from torch import Tensor
 
 from clipopt import _native
 
-__all__ = ["dense_flat_view", "is_dense", "native_norm_partial", "supports"]
+__all__ = ["dense_flat_view", "is_dense", "norm_partial", "scale_", "scales", "supports"]
 
 _SUM_SQUARES, _SUM_ABS, _MAX_ABS = 0, 1, 2
 _OPS = {2.0: _SUM_SQUARES, 1.0: _SUM_ABS, math.inf: _MAX_ABS}
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+_SCALED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def supports(p: float, dtype: torch.dtype) -> bool:
     """Whether the C reduction computes the ``p``-norm of ``dtype`` grads."""
     return p in _OPS and dtype in _DTYPES
+
+
+def scales(dtype: torch.dtype) -> bool:
+    """Whether the C kernel scales ``dtype`` grads (float16 rounding is left to torch)."""
+    return dtype in _SCALED_DTYPES
 
 
 def dense_flat_view(t: Tensor) -> Tensor | None:
@@ -75,7 +86,7 @@ def _(dense: list[Tensor], p: float) -> Tensor:
     return dense[0].new_empty((1,), dtype=torch.float64)
 
 
-def native_norm_partial(dense: list[Tensor], p: float) -> Tensor:
+def norm_partial(dense: list[Tensor], p: float) -> Tensor:
     """The ``p``-norm of ``dense`` as a float64 tensor of one element.
 
     Args:
@@ -90,3 +101,34 @@ def native_norm_partial(dense: list[Tensor], p: float) -> Tensor:
         partial: Tensor = _reduce_op(dense, p)
         return partial
     return _reduce(dense, p)
+
+
+def _scale(dense: list[Tensor], coef: Tensor) -> None:
+    _native.scale(
+        _DTYPES[dense[0].dtype],
+        [t.data_ptr() for t in dense],
+        [t.numel() for t in dense],
+        coef.data_ptr(),
+        _DTYPES[coef.dtype],
+        torch.get_num_threads(),
+    )
+
+
+@torch.library.custom_op("clipopt::dense_scale_", mutates_args=("dense",))
+def _scale_op(dense: list[Tensor], coef: Tensor) -> None:
+    _scale(dense, coef)
+
+
+def scale_(dense: list[Tensor], coef: Tensor) -> None:
+    """Multiply every tensor of ``dense`` in place by ``coef``, as ``mul_`` would.
+
+    Args:
+      dense: CPU tensors of one dtype that :func:`scales`, each :func:`is_dense`.
+      coef: a 0-dim float32 or float64 CPU tensor.
+    """
+    if torch.compiler.is_compiling():
+        _scale_op(dense, coef)
+        return
+    _scale(dense, coef)
+    # Written through raw pointers: tell autograd, as mul_ would have.
+    torch.autograd.graph.increment_version(dense)
