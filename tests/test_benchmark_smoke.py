@@ -101,3 +101,30 @@ def test_markdown_renders_every_row_and_target(
     assert len(table_rows) == headers + expected + len(results["targets"])
     for target in results["targets"]:
         assert f"| {target['name']} | {target['value']:.2f} |" in page
+
+
+def _total_norm(params: list[torch.Tensor], norm_type: float) -> float:
+    grads = [p.grad.double() for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]), norm_type).item()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_every_timed_clip_really_clips(norm_type: float) -> None:
+    """A clip whose coefficient is exactly 1 writes nothing in clipopt: the timed calls
+    must shrink the grads every time, for both contenders, in any order."""
+    params = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    contenders = run.clip_contenders(params, norm_type)
+    for name in ["torch", "clipopt", "clipopt", "torch"] * 10:
+        before = _total_norm(params, norm_type)
+        contenders[name]()
+        assert _total_norm(params, norm_type) < 0.99 * before, name
+
+
+def test_every_timed_clipped_step_really_clips() -> None:
+    params = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    contenders = run.step_contenders(params, torch.device("cpu"))
+    clipped = [name for name in contenders if not name.endswith("bare")]
+    for name in clipped * 5:
+        before = _total_norm(params, 2.0)
+        contenders[name]()
+        assert _total_norm(params, 2.0) < 0.99 * before, name
