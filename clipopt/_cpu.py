@@ -26,7 +26,7 @@ from torch import Tensor
 
 from clipopt import _native
 
-__all__ = ["dense_flat_view", "is_dense", "norm_partial", "scale_", "scales", "supports"]
+__all__ = ["dense_flat_view", "norm_partial", "scale_", "scales", "split_dense", "supports"]
 
 _SUM_SQUARES, _SUM_ABS, _MAX_ABS = 0, 1, 2
 _OPS = {2.0: _SUM_SQUARES, 1.0: _SUM_ABS, math.inf: _MAX_ABS}
@@ -57,9 +57,17 @@ def dense_flat_view(t: Tensor) -> Tensor | None:
     return permuted.view(-1) if permuted.is_contiguous() else None
 
 
-def is_dense(t: Tensor) -> bool:
-    """Whether ``t``'s elements fill ``t.numel()`` slots from ``t.data_ptr()`` on, no gaps."""
-    return t.is_contiguous() or dense_flat_view(t) is not None
+def split_dense(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """``tensors`` split into those whose elements fill ``numel()`` slots from
+    ``data_ptr()`` on (which the C kernels read) and those with gaps in memory."""
+    dense: list[Tensor] = []
+    gappy: list[Tensor] = []
+    for t in tensors:
+        if t.is_contiguous() or dense_flat_view(t) is not None:
+            dense.append(t)
+        else:
+            gappy.append(t)
+    return dense, gappy
 
 
 def _reduce(dense: list[Tensor], p: float) -> Tensor:
@@ -90,8 +98,7 @@ def norm_partial(dense: list[Tensor], p: float) -> Tensor:
     """The ``p``-norm of ``dense`` as a float64 tensor of one element.
 
     Args:
-      dense: CPU tensors of one dtype that :func:`supports`, each :func:`is_dense` and
-        none empty.
+      dense: CPU tensors of one dtype that :func:`supports`, dense by :func:`split_dense`.
       p: 1, 2 or ``math.inf``.
 
     Returns:
@@ -123,7 +130,7 @@ def scale_(dense: list[Tensor], coef: Tensor) -> None:
     """Multiply every tensor of ``dense`` in place by ``coef``, as ``mul_`` would.
 
     Args:
-      dense: CPU tensors of one dtype that :func:`scales`, each :func:`is_dense`.
+      dense: CPU tensors of one dtype that :func:`scales`, dense by :func:`split_dense`.
       coef: a 0-dim float32 or float64 CPU tensor.
     """
     if torch.compiler.is_compiling():

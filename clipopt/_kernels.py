@@ -248,13 +248,9 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     """Partial norms of one dense CPU group: the C reduction where it applies, else torch's."""
     if not _cpu.supports(p, tensors[0].dtype):
         return _torch_cpu_partials(tensors, p)
-    dense: list[Tensor] = []
-    gappy: list[Tensor] = []
-    for t in tensors:
-        if t.numel():
-            (dense if _cpu.is_dense(t) else gappy).append(t)
+    dense, gappy = _cpu.split_dense(tensors)
     parts = [_cpu.norm_partial(dense, p)] if dense else []
-    return parts + [_strided_partials(t, p) for t in gappy]
+    return parts + [_strided_partials(t, p) for t in gappy if t.numel()]
 
 
 def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
@@ -441,10 +437,7 @@ _COEF_DTYPES = (torch.float32, torch.float64)
 
 def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
     """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch."""
-    dense: list[Tensor] = []
-    gappy: list[Tensor] = []
-    for t in group:
-        (dense if _cpu.is_dense(t) else gappy).append(t)
+    dense, gappy = _cpu.split_dense(group)
     if dense:
         _cpu.scale_(dense, coef)
     if gappy:
