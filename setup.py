@@ -6,14 +6,19 @@ import sys
 
 from setuptools import Extension, setup
 
+# No contraction into FMA and no strict aliasing: the kernels read floats' bits as
+# integers, and must give the same sums in every instruction-set clone.
 if sys.platform == "win32":
-    compile_args = ["/O2", "/fp:precise"]
+    compile_args = ["/O2", "/fp:precise", "/std:c11"]
     link_args: list[str] = []
 else:
-    # No contraction into FMA and no strict aliasing: the reductions read floats' bits
-    # as integers, and must give the same sums in every instruction-set clone.
-    compile_args = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing", "-fopenmp"]
-    link_args = ["-fopenmp"]
+    compile_args = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"]
+    link_args = []
+if sys.platform.startswith("linux"):
+    # torch's Linux wheels load libgomp.so.1; linking the same soname makes the kernels
+    # run on torch's own OpenMP threads. Elsewhere they run on the calling thread.
+    compile_args.append("-fopenmp")
+    link_args.append("-fopenmp")
 
 setup(
     ext_modules=[
