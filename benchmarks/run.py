@@ -17,6 +17,8 @@ Sections:
   only reads.
 - ``step``: full optimizer steps on the transformer layout: bare fused AdamW, torch's clip
   + fused AdamW, ``ClippedOptimizer(fused AdamW)``, and the same with foreach SGD.
+- ``amp step``: the same fused AdamW step under ``torch.amp.GradScaler``: bare, torch's
+  recipe (``unscale_``, clip, ``step``), and ``ClippedOptimizer`` handed to the scaler.
 - ``end_to_end``: forward, backward and step of a small transformer, unclipped vs
   ``ClippedOptimizer`` vs torch's clip.
 - ``accuracy``: relative error of the L2 norm of one 40M-element float32 grad.
@@ -303,6 +305,55 @@ def bench_steps(config: Config) -> list[Row]:
     return rows
 
 
+def amp_contenders(params: list[Tensor], device: torch.device) -> Contenders:
+    """Fused AdamW steps under ``GradScaler``: bare, torch's recipe, ClippedOptimizer.
+
+    The scale is held at 1 (and never grown) so that repeated unscaling leaves the shared
+    grads' size alone; the kernels cost the same whatever the scale's value.
+    """
+    fused = device.type in ("cpu", "cuda")
+    max_norm = ShrinkingMaxNorm()
+
+    def adamw() -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-6, fused=fused)
+
+    def scaler() -> torch.amp.GradScaler:
+        made = torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=2**30)
+        made.scale(torch.zeros((), device=device))  # creates the scale, as scaling a loss would
+        return made
+
+    bare, torch_clipped = adamw(), adamw()
+    wrapped = clipopt.ClippedOptimizer(adamw(), max_norm=MAX_NORM)
+    scalers = {"bare": scaler(), "torch": scaler(), "clipopt": scaler()}
+
+    def bare_step() -> None:
+        scalers["bare"].step(bare)
+        scalers["bare"].update()
+
+    def torch_recipe() -> None:
+        scalers["torch"].unscale_(torch_clipped)
+        torch.nn.utils.clip_grad_norm_(params, max_norm())
+        scalers["torch"].step(torch_clipped)
+        scalers["torch"].update()
+
+    def clipped_step() -> None:
+        wrapped.param_groups[0]["max_norm"] = max_norm()
+        scalers["clipopt"].step(wrapped)
+        scalers["clipopt"].update()
+
+    return {
+        "GradScaler + fused AdamW: bare": bare_step,
+        "torch: unscale_, clip, step": torch_recipe,
+        "GradScaler + ClippedOptimizer": clipped_step,
+    }
+
+
+def bench_amp(config: Config) -> list[Row]:
+    params = make_params(transformer_shapes(config.quick), torch.float32, config.device)
+    samples = time_interleaved(amp_contenders(params, config.device), config)
+    return summarize("amp step", "transformer float32", samples, "GradScaler + fused AdamW: bare")
+
+
 class TinyLM(nn.Module):
     """A small pre-norm transformer language model, for the end-to-end step."""
 
@@ -563,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         warmup=1 if args.quick else 3,
         device=torch.device(args.device),
     )
-    rows = bench_clip(config) + bench_steps(config) + bench_end_to_end(config)
+    rows = bench_clip(config) + bench_steps(config) + bench_amp(config) + bench_end_to_end(config)
     accuracy = bench_accuracy(config)
     memory = bench_memory(config)
     targets = check_targets(rows, memory)

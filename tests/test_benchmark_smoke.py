@@ -47,6 +47,11 @@ def test_every_section_and_contender_is_reported(
     for optimizer in ("fused AdamW", "foreach SGD"):
         for kind in ("bare", "torch clip + step", "ClippedOptimizer"):
             assert f"{optimizer}: {kind}" in step_contenders
+    unclipped = {r["contender"] for r in rows if r["case"] == run.UNCLIPPED_CASE}
+    assert unclipped == {"torch", "clipopt", "floor (read)"}
+    amp = {r["contender"] for r in rows if r["section"] == "amp step"}
+    one = run.make_params([(3,)], torch.float32, torch.device("cpu"))
+    assert amp == set(run.amp_contenders(one, torch.device("cpu")))
     e2e = {r["contender"] for r in rows if r["section"] == "end_to_end"}
     assert e2e == {"unclipped", "ClippedOptimizer", "torch clip + step"}
 
@@ -120,9 +125,10 @@ def test_every_timed_clip_really_clips(norm_type: float) -> None:
         assert _total_norm(params, norm_type) < 0.99 * before, name
 
 
-def test_every_timed_clipped_step_really_clips() -> None:
+@pytest.mark.parametrize("make", [run.step_contenders, run.amp_contenders])
+def test_every_timed_clipped_step_really_clips(make: Any) -> None:
     params = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
-    contenders = run.step_contenders(params, torch.device("cpu"))
+    contenders = make(params, torch.device("cpu"))
     clipped = [name for name in contenders if not name.endswith("bare")]
     for name in clipped * 5:
         before = _total_norm(params, 2.0)
