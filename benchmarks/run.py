@@ -51,6 +51,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MAX_NORM = 1.0
 SHRINK = 0.97
 UNCLIPPED_CASE = "transformer float32 p=2, max_norm not reached"
+FOLDED_FLOOR = "fused AdamW: floor (sum, step with grad_scale)"
 Shape = tuple[int, ...]
 Contenders = dict[str, Callable[[], object]]
 
@@ -288,7 +289,32 @@ def step_contenders(params: list[Tensor], device: torch.device) -> Contenders:
         contenders[f"{name}: bare"] = bare.step
         contenders[f"{name}: torch clip + step"] = torch_clip_then_step
         contenders[f"{name}: ClippedOptimizer"] = clipped_step
+    if fused:
+        contenders[FOLDED_FLOOR] = folded_floor(params, adamw(), max_norm)
     return contenders
+
+
+def folded_floor(
+    params: list[Tensor], optimizer: torch.optim.Optimizer, max_norm: ShrinkingMaxNorm
+) -> Callable[[], None]:
+    """The least a folded clip can cost: one ``torch.sum`` per grad (the norm's read) and
+    the fused step with a ``grad_scale`` (which writes the divided grads back). It
+    shrinks the shared grads by ``SHRINK`` as the clipped contenders do, and so takes
+    its turn of ``max_norm``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    grad_scale = torch.tensor(1 / SHRINK, device=grads[0].device)
+
+    def run() -> None:
+        max_norm()
+        for grad in grads:
+            grad.sum()
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+
+    return run
 
 
 def bench_steps(config: Config) -> list[Row]:
