@@ -435,8 +435,25 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor, foreach: bool | None = None)
 _COEF_DTYPES = (torch.float32, torch.float64)
 
 
+def _refuse_inference_tensors(tensors: list[Tensor]) -> None:
+    for t in tensors:
+        if t.is_inference():
+            raise RuntimeError(
+                f"cannot scale a grad of shape {tuple(t.shape)} in place: it is an inference "
+                "tensor and inference mode is off (torch's mul_ refuses this too); clone it "
+                "outside torch.inference_mode() first"
+            )
+
+
 def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
-    """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch."""
+    """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch.
+
+    Raises:
+      RuntimeError: a grad is an inference tensor and inference mode is off, where
+        ``mul_`` would refuse it too; checked before any grad is touched.
+    """
+    if not torch.is_inference_mode_enabled():
+        _refuse_inference_tensors(group)
     dense, gappy = _cpu.split_dense(group)
     if dense:
         _cpu.scale_(dense, coef)

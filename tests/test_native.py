@@ -352,6 +352,27 @@ def test_clip_grad_norm_scales_each_group_in_one_call(
         assert p.grad._version > before  # autograd sees the in-place write
 
 
+def test_an_inference_grad_is_refused_before_any_grad_is_scaled() -> None:
+    """As torch's ``mul_`` refuses it; the C scale would write it without complaint."""
+    params = [torch.nn.Parameter(torch.zeros(1000)) for _ in range(3)]
+    params[0].grad = torch.full((1000,), 5.0)
+    with torch.inference_mode():
+        params[1].grad = torch.full((1000,), 5.0)
+    params[2].grad = torch.full((1000,), 5.0)
+    torch_param = torch.nn.Parameter(torch.zeros(1000))
+    with torch.inference_mode():
+        torch_param.grad = torch.full((1000,), 5.0)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        torch.nn.utils.clip_grad_norm_([torch_param], 1.0)  # (after scaling it, in 2.13)
+    with pytest.raises(RuntimeError, match=r"shape \(1000,\) in place: it is an inference tensor"):
+        clipopt.clip_grad_norm_(params, 1.0)
+    assert all(torch.equal(p.grad, torch.full((1000,), 5.0)) for p in params if p.grad is not None)
+    with torch.inference_mode():  # where torch allows it, so does clipopt
+        clipopt.clip_grad_norm_(params[1:2], 1.0)
+        assert params[1].grad is not None
+        assert params[1].grad.norm().item() == pytest.approx(1.0)
+
+
 def test_custom_ops_pass_torch_opcheck() -> None:
     """The ops that ``torch.compile`` traces: schema, fake kernel and eager kernel agree."""
     tensors = [torch.randn(5000), torch.randn(3, 7)]
