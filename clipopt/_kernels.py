@@ -452,7 +452,7 @@ def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
       RuntimeError: a grad is an inference tensor and inference mode is off, where
         ``mul_`` would refuse it too; checked before any grad is touched.
     """
-    if not torch.is_inference_mode_enabled():
+    if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
         _refuse_inference_tensors(group)
     dense, gappy = _cpu.split_dense(group)
     if dense:
