@@ -61,6 +61,8 @@ def dense_flat_view(t: Tensor) -> Tensor | None:
 def split_dense(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     """``tensors`` split into those whose elements fill ``numel()`` slots from
     ``data_ptr()`` on (which the C kernels read) and those with gaps in memory."""
+    if all(map(Tensor.is_contiguous, tensors)):  # the usual case, at C speed per tensor
+        return list(tensors), []
     dense: list[Tensor] = []
     gappy: list[Tensor] = []
     for t in tensors:
@@ -76,8 +78,8 @@ def _reduce(dense: list[Tensor], p: float) -> Tensor:
     value = _native.reduce(
         _OPS[p],
         _DTYPES[dense[0].dtype],
-        [t.data_ptr() for t in dense],
-        [t.numel() for t in dense],
+        list(map(Tensor.data_ptr, dense)),
+        list(map(Tensor.numel, dense)),
         torch.get_num_threads(),
     )
     if p == 2.0:
@@ -114,8 +116,8 @@ def norm_partial(dense: list[Tensor], p: float) -> Tensor:
 def _scale(dense: list[Tensor], coef: Tensor) -> None:
     _native.scale(
         _DTYPES[dense[0].dtype],
-        [t.data_ptr() for t in dense],
-        [t.numel() for t in dense],
+        list(map(Tensor.data_ptr, dense)),
+        list(map(Tensor.numel, dense)),
         coef.data_ptr(),
         _DTYPES[coef.dtype],
         torch.get_num_threads(),
