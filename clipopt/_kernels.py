@@ -250,7 +250,7 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
         return _torch_cpu_partials(tensors, p)
     dense, gappy = _cpu.split_dense(tensors)
     parts = [_cpu.norm_partial(dense, p)] if dense else []
-    return parts + [_strided_partials(t, p) for t in gappy if t.numel()]
+    return parts + [_strided_partials(t, p) for t in gappy]
 
 
 def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
