@@ -109,8 +109,9 @@ static inline float square_float(float v) { return v * v; }
 static inline double square_double(double v) { return v * v; }
 
 /* A chunk's sums for a 16- or 32-bit float type: float32 sums over blocks of BLOCK
- * elements (LANES lanes of BLOCK / LANES terms each: 2.5e-7 relative at worst),
- * added in double. A block whose float32 sum leaves [LOW, FLT_MAX] may have lost
+ * elements, added in double. A lane adds BLOCK / LANES = 32 terms and the lanes fold
+ * in 5 levels, so a block's sum is off by at most 36 float32 roundings (2.1e-6
+ * relative; the errors of random data mostly cancel: 8e-9 at 40M elements). A block whose float32 sum leaves [LOW, FLT_MAX] may have lost
  * terms to overflow or underflow and is read again, in double, where a square of
  * any of these types is exact. */
 #define DEFINE_NARROW_SUMS(NAME, TYPE, LOAD)                                            \
@@ -151,7 +152,7 @@ CLONED static double f64_sum_abs(const double *x, int64_t n) { return f64_lanes_
 
 /* max of |x|'s bits as unsigned integers, for each width of float. */
 #define DEFINE_MAX_BITS(NAME, UTYPE, MASK)                                              \
-    CLONED static uint64_t NAME(const UTYPE *x, int64_t n) {                                   \
+    CLONED static uint64_t NAME(const UTYPE *x, int64_t n) {                            \
         UTYPE acc[LANES] = {0};                                                         \
         int64_t i = 0;                                                                  \
         for (; i + LANES <= n; i += LANES)                                              \
