@@ -324,6 +324,7 @@ def total_norms(
     *,
     process_group: dist.ProcessGroup | None = None,
     replicated: Collection[Tensor] = (),
+    params: Sequence[Tensor] = (),
 ) -> list[Tensor]:
     """The global p-norm of each bucket of tensors, with at most one collective per reduce op.
 
@@ -345,6 +346,11 @@ def total_norms(
         dimension when the mesh is an N-D strict subset of the world).
       replicated: plain tensors (by identity) that hold the same values on every rank of
         ``process_group``; they count once instead of once per rank.
+      params: the parameters the tensors are grads of. When every bucket is empty on
+        this rank but some of these are DTensors that require grad (FSDP2, and no grad
+        reached this rank's parameters this step), the rank still joins the reduction
+        over their mesh with a zero, where it would otherwise skip the collective that
+        the other ranks wait in.
 
     Returns:
       One 0-dim tensor per bucket on its first tensor's device, float32 (float64 if any
@@ -363,11 +369,13 @@ def total_norms(
     flat = [t for bucket in buckets for t in bucket]
     _check_replicated(flat, replicated, process_group)
     dtensors = _dtensors(flat)
+    if not flat:  # nothing to measure here; the parameters say whether others are
+        dtensors = [q for q in _dtensors(params) if q.requires_grad]
     if not dtensors and process_group is None:
         pairs = zip(buckets, norm_types, strict=True)
         return [_kernels.total_norm(list(b), p, foreach) for b, p in pairs]
     if dtensors:
-        if len(dtensors) != len(flat):
+        if flat and len(dtensors) != len(flat):
             raise ValueError(
                 f"{len(dtensors)} of {len(flat)} grads are DTensors: DTensor and plain grads "
                 "cannot be reduced together (the plain ones have no placement saying whether "
@@ -427,6 +435,7 @@ def total_norm(
     *,
     process_group: dist.ProcessGroup | None = None,
     replicated: Collection[Tensor] = (),
+    params: Sequence[Tensor] = (),
 ) -> Tensor:
     """The global p-norm of ``tensors`` across ranks: :func:`total_norms` of one bucket.
 
@@ -436,7 +445,9 @@ def total_norm(
       >>> distributed.total_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0)
       tensor(5.)
     """
-    norms = total_norms([tensors], [p], foreach, process_group=process_group, replicated=replicated)
+    norms = total_norms(
+        [tensors], [p], foreach, process_group=process_group, replicated=replicated, params=params
+    )
     return norms[0]
 
 
@@ -486,16 +497,24 @@ class NormScope:
         buckets: Sequence[Sequence[Tensor]],
         norm_types: Sequence[float],
         foreach: bool | None = None,
+        params: Sequence[Tensor] = (),
     ) -> list[Tensor]:
         """:func:`total_norms` of the buckets, with the replicated parameters' grads."""
-        if not self.replicated_params:
-            return total_norms(buckets, norm_types, foreach, process_group=self.process_group)
-        present = {id(t) for bucket in buckets for t in bucket}
-        shared = [
-            q.grad for q in self.replicated_params if q.grad is not None and id(q.grad) in present
-        ]
+        shared: list[Tensor] = []
+        if self.replicated_params:
+            present = {id(t) for bucket in buckets for t in bucket}
+            shared = [
+                q.grad
+                for q in self.replicated_params
+                if q.grad is not None and id(q.grad) in present
+            ]
         return total_norms(
-            buckets, norm_types, foreach, process_group=self.process_group, replicated=shared
+            buckets,
+            norm_types,
+            foreach,
+            process_group=self.process_group,
+            replicated=shared,
+            params=params,
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NormScope:

@@ -140,11 +140,25 @@ def get_total_norm(
       >>> clipopt.get_total_norm([torch.full((1000,), 3000.0, dtype=torch.float16)])
       tensor(94868.3281)
     """
+    return _total_norm(tensors, norm_type, error_if_nonfinite, foreach, process_group, replicated)
+
+
+def _total_norm(
+    tensors: MaybeTensors,
+    norm_type: NormType,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    process_group: ProcessGroup | None,
+    replicated: TensorOrTensors | None,
+    params: list[Tensor] | None = None,
+) -> Tensor:
+    """:func:`get_total_norm`; ``params``, whose grads ``tensors`` are, let a rank that
+    holds none of them still join a reduction over their DTensor mesh."""
     p = check_norm_type(norm_type)
     present = _present(tensors)
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
     norm = distributed.total_norm(
-        present, p, foreach, process_group=process_group, replicated=shared
+        present, p, foreach, process_group=process_group, replicated=shared, params=params or ()
     )
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
@@ -200,13 +214,9 @@ def _grads_norm(
     replicated_params: TensorOrTensors | None,
 ) -> Tensor:
     """The total norm of ``grads`` (those of ``params``), as both clip_grad_norm measure it."""
-    return get_total_norm(
-        grads,
-        norm_type,
-        error_if_nonfinite,
-        foreach,
-        process_group=process_group,
-        replicated=_replicated_grads(params, replicated_params),
+    replicated = _replicated_grads(params, replicated_params)
+    return _total_norm(
+        grads, norm_type, error_if_nonfinite, foreach, process_group, replicated, params
     )
 
 
@@ -254,7 +264,9 @@ def clip_grad_norm_(
     check_positive("max_norm", max_norm)
     params = _as_list(parameters)
     grads = _grads(params)
-    if process_group is None and replicated_params is None and distributed.all_plain(grads):
+    # With no grad here, the parameters say whether other ranks reduce over a mesh.
+    measured = grads or params
+    if process_group is None and replicated_params is None and distributed.all_plain(measured):
         return _clip_local_(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     norm = _grads_norm(
         params, grads, norm_type, error_if_nonfinite, foreach, process_group, replicated_params

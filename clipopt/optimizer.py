@@ -438,8 +438,13 @@ class ClippedOptimizer(Optimizer):
         return self._total_norms([grads], [norm_type])[0]
 
     def _total_norms(self, buckets: list[list[Tensor]], norm_types: list[float]) -> list[Tensor]:
-        """The p-norm of each bucket of grads, across ranks in one ``all_reduce`` if needed."""
-        return self._norm_scope.total_norms(buckets, norm_types, self._foreach)
+        """The p-norm of each bucket of grads, across ranks in one ``all_reduce`` if needed.
+
+        A rank without any grad hands over the parameters, so that it still joins a
+        reduction over their DTensor mesh that the other ranks are in.
+        """
+        params = [] if any(buckets) else [p for g in self.param_groups for p in g["params"]]
+        return self._norm_scope.total_norms(buckets, norm_types, self._foreach, params)
 
     def _measure(
         self, grads: list[list[Tensor]], norm_types: list[float]

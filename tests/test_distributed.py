@@ -559,6 +559,36 @@ def case_sub_meshes() -> None:
             clipopt.get_total_norm([grad], 3.0, process_group=dist.group.WORLD)
 
 
+def case_rank_without_grads() -> None:
+    """FSDP2, and no grad reached rank 1's parameters this step: rank 1 still joins the
+    reduction (with a zero), so no rank waits out the timeout, and every rank gets the
+    norm of the grads that exist, from the functional API and from ClippedOptimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for p in (2.0, math.inf):
+        model = mlp()
+        fully_shard_mlp(model, mesh)
+        optimizer = clipopt.ClippedOptimizer(sgd(model.parameters()), max_norm=1e9, norm_type=p)
+        loss_fn(model(local_rows(batches(1, 8, 3)[0]))).backward()
+        if dist.get_rank() == 1:
+            for q in model.parameters():
+                q.grad = None
+        local = [q.grad.to_local().double() for q in model.parameters() if q.grad is not None]
+        gathered: list[Any] = [None] * WORLD_SIZE
+        dist.all_gather_object(gathered, local)
+        expected = torch.linalg.vector_norm(
+            torch.cat([t.flatten() for shards in gathered for t in shards]), p
+        )
+        functional = clipopt.clip_grad_norm_(model.parameters(), 1e9, p)
+        assert_same_on_all_ranks(functional, f"clip_grad_norm_ p={p}")
+        assert_rel(functional, expected, f"clip_grad_norm_ p={p}")
+        optimizer.step()
+        assert optimizer.last_norm is not None
+        assert_same_on_all_ranks(optimizer.last_norm, f"ClippedOptimizer p={p}")
+        assert_rel(optimizer.last_norm, expected, f"ClippedOptimizer p={p}")
+
+
 CASES: dict[str, Callable[..., None]] = {
     "sub_meshes": case_sub_meshes,
     "ddp": case_ddp,
@@ -571,6 +601,7 @@ CASES: dict[str, Callable[..., None]] = {
     "zero": case_zero,
     "dcp_round_trip": case_dcp_round_trip,
     "example": case_example,
+    "rank_without_grads": case_rank_without_grads,
 }
 
 
