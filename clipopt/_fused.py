@@ -22,7 +22,9 @@ error comes one ``step()`` later than on the explicit path (after ``limit + 1`` 
 steps rather than at the step that would be the ``limit + 1``-th). That step changes
 nothing, and the next one is decided afresh, as on the explicit path: finite grads step
 (and clear the streak), while non-finite ones are skipped once more before it raises again.
-Loading a state dict replaces the counters and drops the lagged copy with them.
+Loading a state dict replaces the counters and drops the lagged copy with them; so
+does a step on the explicit path (a closure, fused SGD's first momentum step), which
+checks the live count itself.
 """
 
 from __future__ import annotations

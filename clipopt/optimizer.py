@@ -368,6 +368,8 @@ class ClippedOptimizer(Optimizer):
         plan = _fused.fold_plan(self, closure)
         if plan is not None:
             return _fused.folded_step(self, plan)  # the scale rides on the fused kernel
+        # This path checks the live skip count itself; a folded step's copy would be stale.
+        _fused.forget_lagged_skips(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():

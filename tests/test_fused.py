@@ -328,6 +328,33 @@ def test_max_consecutive_skips_raises_one_step_late() -> None:
     assert all(torch.equal(p, s) for p, s in zip(params, saved, strict=True))
 
 
+def test_an_explicit_step_between_folded_ones_clears_the_lagged_count() -> None:
+    """A step with a closure takes the explicit path, which checks the live count
+    itself: a streak it breaks must not raise at the next folded step from the copy the
+    last folded step made."""
+    params = make_params(torch.float32, "cpu")
+    opt = clipopt.ClippedOptimizer(
+        FUSED["Adam"](params), MAX_NORM, nonfinite="skip", max_consecutive_skips=1
+    )
+    for _ in range(2):  # folded, skipped: the copy now says 2, over the limit of 1
+        set_grads(params, 0)
+        poison(params)
+        opt.step()
+    assert int(opt.consecutive_skips) == 2
+
+    def finite_grads() -> float:
+        set_grads(params, 1)
+        return 0.0
+
+    opt.step(finite_grads)  # explicit: finite, so it steps and ends the streak
+    assert int(opt.consecutive_skips) == 0
+    set_grads(params, 2)
+    before = [p.detach().clone() for p in params]
+    opt.step()  # folded again: finite grads must step, not raise on the old copy
+    assert int(opt.consecutive_skips) == 0
+    assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
 def test_raise_mode_folds_the_scale_after_its_check() -> None:
     params = make_params(torch.float32, "cpu")
     opt = clipopt.ClippedOptimizer(FUSED["AdamW"](params), MAX_NORM, nonfinite="raise")
