@@ -235,6 +235,8 @@ def _measure_and_fold(
     norm, group_norms, _ = opt._measure(plan.grads, plan.norm_types)
     opt._move_counters(norm.device)
     on_device = opt.nonfinite == "skip" and _skips_cleanly(opt.optimizer)
+    if not on_device:  # the host check below reads the live count: a lagged copy is stale
+        forget_lagged_skips(opt)
     if opt.nonfinite != "propagate" and not on_device and not opt._finite_or_raise(norm, True):
         opt._last_norm, opt._last_group_norms = norm, None
         return False, None, None

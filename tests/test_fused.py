@@ -355,6 +355,31 @@ def test_an_explicit_step_between_folded_ones_clears_the_lagged_count() -> None:
     assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
 
+def test_a_host_decided_step_between_device_skips_clears_the_lagged_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A folded step that cannot skip on the device (fused SGD before its momentum
+    buffers exist) decides on the host, from the live count: a streak it ends must not
+    raise at the next device-decided step from an older copy."""
+    params = make_params(torch.float32, "cpu")
+    opt = clipopt.ClippedOptimizer(
+        FUSED["Adam"](params), MAX_NORM, nonfinite="skip", max_consecutive_skips=1
+    )
+    for _ in range(2):  # decided on the device: skipped, and the copy says 2
+        set_grads(params, 0)
+        poison(params)
+        opt.step()
+    with monkeypatch.context() as patch:
+        patch.setattr(_fused, "_skips_cleanly", lambda optimizer: False)
+        set_grads(params, 1)
+        opt.step()  # decided on the host: finite, so it steps and ends the streak
+    assert int(opt.consecutive_skips) == 0
+    set_grads(params, 2)
+    before = [p.detach().clone() for p in params]
+    opt.step()  # on the device again: finite grads must step, not raise on the old copy
+    assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
 def test_raise_mode_folds_the_scale_after_its_check() -> None:
     params = make_params(torch.float32, "cpu")
     opt = clipopt.ClippedOptimizer(FUSED["AdamW"](params), MAX_NORM, nonfinite="raise")
