@@ -33,7 +33,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__ELF__) && !defined(__INTEL_COMPILER)
+/* One clone per instruction set, picked at load time (an ELF ifunc): GCC, or clang 14+. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__ELF__) && !defined(__INTEL_COMPILER) && \
+    (!defined(__clang__) || __clang_major__ >= 14)
 #define CLONED __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define CLONED
