@@ -130,8 +130,9 @@ def get_total_norm(
         count once, not once per rank.
 
     Returns:
-      A 0-dim float32 tensor (float64 if any input is) on the first tensor's device;
-      ``tensor(0.)`` when there is nothing to measure.
+      A 0-dim float32 tensor (float64 if any input is) on the first tensor's device; a
+      zero when there is nothing to measure: ``tensor(0.)`` without tensors, and with
+      only empty ones a zero of that dtype on the first one's device, as torch gives.
 
     Example:
       >>> import torch, clipopt
