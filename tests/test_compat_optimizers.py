@@ -166,6 +166,15 @@ def _backward(model: nn.Module, case: Case) -> Tensor:
     return loss
 
 
+def _step(opt: Optimizer, closure: Callable[[], Tensor], with_closure: bool) -> None:
+    """One step: the closure handed to ``step``, or evaluated first and ``step()`` bare."""
+    if with_closure:
+        opt.step(closure)
+    else:
+        closure()
+        opt.step()
+
+
 def _train_by_hand(case: Case) -> Run:
     """The reference: the bare optimizer, clipped with clip_grad_norm_ before each step."""
     torch.manual_seed(0)
@@ -181,11 +190,7 @@ def _train_by_hand(case: Case) -> Run:
 
     norms: list[Tensor] = []
     for _ in range(STEPS):
-        if case.closure:
-            opt.step(closure)
-        else:
-            closure()
-            opt.step()
+        _step(opt, closure, case.closure)
         norms.append(evaluations[-1])
     return Run([p.detach().clone() for p in model.parameters()], norms)
 
@@ -201,11 +206,7 @@ def _train_wrapped(case: Case) -> Run:
 
     norms: list[Tensor] = []
     for _ in range(STEPS):
-        if case.closure:
-            opt.step(closure)
-        else:
-            closure()
-            opt.step()
+        _step(opt, closure, case.closure)
         assert opt.last_norm is not None
         norms.append(opt.last_norm.clone())
     return Run([p.detach().clone() for p in model.parameters()], norms)
