@@ -217,10 +217,15 @@ class ShrinkingMaxNorm:
         return self.value
 
 
+def _grads_and_flat_copy(params: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """The grads, and one buffer holding a copy of their bytes, for the floors."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return grads, torch.cat([g.reshape(-1) for g in grads])
+
+
 def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
     """torch's clip, clipopt's clip, and the floor over one buffer of the same bytes."""
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    grads, flat = _grads_and_flat_copy(params)
     shrink = torch.tensor(SHRINK, device=flat.device)
     max_norm = ShrinkingMaxNorm.below_norm_of(grads, norm_type)
 
@@ -237,8 +242,7 @@ def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
 
 def unclipped_contenders(params: list[Tensor]) -> Contenders:
     """Clips whose ``max_norm`` is never reached, against a floor that only reads."""
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    _, flat = _grads_and_flat_copy(params)
     return {
         "torch": lambda: torch.nn.utils.clip_grad_norm_(params, 1e30),
         "clipopt": lambda: clipopt.clip_grad_norm_(params, 1e30),
