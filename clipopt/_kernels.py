@@ -390,11 +390,18 @@ def grouped_total_norm(
         return zero, ({}, {})
     dense, sparse = _groups(tensors)
     out_dtype = result_dtype([dtype for _, dtype in (*dense, *sparse)])
+    wide = _combine_dtype(out_device)
     partials: list[Tensor] = []
     for group in (*dense.values(), *sparse.values()):
         for part in _group_partial_norms(group, p, foreach):
-            partials.append(part.to(device=out_device, dtype=out_dtype))
-    return _combine(torch.cat(partials), p), (dense, sparse)
+            partials.append(part.to(device=out_device, dtype=wide))
+    return _combine(torch.cat(partials), p).to(out_dtype), (dense, sparse)
+
+
+def _combine_dtype(device: torch.device) -> torch.dtype:
+    """float64 where ``device`` has it (MPS has not): the square of a float32 norm past
+    1.8e19 (or below 1e-19) leaves float32's range, though the norm itself does not."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:

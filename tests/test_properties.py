@@ -264,6 +264,46 @@ def test_out_of_place_equals_in_place_and_touches_nothing(
         assert copy is None or copy is not grad
 
 
+@given(
+    sizes=st.lists(st.sampled_from([1, 7, 1500, 70_000]), min_size=1, max_size=3),
+    exponent=st.integers(-100, 100),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    norm_type=st.sampled_from([1.0, 2.0, math.inf]),
+    seed=st.integers(0, 2**31),
+)
+def test_cpu_norm_is_exact_across_the_float32_exponent_range(
+    sizes: list[int],
+    exponent: int,
+    dtype: torch.dtype,
+    norm_type: float,
+    seed: int,
+    float64_norm: Float64Norm,
+) -> None:
+    """Float32 and bfloat16 CPU grads scaled by 2**-100 to 2**100 get their true norm and
+    are clipped to ``max_norm``, even where the squares (or the norm's square) leave
+    float32's range (past 2**64 or below 2**-64): the C kernel adds squares in double and
+    the partial norms are combined in double. Every norm here fits in float32.
+    A trailing float32 grad makes two dtype groups, whose partials are combined too."""
+    generator = torch.Generator().manual_seed(seed)
+    exact = [torch.randn(n, generator=generator, dtype=torch.float64) for n in sizes]
+    grads = [(g * 2.0**exponent).to(dtype) for g in exact]
+    grads.append(grads[0].to(torch.float32))
+    reference = float64_norm(grads, norm_type)
+    norm = clipopt.get_total_norm(grads, norm_type)
+    assert norm.dtype == torch.float32
+    assert math.isclose(float(norm), reference, rel_tol=1e-5, abs_tol=0)
+
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad.clone()
+    clipopt.clip_grad_norm_(params, 1.0, norm_type)
+    clipped = float64_norm([p.grad for p in params], norm_type)
+    if reference > 1.0:  # clipped to max_norm, up to storing each element in its dtype
+        assert math.isclose(clipped, 1.0, rel_tol=2 * unit_roundoff({dtype}) + 1e-6)
+    else:
+        assert clipped == reference
+
+
 def test_the_strategy_draws_the_cases_that_matter() -> None:
     """A check on the generator itself: large, strided, empty and missing grads occur."""
     seen: dict[str, bool] = {"large": False, "strided": False, "none": False, "empty": False}
