@@ -47,6 +47,7 @@ from clipopt import _cpu
 __all__ = [
     "EPS",
     "clip_coefficient",
+    "combine_dtype",
     "group_by_device_and_dtype",
     "grouped_total_norm",
     "result_dtype",
@@ -390,7 +391,7 @@ def grouped_total_norm(
         return zero, ({}, {})
     dense, sparse = _groups(tensors)
     out_dtype = result_dtype([dtype for _, dtype in (*dense, *sparse)])
-    wide = _combine_dtype(out_device)
+    wide = combine_dtype(out_device)
     partials: list[Tensor] = []
     for group in (*dense.values(), *sparse.values()):
         for part in _group_partial_norms(group, p, foreach):
@@ -398,7 +399,7 @@ def grouped_total_norm(
     return _combine(torch.cat(partials), p).to(out_dtype), (dense, sparse)
 
 
-def _combine_dtype(device: torch.device) -> torch.dtype:
+def combine_dtype(device: torch.device) -> torch.dtype:
     """float64 where ``device`` has it (MPS has not): the square of a float32 norm past
     1.8e19 (or below 1e-19) leaves float32's range, though the norm itself does not."""
     return torch.float32 if device.type == "mps" else torch.float64

@@ -475,7 +475,9 @@ class ClippedOptimizer(Optimizer):
             for n, bucket in zip(own, grads, strict=True)
         ]
         stacked = torch.stack(group_norms)
-        norm = torch.linalg.vector_norm(stacked, float(self.defaults["norm_type"]))
+        wide = _kernels.combine_dtype(stacked.device)
+        norm_type = float(self.defaults["norm_type"])
+        norm = torch.linalg.vector_norm(stacked, norm_type, dtype=wide).to(dtype)
         return norm, group_norms, stacked
 
     def _clip_coefficients(

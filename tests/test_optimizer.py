@@ -975,6 +975,38 @@ def test_mixed_dtypes_are_measured_in_float64(per_group: bool) -> None:
             assert math.isclose(got, ref, rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("per_group", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("scale", [1e20, 1e-25])
+def test_float32_norms_whose_squares_leave_float32_are_exact(
+    per_group: bool, fused: bool, scale: float
+) -> None:
+    """Grads whose squares (and whose norm's square) overflow or underflow float32 still
+    get their float32 norm, per group and in total, and are clipped to ``max_norm``."""
+    gen = torch.Generator().manual_seed(4)
+    params = [nn.Parameter(torch.zeros(n)) for n in (5, 3000)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * scale
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    groups = [{"params": [p]} for p in params]
+    inner = torch.optim.AdamW(groups, lr=0.0, weight_decay=0.0, fused=fused)
+    opt = ClippedOptimizer(inner, max_norm=1.0, per_group=per_group)
+    opt.step()
+    assert opt.last_norm is not None and opt.last_norm.dtype == torch.float32
+    assert math.isclose(opt.last_norm.item(), _ref_norm(before, 2.0), rel_tol=1e-6)
+    if per_group:
+        assert opt.last_group_norms is not None
+        for got, grad in zip(opt.last_group_norms.tolist(), before, strict=True):
+            assert math.isclose(got, _ref_norm([grad], 2.0), rel_tol=1e-6)
+    after = [p.grad for p in params if p.grad is not None]
+    if scale > 1:  # clipped to max_norm: each group on its own with per_group
+        refs = [_ref_norm([g], 2.0) for g in after] if per_group else [_ref_norm(after, 2.0)]
+        for ref in refs:
+            assert math.isclose(ref, 1.0, rel_tol=1e-5)
+    else:  # far below max_norm: untouched
+        assert_same(after, before)
+
+
 def _two_steps_second_without_syncs(opt: ClippedOptimizer, make_grads: Callable[[], None]) -> None:
     """Step twice on fresh grads; the second step (buffers and counters in place by
     then) runs under CUDA's sync debug mode, so any host sync raises."""
