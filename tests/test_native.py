@@ -147,9 +147,31 @@ def test_every_float16_value() -> None:
         assert got == value or (math.isnan(got) and math.isnan(value)), (i, got, value)
 
 
-def test_result_does_not_depend_on_threads() -> None:
+@pytest.mark.parametrize("offset", [0, 1])
+def test_every_bfloat16_value(offset: int) -> None:
+    """bfloat16 is read as 32-bit words of two elements: every value, in either half."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = every[torch.isfinite(every)]
+    shifted = torch.cat([torch.zeros(offset, dtype=torch.bfloat16), finite])[offset:]
+    for p in NORMS:
+        assert_matches(native([shifted], p), [finite], p)
+
+
+@pytest.mark.parametrize("dtype", list(CODES))
+@pytest.mark.parametrize("n", [1, 2, 33, 3 * 32 + 5, BLOCK + 1, CHUNK + 3])
+def test_a_buffer_may_start_at_any_element(dtype: torch.dtype, n: int) -> None:
+    """Views start anywhere: a 16-bit buffer read in 32-bit words may be 2-byte aligned."""
+    base = gaussian(n + 3, dtype, seed=n)
+    for start in range(4):
+        view = base[start : start + n]
+        for p in NORMS:
+            assert_matches(native([view], p), [view], p)
+
+
+@pytest.mark.parametrize("dtype", list(CODES))
+def test_result_does_not_depend_on_threads(dtype: torch.dtype) -> None:
     """Chunks are combined in a fixed order: every thread count gives the same bits."""
-    tensors = [gaussian(n, torch.float32, seed=n) for n in (5 * PER_THREAD + 3, 1000, CHUNK * 7)]
+    tensors = [gaussian(n, dtype, seed=n) for n in (5 * PER_THREAD + 3, 1000, CHUNK * 7)]
     for p in NORMS:
         one = native(tensors, p, threads=1)
         assert all(native(tensors, p, threads=t) == one for t in (2, 3, 4, 7))
