@@ -41,7 +41,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from clipopt import _kernels
-from clipopt._clip_state import CLIP_KEY, parse_clip_state
+from clipopt._clip_state import (
+    CLIP_KEY,
+    check_group_settings,
+    check_one_norm_type,
+    parse_clip_state,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -625,10 +630,12 @@ def set_optimizer_state_dict(
 ) -> None:
     """Load what :func:`get_optimizer_state_dict` made (after ``dcp.load``) into ``optimizer``.
 
-    The clip entry is decoded and validated before anything is loaded, then the inner
-    optimizer's state goes through torch's ``set_optimizer_state_dict`` and the clip state
-    through the wrapper. A dict without ``"clip"`` (a run that started unwrapped) loads
-    the inner state and leaves the clip state as it is.
+    The clip entry and the groups' ``max_norm`` / ``norm_type`` are validated before
+    anything is loaded, as :meth:`clipopt.ClippedOptimizer.load_state_dict` does; then the
+    inner optimizer's state goes through torch's ``set_optimizer_state_dict`` and the clip
+    state through the wrapper. A dict without ``"clip"`` (a run that started unwrapped)
+    loads the inner state and leaves the clip state as it is; groups loaded without
+    ``max_norm`` / ``norm_type`` get the wrapper's defaults.
 
     Args:
       model: the module the optimizer trains.
@@ -644,9 +651,15 @@ def set_optimizer_state_dict(
         raw = _decode_clip_state(optim_state_dict[CLIP_KEY])
         clip_state = parse_clip_state(raw, len(wrapper.param_groups))
     inner_state = {k: v for k, v in optim_state_dict.items() if k != CLIP_KEY}
+    groups = inner_state.get("param_groups", [])
+    for index, group in enumerate(groups):
+        check_group_settings(index, group)
+    settings = wrapper._settings() if clip_state is None else clip_state.settings
+    check_one_norm_type(groups, settings.norm_type, settings.per_group)
     dcp_state_dict.set_optimizer_state_dict(model, wrapper.optimizer, inner_state, options=options)
     if clip_state is not None:
         wrapper._apply_clip_state(clip_state)
+    wrapper._fill_group_defaults()
 
 
 class ClippedOptimizerState:

@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import assert_same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -956,6 +957,39 @@ def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one:
     after = optimizer.state_dict()
     assert after["clip"]["settings"] == before["clip"]["settings"]
     assert int(after["clip"]["step_count"]) == 0
+
+
+def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
+    world_of_one: Any,
+) -> None:
+    """A checkpoint of a run that started unwrapped has no "clip": the inner state loads,
+    the clip state stays, the groups get the defaults, and bad group settings are refused
+    before anything is loaded, as ``ClippedOptimizer.load_state_dict`` does."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    model = nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    unwrapped = torch.optim.Adam(model.parameters(), lr=0.1)
+    unwrapped.step()
+    saved = dcp_state_dict.get_optimizer_state_dict(model, unwrapped)
+    assert "clip" not in saved and "max_norm" not in saved["param_groups"][0]
+
+    optimizer = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.5), 0.25)
+    optimizer.step()
+    clip_before = optimizer.state_dict()["clip"]
+    for bad, match in (({"max_norm": -1.0}, "max_norm"), ({"norm_type": -2.0}, "norm_type")):
+        groups = [{**g, **bad} for g in saved["param_groups"]]
+        before = copy.deepcopy(optimizer.state_dict())
+        with pytest.raises(ValueError, match=match):
+            cdist.set_optimizer_state_dict(model, optimizer, {**saved, "param_groups": groups})
+        assert_same(optimizer.state_dict(), before)
+
+    cdist.set_optimizer_state_dict(model, optimizer, saved)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 0.1 and group["max_norm"] == 0.25 and group["norm_type"] == 2.0
+    assert_same(optimizer.state_dict()["clip"], clip_before)
+    assert_same(optimizer.optimizer.state_dict()["state"], unwrapped.state_dict()["state"])
 
 
 @pytest.mark.parametrize("p", [2.0, math.inf])
