@@ -375,6 +375,30 @@ def amp_contenders(params: list[Tensor], device: torch.device) -> Contenders:
         "GradScaler + fused AdamW: bare": bare_step,
         "torch: unscale_, clip, step": torch_recipe,
         "GradScaler + ClippedOptimizer": clipped_step,
+        **scaler_kernels(params, device),
+    }
+
+
+def scaler_kernels(params: list[Tensor], device: torch.device) -> Contenders:
+    """The kernel ``GradScaler`` runs over every grad, alone: as its inf check with a
+    scale of 1 (what ``GradScaler.step`` still runs for an optimizer that declares
+    ``_step_supports_amp_scaling``) and as the unscale it would replace. The unscale
+    alternates between 1/2 and 2, so the shared grads keep their size."""
+    grads = [p.grad for p in params if p.grad is not None]
+    found_inf = torch.zeros(1, device=device)
+    one = torch.ones(1, device=device)
+    inverse_scales = [torch.full((1,), 0.5, device=device), torch.full((1,), 2.0, device=device)]
+
+    def inf_check() -> None:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+
+    def unscale() -> None:
+        inverse_scales.reverse()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse_scales[0])
+
+    return {
+        "GradScaler's inf check alone (scale 1)": inf_check,
+        "GradScaler's unscale alone": unscale,
     }
 
 

@@ -11,9 +11,10 @@ update, which reads them anyway. After the step ``.grad`` holds the clipped grad
 on the explicit path; a skipped step leaves grads, parameters and state untouched, as
 the explicit path does.
 
-Parameters agree with the explicit path to float32 rounding: ``g / (1 / c)`` and
-``g * c`` differ by at most an ulp or two of ``g``; with ``c = 1`` (no clipping) they
-are bit-identical.
+Parameters agree with the explicit path to rounding: ``g / (1 / c)`` and ``g * c``
+differ by at most an ulp or two of a float32 ``g``; bfloat16 parameters by about one
+bfloat16 ulp, since the explicit path rounds the clipped grad to bfloat16 before the
+update and the kernel does not. With ``c = 1`` (no clipping) they are bit-identical.
 
 With ``nonfinite="skip"`` the skip goes through ``found_inf``, so nothing waits for the
 device. The skip counters are updated on the device too; ``max_consecutive_skips`` is

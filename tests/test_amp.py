@@ -13,6 +13,7 @@ count exactly as they were.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -174,3 +175,21 @@ def test_skipped_first_step_leaves_no_norm(device: str) -> None:
     assert opt.last_norm is None
     assert int(opt.step_count) == 0
     torch.testing.assert_close(list(model.parameters()), params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("unscaled", ["wrapper", "inner"])
+def test_unscale_the_object_you_step(unscaled: str) -> None:
+    """The scaler keeps its bookkeeping per optimizer object: unscaling the inner optimizer
+    and stepping the wrapper unscales twice (the pitfall docs/optimizer.md warns of);
+    unscaling the wrapper does it once, and ``last_norm`` is the true norm."""
+    model = _model("cpu")
+    opt = clipopt.ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), math.inf)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler.scale(_loss(model, 0, "cpu")).backward()
+    truth = _unscaled_norm64(model, scaler.get_scale())
+    scaler.unscale_(opt if unscaled == "wrapper" else opt.optimizer)
+    scaler.step(opt)
+    assert opt.last_norm is not None
+    times = 1 if unscaled == "wrapper" else 2
+    expected = truth / scaler.get_scale() ** (times - 1)
+    torch.testing.assert_close(opt.last_norm.double(), expected, rtol=2e-6, atol=0)

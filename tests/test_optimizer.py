@@ -15,7 +15,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -84,6 +84,29 @@ def _no_host_reads() -> Iterator[None]:
         for name in names:
             setattr(Tensor, name, refuse)
         yield
+    finally:
+        for name, method in saved.items():
+            setattr(Tensor, name, method)
+
+
+@contextmanager
+def _counted_host_reads() -> Iterator[list[str]]:
+    """Record each read of a tensor's value by the host (item, tolist, bool, float, int)."""
+    names = ("item", "tolist", "__bool__", "__float__", "__int__")
+    saved = {name: getattr(Tensor, name) for name in names}
+    reads: list[str] = []
+
+    def counted(name: str) -> Callable[..., Any]:
+        def read(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            reads.append(name)
+            return saved[name](self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in names:
+            setattr(Tensor, name, counted(name))
+        yield reads
     finally:
         for name, method in saved.items():
             setattr(Tensor, name, method)
@@ -395,6 +418,39 @@ def test_propagate_step_reads_nothing_on_the_host() -> None:
     assert int(opt.step_count) == 2
 
 
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_skip_and_raise_read_the_host_once_per_step(nonfinite: Literal["skip", "raise"]) -> None:
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = ClippedOptimizer(inner, max_norm=0.1, nonfinite=nonfinite)
+    _backward(model)
+    with _counted_host_reads() as reads:
+        opt.step()
+        opt.step()
+    assert len(reads) == 2 and int(opt.step_count) == 2
+    if nonfinite == "skip":
+        next(model.parameters()).grad[0] = math.nan  # type: ignore[index]
+        with _counted_host_reads() as reads:
+            opt.step()
+        assert len(reads) == 1 and int(opt.skip_count) == 1
+
+
+@pytest.mark.parametrize("limit", [None, 3])
+def test_fused_skip_reads_at_most_the_previous_steps_copy(limit: int | None) -> None:
+    """With a fused inner optimizer ``found_inf`` decides the skip on the device; only
+    ``max_consecutive_skips`` reads the host copy of the count that the step before made."""
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    opt = ClippedOptimizer(inner, max_norm=0.1, nonfinite="skip", max_consecutive_skips=limit)
+    _backward(model)
+    opt.step()
+    with _counted_host_reads() as reads:
+        opt.step()
+        opt.step()
+    assert reads == ([] if limit is None else ["item", "item"])
+    assert int(opt.step_count) == 3
+
+
 # ---------------------------------------------------------------------------- closures
 
 
@@ -614,6 +670,38 @@ def test_step_hooks_fire_around_the_whole_clipped_step() -> None:
     assert math.isclose(events[0][1], raw_norm, rel_tol=1e-6)
     for _, seen in events[1:]:
         assert math.isclose(seen, 0.1, rel_tol=1e-4), "later hooks see clipped grads"
+
+
+def test_global_optimizer_hooks_fire_once_around_the_inner_step() -> None:
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=0.1)
+    _backward(model)
+    events: list[tuple[str, Any, float]] = []
+    opt.register_step_pre_hook(lambda o, a, k: events.append(("wrapper pre", o, 0.0)))
+    opt.register_step_post_hook(lambda o, a, k: events.append(("wrapper post", o, 0.0)))
+    handles = [
+        register_optimizer_step_pre_hook(
+            lambda o, a, k: events.append(("global pre", o, _ref_norm(_grads(model), 2.0)))
+        ),
+        register_optimizer_step_post_hook(lambda o, a, k: events.append(("global post", o, 0.0))),
+    ]
+    try:
+        opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [(name, o) for name, o, _ in events] == [
+        ("wrapper pre", opt),
+        ("global pre", opt.optimizer),
+        ("global post", opt.optimizer),
+        ("wrapper post", opt),
+    ]
+    assert math.isclose(events[1][2], 0.1, rel_tol=1e-4), "global hooks see clipped grads"
 
 
 def test_step_pre_hook_may_replace_the_closure() -> None:
