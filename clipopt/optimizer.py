@@ -80,8 +80,9 @@ def _new_counter() -> Tensor:
 class ClippedOptimizer(Optimizer):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
-    Each :meth:`step` computes the total norm of all grads with the grouped foreach
-    kernels of :mod:`clipopt._kernels` (on the grads' devices, no host sync), scales
+    Each :meth:`step` computes the total norm of all grads with the grouped kernels of
+    :mod:`clipopt._kernels` (one per device and dtype, on the grads' devices, no host
+    sync), scales
     the grads in place by ``min(1, max_norm / (norm + 1e-6))`` and then runs the inner
     optimizer's step; it returns what the inner step returns. This is
     :func:`clipopt.clip_grad_norm_` followed by ``optimizer.step()``, in one object that
@@ -436,7 +437,7 @@ class ClippedOptimizer(Optimizer):
         ]
 
     def _total_norm(self, grads: list[Tensor], norm_type: float) -> Tensor:
-        """The p-norm of ``grads`` taken together: the one place a norm is computed."""
+        """The p-norm of ``grads`` taken together: the one place grads are reduced to a norm."""
         return self._total_norms([grads], [norm_type])[0]
 
     def _total_norms(self, buckets: list[list[Tensor]], norm_types: list[float]) -> list[Tensor]:

@@ -888,12 +888,21 @@ def test_mixed_dtensor_and_plain_grads_are_refused(mesh: Any) -> None:
 
 
 def test_dtensors_on_two_meshes_are_refused(world_of_one: Any) -> None:
+    """Separately built, unnamed or flattened meshes: which root dims they span is
+    unknown. Named sub-meshes of one root reduce together."""
     from torch.distributed.device_mesh import init_device_mesh
 
     one = init_device_mesh("cpu", (1,), mesh_dim_names=("one",))
     other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
-    with pytest.raises(ValueError, match="sub-meshes of one root mesh"):
-        clipopt.get_total_norm([dtensor(torch.ones(2), one), dtensor(torch.ones(2), other)])
+    unnamed = init_device_mesh("cpu", (1,))
+    root = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    flat = root["a", "b"]._flatten("ab")
+    for first, second in ((one, other), (unnamed, one), (root["a"], flat), (flat, root)):
+        grads = [dtensor(torch.ones(2), first), dtensor(torch.ones(2), second)]
+        with pytest.raises(ValueError, match="sub-meshes of one root mesh"):
+            clipopt.get_total_norm(grads)
+    grads = [dtensor(torch.full((2,), 3.0), root["a"]), dtensor(torch.full((2,), 4.0), root)]
+    assert math.isclose(clipopt.get_total_norm(grads).item(), math.sqrt(50.0), rel_tol=1e-6)
 
 
 def test_bad_process_group_and_replicated_arguments(world_of_one: Any, mesh: Any) -> None:

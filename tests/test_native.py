@@ -313,19 +313,23 @@ def reduce_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_clip_grad_norm_reads_each_group_in_one_call(reduce_calls: list[int]) -> None:
-    """Dense grads of each dtype in one call, channels-last and empty ones included; a
-    grad with gaps in memory and a norm order the C code lacks take torch's path."""
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_clip_grad_norm_reads_each_group_in_one_call(
+    reduce_calls: list[int], foreach: bool | None
+) -> None:
+    """Dense grads of each dtype in one call, channels-last and empty ones included,
+    whatever ``foreach`` says; a grad with gaps in memory and a norm order the C code
+    lacks take torch's path."""
     conv = torch.randn(8, 3, 5, 5).to(memory_format=torch.channels_last)
     gappy = torch.randn(64, 300)[:, :200]
     grads = [torch.randn(3000), conv, gappy, torch.zeros(0), torch.randn(700).bfloat16()]
     for p in NORMS:
         reduce_calls.clear()
-        got = clipopt.get_total_norm(grads, p).item()
+        got = clipopt.get_total_norm(grads, p, foreach=foreach).item()
         assert reduce_calls == [3, 1]  # float32: the vector, the conv, the empty; bfloat16
         assert got == pytest.approx(reference(grads, p), rel=1e-6)
     reduce_calls.clear()
-    clipopt.get_total_norm(grads, 3.0)
+    clipopt.get_total_norm(grads, 3.0, foreach=foreach)
     assert reduce_calls == []
 
 
