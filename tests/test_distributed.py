@@ -542,7 +542,8 @@ def case_example() -> None:
 
 def case_sub_meshes() -> None:
     """DTensors on a strict sub-mesh of the world: a 1-D one (its own group, one
-    all_reduce) and an N-D one (one all_reduce per dimension)."""
+    all_reduce) and an N-D one (one all_reduce per dimension, or one with a
+    ``process_group`` over exactly its ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -558,6 +559,13 @@ def case_sub_meshes() -> None:
         assert_rel(norm, torch.linalg.vector_norm(local.double(), 3.0), f"sub-mesh {names}")
         with pytest.raises(ValueError, match="ranks"):
             clipopt.get_total_norm([grad], 3.0, process_group=dist.group.WORLD)
+    # A group over exactly the N-D sub-mesh's ranks: one all_reduce instead of one per dim.
+    own = [dist.new_group([r]) for r in range(WORLD_SIZE)][dist.get_rank()]
+    grad = DTensor.from_local(local.clone(), mesh["a", "b"], [Shard(0), Shard(0)])
+    with CountAllReduce() as counter:
+        norm = clipopt.get_total_norm([grad], 3.0, process_group=own)
+    assert counter.calls == 1, counter.calls
+    assert_rel(norm, torch.linalg.vector_norm(local.double(), 3.0), "sub-mesh with its group")
 
 
 def case_rank_without_grads() -> None:

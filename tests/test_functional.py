@@ -168,8 +168,8 @@ def test_half_precision_accumulates_in_float32(
 # --- The inf-norm on CPU ----------------------------------------------------------------
 
 LARGE = 1 << 16
-"""A tensor this big must not go through vector_norm(inf) on CPU (about 14x slower than
-a max reduction over the same bytes)."""
+"""A tensor this big must not go through vector_norm(inf) on CPU (about 10x the cost of
+torch.sum over the same bytes: docs/benchmarks.md)."""
 
 
 class InfNormSpy:
