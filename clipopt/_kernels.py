@@ -18,8 +18,9 @@ CPU, any other p or dtype (complex): torch ops.
 
 - A tensor of at least ``_PACK_BELOW`` elements whose memory is dense is viewed as rows
   of ``_ROW`` elements and reduced row-wise, one ``vector_norm(dim=1)`` per tensor.
-  Short rows keep float32 accumulation exact: 4e-8 relative at 40M elements (one flat
-  ``vector_norm`` drifts by 3e-3). Its ragged tail joins the small tensors.
+  Short rows keep float32 accumulation accurate: its error grows with the row length,
+  not with the tensor's size, as one flat ``vector_norm``'s does. Its ragged tail joins
+  the small tensors.
 - Smaller tensors are packed ``_PACK_RUN`` elements at a time into one buffer by
   ``torch.cat`` (tensors whose shapes agree past dim 0 join without a per-tensor view),
   which is then reduced row-wise. A per-tensor reduction costs a dispatch per tensor
@@ -367,7 +368,7 @@ def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None)
       foreach: use multi-tensor kernels (True), per-tensor ones (False) or pick (None).
         CPU tensors always take the exact blocked and packed paths described above:
         ``_foreach_norm`` on CPU is a loop of flat ``vector_norm`` calls, slower and
-        off by up to ~1e-6 relative at a few ten thousand half-precision elements.
+        accumulated over whole tensors.
 
     Returns:
       A 0-dim tensor on the first tensor's device, float32 (float64 if any input is

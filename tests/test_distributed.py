@@ -976,6 +976,28 @@ def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one:
     assert int(after["clip"]["step_count"]) == 0
 
 
+def test_torchs_dcp_functions_drop_clip_and_step_the_wrapper(world_of_one: Any) -> None:
+    """Why clipopt has its own DCP helpers (docs/distributed.md): torch's drop "clip",
+    and initialise a fresh optimizer's state by stepping it on zero grads, which on the
+    wrapper counts a step and records a norm of 0."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    model = nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    trained = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
+    trained.step()
+    assert "clip" not in dcp_state_dict.get_optimizer_state_dict(model, trained)
+    model.zero_grad(set_to_none=True)  # torch steps a fresh optimizer only without grads
+    fresh = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
+    dcp_state_dict.get_optimizer_state_dict(model, fresh)
+    assert int(fresh.step_count) == 1 and fresh.last_norm is not None
+    assert fresh.last_norm.item() == 0.0
+    ours = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
+    cdist.get_optimizer_state_dict(model, ours)
+    assert int(ours.step_count) == 0 and ours.last_norm is None
+
+
 def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
     world_of_one: Any,
 ) -> None:
