@@ -52,6 +52,7 @@ MAX_NORM = 1.0
 SHRINK = 0.97
 UNCLIPPED_CASE = "transformer float32 p=2, max_norm not reached"
 FOLDED_FLOOR = "fused AdamW: floor (sum, step with grad_scale)"
+SCALED_STEP = "fused AdamW: step with grad_scale alone"
 Shape = tuple[int, ...]
 Contenders = dict[str, Callable[[], object]]
 
@@ -295,22 +296,27 @@ def step_contenders(params: list[Tensor], device: torch.device) -> Contenders:
         contenders[f"{name}: ClippedOptimizer"] = clipped_step
     if fused:
         contenders[FOLDED_FLOOR] = folded_floor(params, adamw(), max_norm)
+        contenders[SCALED_STEP] = folded_floor(params, adamw(), max_norm, read=False)
     return contenders
 
 
 def folded_floor(
-    params: list[Tensor], optimizer: torch.optim.Optimizer, max_norm: ShrinkingMaxNorm
+    params: list[Tensor],
+    optimizer: torch.optim.Optimizer,
+    max_norm: ShrinkingMaxNorm,
+    read: bool = True,
 ) -> Callable[[], None]:
     """The least a folded clip can cost: one ``torch.sum`` per grad (the norm's read) and
     the fused step with a ``grad_scale`` (which writes the divided grads back). It
     shrinks the shared grads by ``SHRINK`` as the clipped contenders do, and so takes
-    its turn of ``max_norm``."""
+    its turn of ``max_norm``. Without ``read``: the step with ``grad_scale`` alone, the
+    floor's first part."""
     grads = [p.grad for p in params if p.grad is not None]
     grad_scale = torch.tensor(1 / SHRINK, device=grads[0].device)
 
     def run() -> None:
         max_norm()
-        for grad in grads:
+        for grad in grads if read else ():
             grad.sum()
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         try:
