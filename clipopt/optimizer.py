@@ -82,9 +82,8 @@ class ClippedOptimizer(Optimizer):
 
     Each :meth:`step` computes the total norm of all grads with the grouped kernels of
     :mod:`clipopt._kernels` (one per device and dtype, on the grads' devices, no host
-    sync), scales
-    the grads in place by ``min(1, max_norm / (norm + 1e-6))`` and then runs the inner
-    optimizer's step; it returns what the inner step returns. This is
+    sync), scales the grads in place by ``min(1, max_norm / (norm + 1e-6))`` and then
+    runs the inner optimizer's step; it returns what the inner step returns. This is
     :func:`clipopt.clip_grad_norm_` followed by ``optimizer.step()``, in one object that
     schedulers and checkpoints treat like the optimizer it wraps (Pascanu et al., 2013).
 

@@ -1054,13 +1054,18 @@ def test_mixed_dtypes_are_measured_in_float64(per_group: bool) -> None:
     inner = torch.optim.SGD([{"params": [wide]}, {"params": [narrow]}], lr=0.0)
     opt = ClippedOptimizer(inner, max_norm=0.5, per_group=per_group)
     opt.step()
-    assert opt.last_norm is not None and opt.last_norm.dtype == torch.float64
+    _assert_recorded_norms(opt, before, torch.float64)
+
+
+def _assert_recorded_norms(opt: ClippedOptimizer, before: list[Tensor], dtype: torch.dtype) -> None:
+    """``last_norm`` (and, per group, ``last_group_norms``) of one-grad groups whose grads
+    were ``before``, against float64 references, to 1e-6."""
+    assert opt.last_norm is not None and opt.last_norm.dtype == dtype
     assert math.isclose(opt.last_norm.item(), _ref_norm(before, 2.0), rel_tol=1e-6)
-    if per_group:
+    if opt.per_group:
         assert opt.last_group_norms is not None
-        refs = [_ref_norm([g], 2.0) for g in before]
-        for got, ref in zip(opt.last_group_norms.tolist(), refs, strict=True):
-            assert math.isclose(got, ref, rel_tol=1e-6)
+        for got, grad in zip(opt.last_group_norms.tolist(), before, strict=True):
+            assert math.isclose(got, _ref_norm([grad], 2.0), rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("per_group", [False, True])
@@ -1080,12 +1085,7 @@ def test_float32_norms_whose_squares_leave_float32_are_exact(
     inner = torch.optim.AdamW(groups, lr=0.0, weight_decay=0.0, fused=fused)
     opt = ClippedOptimizer(inner, max_norm=1.0, per_group=per_group)
     opt.step()
-    assert opt.last_norm is not None and opt.last_norm.dtype == torch.float32
-    assert math.isclose(opt.last_norm.item(), _ref_norm(before, 2.0), rel_tol=1e-6)
-    if per_group:
-        assert opt.last_group_norms is not None
-        for got, grad in zip(opt.last_group_norms.tolist(), before, strict=True):
-            assert math.isclose(got, _ref_norm([grad], 2.0), rel_tol=1e-6)
+    _assert_recorded_norms(opt, before, torch.float32)
     after = [p.grad for p in params if p.grad is not None]
     if scale > 1:  # clipped to max_norm: each group on its own with per_group
         refs = [_ref_norm([g], 2.0) for g in after] if per_group else [_ref_norm(after, 2.0)]
