@@ -402,9 +402,10 @@ def grouped_total_norm(
 
 
 def combine_dtype(device: torch.device) -> torch.dtype:
-    """float64 where ``device`` has it (MPS has not): the square of a float32 norm past
-    1.8e19 (or below 1e-19) leaves float32's range, though the norm itself does not."""
-    return torch.float32 if device.type == "mps" else torch.float64
+    """float64 on CPU and CUDA, float32 elsewhere (MPS and some XPUs have no double): the
+    square of a float32 norm past 1.8e19 (or below 1e-19) leaves float32's range, though
+    the norm itself does not."""
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
 def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:
