@@ -2,11 +2,12 @@
 
 For the norms clipping uses (1, 2, inf) of float32, float64, bfloat16 and float16
 grads, one call reads a whole (device, dtype) group at the speed of ``torch.sum`` (the
-1- and 2-norm of float16 grads at about half of it: the conversion to float is done
-with integer operations), on torch's own OpenMP threads (on Linux; on the calling
-thread elsewhere), with float32 sums per 1024 elements added in double (and any block
-that could have overflowed or underflowed read again in double): about 1e-8 relative
-at 40M elements, and no overflow for any finite float32 grad.
+1- and 2-norm of float16 grads at about half of it on CPUs without F16C, where the
+conversion to float is done with integer operations), on torch's own OpenMP threads
+(on Linux; on the calling thread elsewhere), with float32 sums per 1024 elements added
+in double (and any block that could have overflowed or underflowed read again in
+double): about 1e-8 relative at 40M elements, and no overflow for any finite float32
+grad.
 ``torch.linalg.vector_norm`` accumulates the whole tensor in its own dtype.
 
 The scale of float32, float64 and bfloat16 grads is one call too, rounding as

@@ -11,8 +11,8 @@ CPU, p in (1, 2, inf) and float32, float64, bfloat16 or float16 grads: every gra
 whose memory is dense (contiguous, or contiguous up to a permutation of its dims, e.g.
 channels-last) is read by one call into the C reduction of :mod:`clipopt._cpu`,
 on torch's own threads, at the speed of ``torch.sum`` (float16's 1- and 2-norm at
-about half of it); grads with gaps in memory (a strided slice) are reduced in place by
-torch ops, their last dim split into rows.
+about half of it on CPUs without F16C); grads with gaps in memory (a strided slice) are
+reduced in place by torch ops, their last dim split into rows.
 
 CPU, any other p or dtype (complex): torch ops.
 

@@ -5,7 +5,7 @@ Same names and signatures, so switching is one import. What differs, and why:
 - Half-precision grads are reduced in float32: fp16 grads whose norm exceeds 65504 get
   their true norm instead of ``inf`` (which makes torch zero every grad).
 - On CPU, the 1-, 2- and inf-norms of float grads are read by one C kernel per dtype
-  at ``torch.sum``'s speed (float16's 1- and 2-norm at about half of it), accurate
+  at ``torch.sum``'s speed (float16's 1- and 2-norm at half of it without F16C), accurate
   to ~1e-8 relative at 40M float32 elements where torch drifts by ~3e-3, and finite
   wherever the norm fits in float32, even when the squares of the grads (or of the
   norm) do not. The scale is one C call too, bit for bit ``mul_``'s result, and

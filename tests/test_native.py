@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -135,16 +135,67 @@ def test_nan_and_inf_propagate(
         assert got == math.inf
 
 
-def test_every_float16_value() -> None:
-    """The half-to-float conversion is done with integer operations: check all 65536."""
-    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    finite = every[torch.isfinite(every)]
-    for p in (1.0, 2.0):
-        assert_matches(native([finite], p), [finite], p)
+@pytest.fixture(params=[False, True], ids=["integer", "f16c"])
+def float16_path(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Each float16 conversion the C reduction has: integer operations, and the F16C
+    instruction (skipped where the CPU lacks it). The default is restored after."""
+    default = _native.float16_by_f16c(True)
+    if _native.float16_by_f16c(request.param) != request.param:
+        pytest.skip("this CPU has no F16C")
+    try:
+        yield request.param
+    finally:
+        _native.float16_by_f16c(default)
+
+
+EVERY_FLOAT16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_every_float16_value(float16_path: bool, flush_denormal: bool) -> None:
+    """All 65536 halves, with and without flush-to-zero and denormals-are-zero on the
+    calling thread: float16 subnormals are normal floats, and must stay exact."""
+    finite = EVERY_FLOAT16[torch.isfinite(EVERY_FLOAT16)]
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for p in (1.0, 2.0):
+            assert_matches(native([finite], p, threads=1), [finite], p)
+    finally:
+        torch.set_flush_denormal(False)
+    every = EVERY_FLOAT16
     address = every.data_ptr()
     for i, value in enumerate(every.double().abs().tolist()):
         got = _native.reduce(2, 3, [address + 2 * i], [1], 1)
         assert got == value or (math.isnan(got) and math.isnan(value)), (i, got, value)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from(SIZES) | st.integers(0, 5000), min_size=1, max_size=4),
+    p=st.sampled_from([1.0, 2.0]),
+    exponent=st.integers(-8, 4),
+    special=st.sampled_from([None, math.inf, math.nan]),
+    seed=st.integers(0, 2**16),
+)
+def test_float16_paths_give_the_same_bits(
+    sizes: list[int], p: float, exponent: int, special: float | None, seed: int
+) -> None:
+    """The F16C conversion and the integer one add the same values in the same order."""
+    if not _native.float16_by_f16c(True):
+        pytest.skip("this CPU has no F16C")
+    tensors = [
+        gaussian(n, torch.float16, seed + i, scale=2.0**exponent) for i, n in enumerate(sizes)
+    ]
+    if special is not None and tensors[0].numel():
+        tensors[0][seed % tensors[0].numel()] = special
+    try:
+        by_f16c = native(tensors, p)
+        _native.float16_by_f16c(False)
+        by_integers = native(tensors, p)
+    finally:
+        _native.float16_by_f16c(True)
+    assert by_f16c == by_integers or (math.isnan(by_f16c) and math.isnan(by_integers))
 
 
 @pytest.mark.parametrize("offset", [0, 1])
