@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -350,18 +351,24 @@ def test_scale_bad_arguments_raise() -> None:
 # ---------------------------------------------------------------- use by clipopt
 
 
+def _count_buffers(monkeypatch: pytest.MonkeyPatch, name: str, at: int) -> list[int]:
+    """Records the buffer count (the length of argument ``at``) of every call into the C
+    function ``name``."""
+    calls: list[int] = []
+    real = getattr(_native, name)
+
+    def counted(*args: Any) -> Any:
+        calls.append(len(args[at]))
+        return real(*args)
+
+    monkeypatch.setattr(_cpu._native, name, counted)
+    return calls
+
+
 @pytest.fixture
 def reduce_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records the buffer count of every call into the C reduction."""
-    calls: list[int] = []
-    real = _native.reduce
-
-    def counted(op: int, dtype: int, addresses: list[int], numels: list[int], t: int) -> float:
-        calls.append(len(addresses))
-        return real(op, dtype, addresses, numels, t)
-
-    monkeypatch.setattr(_cpu._native, "reduce", counted)
-    return calls
+    return _count_buffers(monkeypatch, "reduce", at=2)
 
 
 @pytest.mark.parametrize("foreach", [None, True, False])
@@ -387,15 +394,7 @@ def test_clip_grad_norm_reads_each_group_in_one_call(
 @pytest.fixture
 def scale_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records the buffer count of every call into the C scale."""
-    calls: list[int] = []
-    real = _native.scale
-
-    def counted(dtype: int, addresses: list[int], *rest: int) -> None:
-        calls.append(len(addresses))
-        real(dtype, addresses, *rest)
-
-    monkeypatch.setattr(_cpu._native, "scale", counted)
-    return calls
+    return _count_buffers(monkeypatch, "scale", at=1)
 
 
 @pytest.mark.parametrize("foreach", [None, True, False])
