@@ -1,0 +1,64 @@
+"""Files written by clipopt 0.1.0 still load, and training resumes from them bit-exactly.
+
+``tests/data/make_legacy.py`` wrote them with that version: a ``torch.save`` checkpoint
+and a pickle of the wrapper, each taken mid-run, with the parameters and state dict that
+version reached at the end of the run. Resuming with today's code must reach the same.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from helpers import assert_same
+
+DATA = Path(__file__).parent / "data"
+CASES = ("sgd-per-group", "adamw-fused")
+
+
+def _maker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_legacy", DATA / "make_legacy.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+legacy = _maker()
+
+
+def _finish(net: torch.nn.Module, opt: torch.optim.Optimizer, case: str) -> None:
+    for step in range(legacy.RESUME_AT, legacy.STEPS):
+        opt.zero_grad()
+        legacy.backward(net, step, legacy.POISONED[case])
+        opt.step()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_0_1_0_checkpoint_resumes_bit_exactly(case: str) -> None:
+    saved = torch.load(DATA / f"legacy_0.1.0_{case}.pt", weights_only=True)
+    net = legacy.model()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)  # nothing of the fresh model may leak into the resumed run
+    opt = legacy.optimizer(net, case)
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    _finish(net, opt, case)
+    assert_same(net.state_dict(), saved["final_model"])
+    assert_same(opt.state_dict(), saved["final_optimizer"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_0_1_0_pickle_resumes_bit_exactly(case: str) -> None:
+    saved = torch.load(DATA / f"legacy_0.1.0_{case}.pt", weights_only=True)
+    with open(DATA / f"legacy_0.1.0_{case}.pickle", "rb") as f:
+        pickled = pickle.load(f)  # our own committed file
+    net, opt = pickled["model"], pickled["optimizer"]
+    _finish(net, opt, case)
+    assert_same(net.state_dict(), saved["final_model"])
+    assert_same(opt.state_dict(), saved["final_optimizer"])
