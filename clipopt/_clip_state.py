@@ -26,17 +26,14 @@ from clipopt._validation import check_norm_type, check_positive
 
 __all__ = [
     "CLIP_KEY",
-    "NONFINITE_MODES",
     "ClipState",
     "NonFinite",
     "Settings",
     "Threshold",
     "check_group_settings",
-    "check_inner_state_dict",
     "check_one_norm_type",
     "group_max_norm",
-    "group_norm_type",
-    "parse_clip_state",
+    "prepare_load",
     "validated_settings",
 ]
 
@@ -181,10 +178,44 @@ def check_inner_state_dict(
                 f"state_dict['param_groups'][{index}] has {len(params)} params, "
                 f"this optimizer's group {index} has {len(live['params'])}"
             )
-        check_group_settings(index, saved)
     state = state_dict.get("state", {})
     if not isinstance(state, Mapping) or not all(isinstance(v, Mapping) for v in state.values()):
         raise TypeError("state_dict['state'] must be a dict of dicts")
+
+
+def prepare_load(
+    raw_clip: Any,
+    inner_state: Mapping[str, Any],
+    live_groups: Sequence[Mapping[str, Any]],
+    current: Settings,
+) -> ClipState | None:
+    """Validate everything a load would apply, before anything is loaded.
+
+    The one check of both loaders (``ClippedOptimizer.load_state_dict`` and the DCP
+    one): the ``"clip"`` entry completely, the inner dict's layout against the live
+    groups, each saved group's ``max_norm`` / ``norm_type``, and one order for all groups
+    unless the settings that will apply say ``per_group``.
+
+    Args:
+      raw_clip: the saved ``"clip"`` entry, None when there is none.
+      inner_state: the rest of the dict, for the inner optimizer.
+      live_groups: the optimizer's param groups now.
+      current: the settings that stay when the dict has no ``"clip"`` entry.
+
+    Returns:
+      The validated clip state to apply, or None.
+
+    Raises:
+      TypeError, ValueError: naming the first bad value; nothing has been changed.
+    """
+    clip_state = parse_clip_state(raw_clip, len(live_groups))
+    check_inner_state_dict(inner_state, live_groups)
+    saved_groups = inner_state["param_groups"]
+    for index, group in enumerate(saved_groups):
+        check_group_settings(index, group)
+    settings = current if clip_state is None else clip_state.settings
+    check_one_norm_type(saved_groups, settings.norm_type, settings.per_group)
+    return clip_state
 
 
 def parse_clip_state(raw: Any, num_groups: int) -> ClipState | None:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, distributed
+from clipopt import _kernels, _reduce
+from clipopt._errors import NonFiniteNormError
 from clipopt._validation import MaxNorm, NormType, check_norm_type, check_positive
 
 if TYPE_CHECKING:
@@ -46,14 +47,6 @@ __all__ = [
 
 TensorOrTensors: TypeAlias = Tensor | Iterable[Tensor]
 MaybeTensors: TypeAlias = Tensor | Iterable[Tensor | None]
-
-
-class NonFiniteNormError(RuntimeError, FloatingPointError):
-    """The total gradient norm is NaN or infinite and the caller asked to raise.
-
-    A ``RuntimeError`` like torch's, so existing ``except RuntimeError`` code keeps
-    working, and a ``FloatingPointError`` for code written against ``ClippedOptimizer``.
-    """
 
 
 def _as_list(tensors: TensorOrTensors) -> list[Tensor]:
@@ -81,7 +74,7 @@ def _replicated_grads(
     if replicated_params is None:
         return []
     replicated = _as_list(replicated_params)
-    distributed.check_members("replicated_params", replicated, parameters, "parameters")
+    _reduce.check_members("replicated_params", replicated, parameters, "parameters")
     return _grads(replicated)
 
 
@@ -142,25 +135,26 @@ def get_total_norm(
       >>> clipopt.get_total_norm([torch.full((1000,), 3000.0, dtype=torch.float16)])
       tensor(94868.3281)
     """
-    return _total_norm(tensors, norm_type, error_if_nonfinite, foreach, process_group, replicated)
-
-
-def _total_norm(
-    tensors: MaybeTensors,
-    norm_type: NormType,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    process_group: ProcessGroup | None,
-    replicated: TensorOrTensors | None,
-    params: list[Tensor] | None = None,
-) -> Tensor:
-    """:func:`get_total_norm`; ``params``, whose grads ``tensors`` are, let a rank that
-    holds none of them still join a reduction over their DTensor mesh."""
     p = check_norm_type(norm_type)
     present = _present(tensors)
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
-    norm = distributed.total_norm(
-        present, p, foreach, process_group=process_group, replicated=shared, params=params or ()
+    return _measure(present, p, error_if_nonfinite, foreach, process_group, shared)
+
+
+def _measure(
+    tensors: list[Tensor],
+    p: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    process_group: ProcessGroup | None,
+    replicated: list[Tensor],
+    params: list[Tensor] | None = None,
+) -> Tensor:
+    """The global norm of ``tensors``, raising if asked; ``params``, whose grads
+    ``tensors`` are, let a rank that holds none of them still join a reduction over
+    their DTensor mesh."""
+    norm = _reduce.global_norm(
+        tensors, p, foreach, process_group=process_group, replicated=replicated, params=params or ()
     )
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
@@ -203,22 +197,28 @@ def _scale_by_norm_(
     if not grads or _measures_only(max_norm):
         return
     coef = _kernels.clip_coefficient(max_norm, total_norm)
-    _kernels.scale_(distributed.local_tensors(grads), coef, foreach)
+    _kernels.scale_(_reduce.local_tensors(grads), coef, foreach)
+
+
+def _checked_params(parameters: TensorOrTensors, max_norm: MaxNorm) -> list[Tensor]:
+    """The parameters of a clip, read once, after ``max_norm`` is validated."""
+    check_positive("max_norm", max_norm)
+    return _as_list(parameters)
 
 
 def _grads_norm(
     params: list[Tensor],
-    grads: list[Tensor],
     norm_type: NormType,
     error_if_nonfinite: bool,
     foreach: bool | None,
     process_group: ProcessGroup | None,
     replicated_params: TensorOrTensors | None,
 ) -> Tensor:
-    """The total norm of ``grads`` (those of ``params``), as both clip_grad_norm measure it."""
+    """The global norm of ``params``' grads, as both clip_grad_norm measure it."""
     replicated = _replicated_grads(params, replicated_params)
-    return _total_norm(
-        grads, norm_type, error_if_nonfinite, foreach, process_group, replicated, params
+    p = check_norm_type(norm_type)
+    return _measure(
+        _grads(params), p, error_if_nonfinite, foreach, process_group, replicated, params
     )
 
 
@@ -263,15 +263,14 @@ def clip_grad_norm_(
       >>> w.grad
       tensor([0.6000, 0.8000])
     """
-    check_positive("max_norm", max_norm)
-    params = _as_list(parameters)
+    params = _checked_params(parameters, max_norm)
     grads = _grads(params)
     # With no grad here, the parameters say whether other ranks reduce over a mesh.
     measured = grads or params
-    if process_group is None and replicated_params is None and distributed.all_plain(measured):
+    if process_group is None and replicated_params is None and _reduce.all_plain(measured):
         return _clip_local_(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     norm = _grads_norm(
-        params, grads, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
+        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
     _scale_by_norm_(grads, max_norm, norm, foreach)
     return norm
@@ -326,11 +325,9 @@ def clip_grad_norm(
       >>> clipped[0], norm, w.grad
       (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
     """
-    check_positive("max_norm", max_norm)
-    params = _as_list(parameters)
-    grads = _grads(params)
+    params = _checked_params(parameters, max_norm)
     norm = _grads_norm(
-        params, grads, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
+        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
     _scale_by_norm_([c for c in copies if c is not None], max_norm, norm, foreach)

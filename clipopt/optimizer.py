@@ -1,56 +1,42 @@
 """``ClippedOptimizer``: clip the gradient norm before every step of any torch optimizer.
 
-Gradient-norm clipping (Pascanu et al., 2013, "On the difficulty of training recurrent
-neural networks") as an optimizer wrapper: ``opt.step()`` measures the total grad norm
-on the device, scales the grads by ``min(1, max_norm / (norm + 1e-6))`` and runs the
-inner optimizer's step. The wrapper is transparent: its ``param_groups``, ``state`` and
-``defaults`` are the inner optimizer's own objects, so LR schedulers, checkpoints and
-code that edits ``group["lr"]`` behave as if the wrapper were not there.
-
-The step is split so that each part can be replaced on its own:
-
-- :meth:`ClippedOptimizer._total_norms` is the only place grads are reduced to norms
-  (across ranks too, see :mod:`clipopt.distributed`);
-- :meth:`ClippedOptimizer._measure` turns grads into the norm(s) to clip against;
-- :meth:`ClippedOptimizer._clip_coefficients` turns norms and thresholds into on-device
-  coefficients (a threshold may be a 0-dim tensor);
-- :meth:`ClippedOptimizer._scale_grads` applies them;
-- :meth:`ClippedOptimizer._inner_step` runs the wrapped optimizer.
+Gradient-norm clipping (Pascanu et al., 2013) as an optimizer wrapper. The wrapper's
+plumbing (pass-through ``param_groups`` / ``state`` / ``defaults``, hooks, pickling, the
+state-dict templates) is :class:`clipopt._wrapper.OptimizerWrapper`; this module is the
+clip: its settings, its step (measure -> decide -> apply, :mod:`clipopt._step`) and its
+entry of the state dict (:mod:`clipopt._clip_state`). A decision is applied in exactly
+one of two ways: scale the grads, then run the inner step; or fold the scale (and a
+skip) into a fused inner optimizer's kernel (:mod:`clipopt._fused`).
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeAlias, cast, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _kernels, distributed
+from clipopt import _fused, _step
 from clipopt._clip_state import (
     CLIP_KEY,
     ClipState,
     NonFinite,
     Settings,
-    Threshold,
     check_group_settings,
-    check_inner_state_dict,
     check_one_norm_type,
-    group_max_norm,
-    parse_clip_state,
+    prepare_load,
     validated_settings,
 )
-from clipopt.functional import NonFiniteNormError
+from clipopt._nonfinite import StepCounters, device_verdict, host_verdict
+from clipopt._reduce import NormScope
+from clipopt._wrapper import Closure, OptimizerWrapper
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["ClippedOptimizer"]
-
-Closure: TypeAlias = Callable[[], Any]
 
 
 def _check_inner(optimizer: Any) -> None:
@@ -69,21 +55,13 @@ def _check_inner(optimizer: Any) -> None:
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
 
 
-def _is_inf(threshold: Threshold) -> bool:
-    return isinstance(threshold, float) and math.isinf(threshold)
-
-
-def _new_counter() -> Tensor:
-    return torch.zeros((), dtype=torch.int64)
-
-
-class ClippedOptimizer(Optimizer):
+class ClippedOptimizer(OptimizerWrapper):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
-    Each :meth:`step` computes the total norm of all grads with the grouped kernels of
-    :mod:`clipopt._kernels` (one per device and dtype, on the grads' devices, no host
-    sync), scales the grads in place by ``min(1, max_norm / (norm + 1e-6))`` and then
-    runs the inner optimizer's step; it returns what the inner step returns. This is
+    Each :meth:`step` computes the total norm of all grads with grouped kernels (one
+    per device and dtype, on the grads' devices, no host sync), scales the grads in
+    place by ``min(1, max_norm / (norm + 1e-6))`` and then runs the inner optimizer's
+    step; it returns what the inner step returns. This is
     :func:`clipopt.clip_grad_norm_` followed by ``optimizer.step()``, in one object that
     schedulers and checkpoints treat like the optimizer it wraps (Pascanu et al., 2013).
 
@@ -133,6 +111,8 @@ class ClippedOptimizer(Optimizer):
     # optimizer is fused and could take the scale itself: last_norm is the true norm.
     _step_supports_amp_scaling = False
 
+    EXTRA_KEY = CLIP_KEY
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -155,32 +135,20 @@ class ClippedOptimizer(Optimizer):
         for index, group in enumerate(optimizer.param_groups):
             check_group_settings(index, group)
         check_one_norm_type(optimizer.param_groups, settings.norm_type, settings.per_group)
-        scope = distributed.NormScope(
+        scope = NormScope(
             process_group,
             replicated_params,
             params=[p for group in optimizer.param_groups for p in group["params"]],
         )
         # Nothing has been touched above this line.
-        self._init_hooks()
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self._foreach = foreach
         self._norm_scope = scope
         self._apply_settings(settings)
         self._fill_group_defaults()
         self._last_norm: Tensor | None = None
         self._last_group_norms: Tensor | None = None
-        self._step_count = _new_counter()
-        self._skip_count = _new_counter()
-        self._consecutive_skips = _new_counter()
-
-    def _init_hooks(self) -> None:
-        """The hook registries that ``Optimizer.__init__`` would create, all empty."""
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._counters = StepCounters()
 
     def _apply_settings(self, settings: Settings) -> None:
         self.optimizer.defaults["max_norm"] = settings.max_norm
@@ -204,34 +172,7 @@ class ClippedOptimizer(Optimizer):
             self._max_consecutive_skips,
         )
 
-    # ------------------------------------------------------------------ delegation
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's param groups (the very list, not a copy)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = groups
-
-    @property
-    def state(self) -> Any:
-        """The inner optimizer's per-parameter state (the very dict, not a copy)."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        self.optimizer.state = state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The inner optimizer's defaults, which also hold ``max_norm`` and ``norm_type``."""
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, defaults: dict[str, Any]) -> None:
-        self.optimizer.defaults = defaults
+    # ------------------------------------------------------------------ public state
 
     @property
     def per_group(self) -> bool:
@@ -271,21 +212,17 @@ class ClippedOptimizer(Optimizer):
     @property
     def step_count(self) -> Tensor:
         """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
-        return self._step_count
+        return self._counters.step_count
 
     @property
     def skip_count(self) -> Tensor:
         """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
-        return self._skip_count
+        return self._counters.skip_count
 
     @property
     def consecutive_skips(self) -> Tensor:
         """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
-        return self._consecutive_skips
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the grads of every parameter, as the inner optimizer does."""
-        self.optimizer.zero_grad(set_to_none)
+        return self._counters.consecutive_skips
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the inner optimizer.
@@ -307,18 +244,19 @@ class ClippedOptimizer(Optimizer):
         settings = ", ".join(f"{k}={v!r}" for k, v in self._settings().as_dict().items())
         return f"{type(self).__name__}({settings}) wrapping\n{self.optimizer!r}"
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Like torch.optim.Optimizer: hooks and a scheduler's patched ``step`` stay behind.
-        dropped = {"step", "_opt_called"}
-        return {
-            k: v
-            for k, v in self.__dict__.items()
-            if k not in dropped and not k.startswith("_optimizer_")
-        }
-
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_hooks()
+        # Pickles made by clipopt 0.1.0 hold the counters as three attributes and maybe a
+        # lagged copy of one; they become the one counters object.
+        if "_counters" not in state:
+            counters = StepCounters()
+            counters.load(
+                {n: state.pop(f"_{n}") for n in ("step_count", "skip_count", "consecutive_skips")}
+            )
+            lagged = state.pop("_lagged_consecutive_skips", None)
+            if lagged is not None:
+                counters.lagged = lagged
+            state["_counters"] = counters
+        super().__setstate__(state)
 
     # ------------------------------------------------------------------ the step
 
@@ -341,235 +279,108 @@ class ClippedOptimizer(Optimizer):
         Hooks registered on the wrapper fire around this whole clipped step; hooks on
         the inner optimizer (and global optimizer hooks) fire around the inner step.
         """
-        args: tuple[Any, ...] = () if closure is None else (closure,)
-        args, kwargs = self._run_step_pre_hooks(args, {})
-        closure = kwargs.get("closure", args[0] if args else None)
-        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            result = self._clipped_step(closure)
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, args, kwargs)
-        return result
+        return super().step(closure)
 
-    def _run_step_pre_hooks(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        for hook in list(self._optimizer_step_pre_hooks.values()):
-            result = hook(self, args, kwargs)
-            if result is None:
-                continue
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(
-                    f"a step pre-hook must return None or (args, kwargs), got {result!r}"
-                )
-            args, kwargs = result
-        return args, kwargs
-
-    def _clipped_step(self, closure: Closure | None) -> Any:
-        plan = _fused.fold_plan(self, closure)
-        if plan is not None:
-            return _fused.folded_step(self, plan)  # the scale rides on the fused kernel
-        # This path checks the live skip count itself; a folded step's copy would be stale.
-        _fused.forget_lagged_skips(self)
+    def _wrapped_step(self, closure: Closure | None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._clip(may_skip=True):
-            return loss
-        inner_closure = None if closure is None else self._replaying_closure(loss, closure)
-        result = self._inner_step(inner_closure)
-        self._step_count.add_(1)
-        self._consecutive_skips.zero_()
+        decision, fold = self._decide(may_fold=closure is None, may_skip=True)
+        if decision.skip:
+            result, latest = loss, decision.measurement
+        else:
+            apply = self._apply_folded if fold else self._apply_explicit
+            result, latest = apply(decision, closure, loss)
+        self._last_norm, self._last_group_norms = latest.norm, latest.stacked
+        skipped = decision.skip if decision.found_inf is None else decision.found_inf
+        self._counters.record(latest.norm.device, skipped, decision.streak)
         return result
 
-    def _replaying_closure(self, first_loss: Any, closure: Closure) -> Closure:
-        """A closure that returns ``first_loss`` once, then evaluates and clips."""
-        pending = [first_loss]
+    @torch.no_grad()
+    def _decide(self, may_fold: bool, may_skip: bool) -> tuple[_step.ClipDecision, bool]:
+        """Measure, compute the coefficients and rule on a non-finite norm; change nothing.
+
+        Returns:
+          The decision, and whether it is to be folded into the fused inner kernel.
+
+        Raises:
+          NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
+        """
+        settings = _step.read_group_settings(self.param_groups, self.defaults, self._per_group)
+        grads = _step.collect_grads(self.param_groups)
+        measured = _step.measure(
+            grads,
+            settings.norm_types,
+            float(self.defaults["norm_type"]),
+            self._per_group,
+            self._norm_scope,
+            self._foreach,
+            [p for group in self.param_groups for p in group["params"]],
+        )
+        coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
+        fold = may_fold and _fused.can_fold(self.optimizer, grads, coefficients)
+        norms = measured.norm if measured.stacked is None else measured.stacked
+        if self._nonfinite == "propagate":
+            return _step.ClipDecision(grads, measured, coefficients), fold
+        if fold and self._nonfinite == "skip" and _fused.skips_cleanly(self.optimizer):
+            found_inf = device_verdict(norms, self._counters, self._max_consecutive_skips)
+            return _step.ClipDecision(grads, measured, coefficients, found_inf=found_inf), fold
+        streak = host_verdict(
+            norms, self._counters, self._nonfinite, self._max_consecutive_skips, may_skip
+        )
+        skip = streak is not None
+        return _step.ClipDecision(grads, measured, coefficients, skip, streak or 0), fold
+
+    def _apply_folded(
+        self, decision: _step.ClipDecision, closure: Closure | None, loss: Any
+    ) -> tuple[Any, _step.Measurement]:
+        """Apply ``decision`` inside the fused inner kernel (no closure: see ``_decide``)."""
+        coefficient = decision.coefficients[0]
+        assert not isinstance(coefficient, tuple)  # can_fold refuses per-grad coefficients
+        result = _fused.apply_folded(self.optimizer, coefficient, decision.found_inf)
+        return result, decision.measurement
+
+    def _apply_explicit(
+        self, decision: _step.ClipDecision, closure: Closure | None, loss: Any
+    ) -> tuple[Any, _step.Measurement]:
+        """Scale the grads, then run the inner step; return its result and the last norms.
+
+        The inner optimizer gets a closure that returns ``loss`` once and afterwards
+        re-evaluates, measures and clips (LBFGS calls it many times); the norms of its
+        last evaluation are the step's last norms.
+        """
+        _step.scale(decision.grads, decision.coefficients, self._foreach)
+        if closure is None:
+            return self.optimizer.step(), decision.measurement
+        pending = [loss]
+        latest = [decision.measurement]
 
         def clipped_closure() -> Any:
             if pending:
                 return pending.pop()
             with torch.enable_grad():
-                loss = closure()
-            self._clip(may_skip=False)
-            return loss
+                again = closure()
+            redo, _ = self._decide(may_fold=False, may_skip=False)
+            _step.scale(redo.grads, redo.coefficients, self._foreach)
+            latest.append(redo.measurement)
+            return again
 
-        return clipped_closure
-
-    def _inner_step(self, closure: Closure | None) -> Any:
-        """Run the wrapped optimizer's step on the (already clipped) grads."""
-        if closure is None:
-            return self.optimizer.step()
-        return self.optimizer.step(closure)
-
-    @torch.no_grad()
-    def _clip(self, may_skip: bool) -> bool:
-        """Measure, decide on a non-finite norm, scale. False: the step is skipped."""
-        thresholds, norm_types = self._group_settings()
-        grads = self._grads_per_group()
-        norm, group_norms, stacked = self._measure(grads, norm_types)
-        self._move_counters(norm.device)
-        if self._nonfinite != "propagate" and not self._finite_or_raise(
-            stacked if stacked is not None else norm, may_skip
-        ):
-            self._last_norm, self._last_group_norms = norm, stacked
-            return False
-        self._scale_grads(grads, self._clip_coefficients(group_norms, thresholds))
-        self._last_norm, self._last_group_norms = norm, stacked
-        return True
-
-    def _group_settings(self) -> tuple[list[Threshold], list[float]]:
-        """Each group's validated threshold and norm order (read fresh every step)."""
-        defaults = self.defaults
-        thresholds = [
-            group_max_norm(index, group.get("max_norm", defaults["max_norm"]))
-            for index, group in enumerate(self.param_groups)
-        ]
-        norm_types = check_one_norm_type(
-            self.param_groups, float(defaults["norm_type"]), self._per_group
-        )
-        return thresholds, norm_types
-
-    def _grads_per_group(self) -> list[list[Tensor]]:
-        return [
-            [p.grad for p in group["params"] if p.grad is not None] for group in self.param_groups
-        ]
-
-    def _total_norm(self, grads: list[Tensor], norm_type: float) -> Tensor:
-        """The p-norm of ``grads`` taken together: the one place grads are reduced to a norm."""
-        return self._total_norms([grads], [norm_type])[0]
-
-    def _total_norms(self, buckets: list[list[Tensor]], norm_types: list[float]) -> list[Tensor]:
-        """The p-norm of each bucket of grads, across ranks in one ``all_reduce`` if needed.
-
-        A rank without any grad hands over the parameters, so that it still joins a
-        reduction over their DTensor mesh that the other ranks are in.
-        """
-        params = [] if any(buckets) else [p for g in self.param_groups for p in g["params"]]
-        return self._norm_scope.total_norms(buckets, norm_types, self._foreach, params)
-
-    def _measure(
-        self, grads: list[list[Tensor]], norm_types: list[float]
-    ) -> tuple[Tensor, list[Tensor], Tensor | None]:
-        """The total norm to record and, per group, the norm that group is clipped by.
-
-        Returns:
-          ``(norm, group_norms, stacked)``: without ``per_group`` every entry of
-          ``group_norms`` is ``norm`` itself and ``stacked`` is None; with it they are
-          the groups' own norms, moved to one device and dtype, ``stacked`` is them in
-          one 1-D tensor (stacked once per step) and ``norm`` is its norm with the
-          default order.
-        """
-        if not self._per_group:
-            norm = self._total_norm([g for group in grads for g in group], norm_types[0])
-            return norm, [norm] * len(grads), None
-        own = self._total_norms(grads, norm_types)
-        device = next((g[0].device for g in grads if g), own[0].device)
-        dtype = _kernels.result_dtype([n.dtype for n in own])
-        # A group without grads gets its zero made here: moving the CPU zero the kernel
-        # returns for it would be a blocking host-to-device copy every step.
-        group_norms = [
-            n.to(device=device, dtype=dtype)
-            if bucket
-            else torch.zeros((), device=device, dtype=dtype)
-            for n, bucket in zip(own, grads, strict=True)
-        ]
-        stacked = torch.stack(group_norms)
-        wide = _kernels.combine_dtype(stacked.device)
-        norm_type = float(self.defaults["norm_type"])
-        norm = torch.linalg.vector_norm(stacked, norm_type, dtype=wide).to(dtype)
-        return norm, group_norms, stacked
-
-    def _clip_coefficients(
-        self, group_norms: list[Tensor], thresholds: list[Threshold]
-    ) -> list[Tensor | None]:
-        """Per group, ``min(1, max_norm / (norm + eps))`` on device; None: scale nothing.
-
-        Groups that share a norm object and an equal threshold share one coefficient.
-        """
-        coefficients: list[Tensor | None] = []
-        shared: dict[tuple[int, Any], Tensor] = {}
-        for norm, threshold in zip(group_norms, thresholds, strict=True):
-            if _is_inf(threshold):
-                coefficients.append(None)
-                continue
-            key = (id(norm), threshold if isinstance(threshold, float) else id(threshold))
-            if key not in shared:
-                shared[key] = _kernels.clip_coefficient(threshold, norm)
-            coefficients.append(shared[key])
-        return coefficients
-
-    def _scale_grads(self, grads: list[list[Tensor]], coefficients: list[Tensor | None]) -> None:
-        """Multiply each group's grads by its coefficient, one kernel call per coefficient."""
-        by_coefficient: dict[int, tuple[Tensor, list[Tensor]]] = {}
-        for group_grads, coefficient in zip(grads, coefficients, strict=True):
-            if coefficient is not None and group_grads:
-                by_coefficient.setdefault(id(coefficient), (coefficient, []))[1].extend(group_grads)
-        for coefficient, tensors in by_coefficient.values():
-            _kernels.scale_(distributed.local_tensors(tensors), coefficient, self._foreach)
-
-    def _finite_or_raise(self, norms: Tensor, may_skip: bool) -> bool:
-        """One host read: True if ``norms`` are finite, False if the step is skipped.
-
-        Raises :class:`NonFiniteNormError` for ``nonfinite="raise"``, for a non-finite
-        norm that cannot skip, or once ``max_consecutive_skips`` steps were skipped.
-        """
-        nonfinite = (~torch.isfinite(norms).all()).to(torch.int64)
-        is_bad, streak = (
-            int(v) for v in torch.stack([nonfinite, self._consecutive_skips]).tolist()
-        )
-        if not is_bad:
-            return True
-        limit = self._max_consecutive_skips
-        if self._nonfinite == "raise" or not may_skip:
-            raise NonFiniteNormError(
-                f"the gradient norm is non-finite ({norms.tolist()}); "
-                f"nonfinite={self._nonfinite!r}, so nothing was changed"
-            )
-        if limit is not None and streak >= limit:
-            raise NonFiniteNormError(
-                f"the gradient norm is non-finite ({norms.tolist()}) after {streak} skipped "
-                f"steps in a row (max_consecutive_skips={limit}); training is not recovering"
-            )
-        self._skip_count.add_(1)
-        self._consecutive_skips.add_(1)
-        return False
-
-    def _move_counters(self, device: torch.device) -> None:
-        """Keep the counters on the grads' device, so updating them never syncs."""
-        if self._step_count.device != device:
-            self._step_count = self._step_count.to(device)
-            self._skip_count = self._skip_count.to(device)
-            self._consecutive_skips = self._consecutive_skips.to(device)
+        return self.optimizer.step(clipped_closure), latest[-1]
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus the clip state under ``"clip"``.
 
-        Layout of ``"clip"`` (tensors and plain Python values only, so
-        ``torch.load(..., weights_only=True)`` reads it)::
-
-          {"settings": {"max_norm": float, "norm_type": float, "per_group": bool,
-                        "nonfinite": str, "max_consecutive_skips": int | None},
-           "last_norm": 0-dim Tensor | None,
-           "last_group_norms": 1-D Tensor | None,   # per_group=True only
-           "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...}
-
+        The layout of ``"clip"`` is in :mod:`clipopt._clip_state`: tensors and plain
+        Python values only, so ``torch.load(..., weights_only=True)`` reads it.
         Per-group ``max_norm`` / ``norm_type`` are saved in ``param_groups`` like ``lr``.
         State-dict hooks registered on the wrapper run around the whole dict.
         """
-        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
-            pre_hook(self)
-        state_dict = dict(self.optimizer.state_dict())
-        state_dict[CLIP_KEY] = self._clip_state_dict()
-        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        return super().state_dict()
 
-    def _clip_state_dict(self) -> dict[str, Any]:
+    def _extra_state(self) -> dict[str, Any]:
         def copy(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().clone()
 
@@ -577,9 +388,7 @@ class ClippedOptimizer(Optimizer):
             "settings": self._settings().as_dict(),
             "last_norm": copy(self._last_norm),
             "last_group_norms": copy(self._last_group_norms),
-            "step_count": self._step_count.clone(),
-            "skip_count": self._skip_count.clone(),
-            "consecutive_skips": self._consecutive_skips.clone(),
+            **self._counters.state(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -595,29 +404,15 @@ class ClippedOptimizer(Optimizer):
           TypeError: a value has the wrong type.
           ValueError: the dict does not match this optimizer's groups or holds bad values.
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        loaded = dict(state_dict)
-        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            result = pre_hook(self, loaded)
-            if result is not None:
-                loaded = dict(result)
-        clip_state = parse_clip_state(loaded.pop(CLIP_KEY, None), len(self.param_groups))
-        check_inner_state_dict(loaded, self.param_groups)
-        settings = self._settings() if clip_state is None else clip_state.settings
-        check_one_norm_type(loaded["param_groups"], settings.norm_type, settings.per_group)
-        snapshot = dict(self.optimizer.__dict__)
-        try:
-            self.optimizer.load_state_dict(loaded)
-        except BaseException:
-            self.optimizer.__dict__.clear()
-            self.optimizer.__dict__.update(snapshot)
-            raise
-        if clip_state is not None:
-            self._apply_clip_state(clip_state)
+        super().load_state_dict(state_dict)
+
+    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> ClipState | None:
+        return prepare_load(extra, inner_state, self.param_groups, self._settings())
+
+    def _finish_load(self, prepared: ClipState | None) -> None:
+        if prepared is not None:
+            self._apply_clip_state(prepared)
         self._fill_group_defaults()
-        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
-            post_hook(self)
 
     def _apply_clip_state(self, clip_state: ClipState) -> None:
         """Install a validated clip state; tensors are copied onto the params' device."""
@@ -629,11 +424,9 @@ class ClippedOptimizer(Optimizer):
         self._apply_settings(clip_state.settings)
         self._last_norm = here(clip_state.last_norm)
         self._last_group_norms = here(clip_state.last_group_norms)
-        counters = {k: cast(Tensor, here(v)) for k, v in clip_state.counters.items()}
-        self._step_count = counters["step_count"]
-        self._skip_count = counters["skip_count"]
-        self._consecutive_skips = counters["consecutive_skips"]
-        _fused.forget_lagged_skips(self)  # its copy of the replaced count is stale
+        self._counters.load(
+            {k: v.to(device=device, copy=True) for k, v in clip_state.counters.items()}
+        )
 
 
-setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  Optimizer must not re-wrap step
+setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  see clipopt._wrapper

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import clipopt
+from clipopt import _checkpoint, _reduce
 from clipopt import distributed as cdist
 
 pytestmark = pytest.mark.skipif(
@@ -967,7 +968,7 @@ def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one:
             cdist.set_optimizer_state_dict(model, optimizer, {**saved, **bad})
     bad_clip = optimizer.state_dict()["clip"]
     bad_clip["step_count"] = torch.tensor(-1)
-    encoded = cdist._encode_clip_state(bad_clip)
+    encoded = _checkpoint._encode_clip_state(bad_clip)
     before = copy.deepcopy(optimizer.state_dict())
     with pytest.raises(ValueError, match="step_count"):
         cdist.set_optimizer_state_dict(model, optimizer, {**saved, "clip": encoded})
@@ -1035,9 +1036,9 @@ def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
 def test_a_rank_without_grads_contributes_a_zero_made_on_the_reduction_device(p: float) -> None:
     # The meta device stands for an accelerator: a CPU zero would be copied there, a
     # blocking host-to-device copy every step on the rank that holds no grads.
-    zero = cdist._local_contribution([(1.0, [])], p, None, torch.device("meta"))
+    zero = _reduce._local_contribution([(1.0, [])], p, None, torch.device("meta"))
     assert zero.device.type == "meta" and zero.dtype == torch.float64 and zero.shape == (1,)
-    one_rank = cdist._local_contribution(
+    one_rank = _reduce._local_contribution(
         [(1.0, [torch.tensor([3.0, 4.0])])], p, None, torch.device("meta")
     )
     assert one_rank.device.type == "cpu"  # a rank's own norm stays where its grads are

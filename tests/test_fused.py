@@ -67,9 +67,27 @@ def explicit_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None
     """Call to switch folding off (the explicit path: scale the grads, then step)."""
 
     def switch_off() -> None:
-        monkeypatch.setattr(_fused, "fold_plan", lambda opt, closure: None)
+        monkeypatch.setattr(_fused, "can_fold", lambda *args: False)
 
     yield switch_off
+
+
+def folds(opt: clipopt.ClippedOptimizer, closure: Callable[[], float] | None = None) -> bool:
+    """Take a step; True if its clip was folded into the fused inner kernel."""
+    calls = []
+    original = _fused.apply_folded
+
+    def spy(*args: Any) -> Any:
+        calls.append(args)
+        return original(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_fused, "apply_folded", spy)
+        if closure is None:
+            opt.step()
+        else:
+            opt.step(closure)
+    return bool(calls)
 
 
 def no_scaling_pass(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,14 +205,19 @@ def test_scale_set_by_someone_else_is_left_alone(explicit_only: Callable[[], Non
     inner = FUSED["SGD"](params)
     inner.grad_scale = torch.tensor(1.0)  # type: ignore[attr-defined]
     opt = clipopt.ClippedOptimizer(inner, max_norm=MAX_NORM)
-    assert _fused.fold_plan(opt, None) is None
+    set_grads(params, 0)
+    assert not folds(opt)
 
 
 @pytest.mark.parametrize(
     "build",
     [
         pytest.param(
-            lambda p: clipopt.ClippedOptimizer(FUSED["Adam"](p), MAX_NORM, per_group=True),
+            lambda p: clipopt.ClippedOptimizer(
+                torch.optim.Adam([{"params": p[:1]}, {"params": p[1:]}], fused=True),
+                MAX_NORM,
+                per_group=True,
+            ),
             id="per_group",
         ),
         pytest.param(
@@ -221,34 +244,37 @@ def test_scale_set_by_someone_else_is_left_alone(explicit_only: Callable[[], Non
 def test_cases_that_cannot_fold(
     build: Callable[[list[nn.Parameter]], clipopt.ClippedOptimizer],
 ) -> None:
-    opt = build(make_params(torch.float32, "cpu"))
-    assert _fused.fold_plan(opt, None) is None
+    params = make_params(torch.float32, "cpu")
+    opt = build(params)
+    set_grads(params, 0)
+    assert not folds(opt)
 
 
 def test_double_grads_and_closures_do_not_fold() -> None:
     params = make_params(torch.float64, "cpu")
     set_grads(params, 0)
     opt64 = clipopt.ClippedOptimizer(FUSED["Adam"](params), MAX_NORM)
-    assert _fused.fold_plan(opt64, None) is None
+    assert not folds(opt64)
     params32 = make_params(torch.float32, "cpu")
-    set_grads(params32, 0)
     opt = clipopt.ClippedOptimizer(FUSED["Adam"](params32), MAX_NORM)
-    plan = _fused.fold_plan(opt, None)
-    assert plan is not None and plan.grads == [[p.grad for p in params32]]
-    assert plan.thresholds == [MAX_NORM] and plan.norm_types == [2.0]
-    assert _fused.fold_plan(opt, lambda: 0.0) is None
+    set_grads(params32, 0)
+    assert folds(opt)
+    set_grads(params32, 1)
+    assert not folds(opt, lambda: 0.0)
 
 
 def test_a_double_group_added_later_stops_the_fold() -> None:
     params = make_params(torch.float32, "cpu")
     opt = clipopt.ClippedOptimizer(FUSED["Adam"](params), MAX_NORM)
     set_grads(params, 0)
-    assert _fused.fold_plan(opt, None) is not None
+    assert folds(opt)
     extra = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     opt.add_param_group({"params": [extra]})
-    assert _fused.fold_plan(opt, None) is not None  # no grad yet: nothing to scale
+    set_grads(params, 1)
+    assert folds(opt)  # no grad yet: nothing to scale
+    set_grads(params, 2)
     extra.grad = torch.ones(3, dtype=torch.float64)
-    assert _fused.fold_plan(opt, None) is None
+    assert not folds(opt)
 
 
 def poison(params: list[nn.Parameter]) -> None:
@@ -276,7 +302,7 @@ def test_skip_through_found_inf_touches_nothing_and_reads_nothing(
     def no_host_read(*args: Any, **kwargs: Any) -> bool:
         raise AssertionError("the skip must be decided on the device")
 
-    monkeypatch.setattr(opt, "_finite_or_raise", no_host_read)
+    monkeypatch.setattr(clipopt.optimizer, "host_verdict", no_host_read)
     no_scaling_pass(monkeypatch)
     opt.step()
     assert [int(opt.step_count), int(opt.skip_count), int(opt.consecutive_skips)] == [1, 1, 1]
@@ -370,7 +396,7 @@ def test_a_host_decided_step_between_device_skips_clears_the_lagged_count(
         poison(params)
         opt.step()
     with monkeypatch.context() as patch:
-        patch.setattr(_fused, "_skips_cleanly", lambda optimizer: False)
+        patch.setattr(_fused, "skips_cleanly", lambda optimizer: False)
         set_grads(params, 1)
         opt.step()  # decided on the host: finite, so it steps and ends the streak
     assert int(opt.consecutive_skips) == 0

@@ -1,0 +1,184 @@
+"""What a non-finite norm does to a step, and the counters that record every step's fate.
+
+Three policies (``nonfinite=``): ``"propagate"`` looks at nothing; ``"raise"`` and a
+``"skip"`` decided on the host read one flag per step (:func:`host_verdict`); a ``"skip"``
+that rides on a fused kernel's ``found_inf`` is decided on the device
+(:func:`device_verdict`), and ``max_consecutive_skips`` is then checked against the count
+of the *previous* step, read from a copy made then without waiting (:class:`LaggedCount`).
+So on that path the error comes one ``step()`` later than on the host path (after
+``limit + 1`` skipped steps rather than at the step that would be the ``limit + 1``-th).
+That step changes nothing, and the next one is decided afresh: finite grads step (and
+clear the streak), while non-finite ones are skipped once more before it raises again.
+
+:meth:`StepCounters.record` is the one place the counters move, once the step has run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from clipopt._errors import NonFiniteNormError
+
+__all__ = ["LaggedCount", "StepCounters", "device_verdict", "host_verdict"]
+
+COUNTER_NAMES = ("step_count", "skip_count", "consecutive_skips")
+
+
+class LaggedCount:
+    """A device counter read one step late, from a copy made without waiting.
+
+    On CUDA the copy goes to a pinned host buffer with ``non_blocking=True`` and an
+    event recorded on the stream that copies marks it; by the next step the event has
+    long completed, so reading never stalls. The buffer and the event are made once per
+    device and reused, so each :meth:`publish` overwrites the previous copy: call
+    :meth:`read` first. A copy (``copy.deepcopy``, pickle) holds the value read, not the
+    buffer and event.
+    """
+
+    def __init__(self) -> None:
+        self._host: Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._host_device: torch.device | None = None
+
+    def publish(self, count: Tensor) -> None:
+        if count.device.type != "cuda":
+            self._host, self._event = count.detach().to("cpu", copy=True), None
+            return
+        if self._event is None or self._host is None or self._host_device != count.device:
+            self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._host_device = count.device
+        # The copy runs on the current stream of count's device, which need not be the
+        # current device: the event must be recorded on that same stream.
+        self._host.copy_(count, non_blocking=True)
+        self._event.record(torch.cuda.current_stream(count.device))
+
+    def set(self, value: int) -> None:
+        """Hold ``value``, a count already known on the host."""
+        self._host = torch.tensor(value, dtype=torch.int64)
+        self._event, self._host_device = None, None
+
+    def read(self) -> int:
+        if self._host is None:
+            return 0
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host.item())  # a copy made a step ago: no wait on the device
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"value": self.read()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.set(state["value"])
+
+
+def _new_counter() -> Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+class StepCounters:
+    """Inner steps taken, steps skipped, and skips in a row: 0-dim int64 device tensors.
+
+    They live on the grads' device, so updating them never syncs. ``lagged`` holds
+    ``consecutive_skips`` as of the end of the previous step, readable without waiting:
+    known on the host after a step decided there or a load, copied without blocking
+    after a step decided on the device.
+    """
+
+    def __init__(self) -> None:
+        self.step_count = _new_counter()
+        self.skip_count = _new_counter()
+        self.consecutive_skips = _new_counter()
+        self.lagged = LaggedCount()
+
+    def record(self, device: torch.device, skipped: bool | Tensor, streak: int = 0) -> None:
+        """Count a step that has run (or was skipped) without raising.
+
+        Args:
+          device: the grads' device, where the counters move on first use.
+          skipped: decided on the host (a bool), or on the device (``found_inf``: a
+            0-dim tensor, non-zero for a skip).
+          streak: for a skip decided on the host, the skips in a row before it, as
+            :func:`host_verdict` read them.
+        """
+        if self.step_count.device != device:
+            for name in COUNTER_NAMES:
+                setattr(self, name, getattr(self, name).to(device))
+        if isinstance(skipped, Tensor):
+            bad = skipped.to(torch.int64)
+            self.skip_count.add_(bad)
+            self.consecutive_skips.add_(1).mul_(bad)
+            self.step_count.add_(1 - bad)
+            self.lagged.publish(self.consecutive_skips)
+        elif skipped:
+            self.skip_count.add_(1)
+            self.consecutive_skips.add_(1)
+            self.lagged.set(streak + 1)
+        else:
+            self.step_count.add_(1)
+            self.consecutive_skips.zero_()
+            self.lagged.set(0)
+
+    def state(self) -> dict[str, Tensor]:
+        """Copies of the three counters, by name."""
+        return {name: getattr(self, name).clone() for name in COUNTER_NAMES}
+
+    def load(self, counters: dict[str, Tensor]) -> None:
+        """Replace the three counters (validated by the caller, so reading one is safe)."""
+        self.step_count = counters["step_count"]
+        self.skip_count = counters["skip_count"]
+        self.consecutive_skips = counters["consecutive_skips"]
+        self.lagged.set(int(self.consecutive_skips))  # a load, not a step: this read may wait
+
+
+def host_verdict(
+    norms: Tensor,
+    counters: StepCounters,
+    mode: str,
+    limit: int | None,
+    may_skip: bool,
+) -> int | None:
+    """One host read: None if ``norms`` are finite, else the skips in a row before this
+    step, which is to be skipped.
+
+    Raises:
+      NonFiniteNormError: ``mode == "raise"``, or a non-finite norm that cannot skip
+        (``may_skip`` is False inside a step that has started), or ``limit`` steps were
+        skipped in a row already.
+    """
+    nonfinite = (~torch.isfinite(norms).all()).to(torch.int64)
+    streak_here = counters.consecutive_skips.to(nonfinite.device)
+    is_bad, streak = (int(v) for v in torch.stack([nonfinite, streak_here]).tolist())
+    if not is_bad:
+        return None
+    if mode == "raise" or not may_skip:
+        raise NonFiniteNormError(
+            f"the gradient norm is non-finite ({norms.tolist()}); "
+            f"nonfinite={mode!r}, so nothing was changed"
+        )
+    if limit is not None and streak >= limit:
+        raise NonFiniteNormError(
+            f"the gradient norm is non-finite ({norms.tolist()}) after {streak} skipped "
+            f"steps in a row (max_consecutive_skips={limit}); training is not recovering"
+        )
+    return streak
+
+
+def device_verdict(norms: Tensor, counters: StepCounters, limit: int | None) -> Tensor:
+    """``found_inf`` for this step (float32, 1.0 to skip), decided on the device.
+
+    Raises:
+      NonFiniteNormError: the previous steps skipped more than ``limit`` in a row (read
+        from the copy the previous step made; see the module docstring). Nothing is
+        changed and the lagged count is dropped, so the next step is decided afresh.
+    """
+    if limit is not None and (streak := counters.lagged.read()) > limit:
+        counters.lagged.set(0)
+        raise NonFiniteNormError(
+            f"the gradient norm was non-finite for {streak} steps in a row "
+            f"(max_consecutive_skips={limit}); training is not recovering"
+        )
+    return (~torch.isfinite(norms).all()).to(torch.float32)

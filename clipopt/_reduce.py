@@ -1,0 +1,531 @@
+"""Norms across ranks: each grad element counted exactly once, in one collective per step.
+
+Three layouts, one rule (see :mod:`clipopt.distributed` for the user's view):
+
+- **DDP** (and anything else that leaves every rank with the full, already averaged
+  grads): the local norm is the global norm; no communication is added.
+- **DTensor grads** (FSDP2, HSDP, tensor parallel): the norm of each grad's local shard
+  is raised to ``p`` and weighted by ``1 / (product of the mesh sizes over its Replicate
+  dims)``, so replicas count once; one ``all_reduce(SUM)`` (``MAX`` for the inf-norm)
+  over the mesh gives the total. A Partial grad is an error. Grads on named sub-meshes of
+  one root mesh are reduced over the part of the root they span.
+- **Plain tensors split across a process group** (model parallel): each rank's
+  ``norm**p`` is summed across the group; tensors declared replicated count once.
+
+The reduction runs in float64 whatever the grads' dtype: every rank must send the same
+dtype (gloo aborts otherwise), and ``norm**p`` of a float32 norm overflows float32 from
+``norm > 1.8e19`` at ``p = 2``. The result is a plain tensor, identical on every rank.
+
+Names: :func:`clipopt._kernels.total_norm` is a local norm; :func:`global_norms` /
+:func:`global_norm` and :meth:`NormScope.global_norms` are the norms across ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from clipopt import _kernels
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "NormScope",
+    "all_plain",
+    "check_members",
+    "check_process_group",
+    "global_norm",
+    "global_norms",
+    "local_tensors",
+]
+
+_INF = math.inf
+
+_REDUCE_DTYPE = torch.float64
+"""The dtype every rank sends: fixed, so ranks agree; wide, so ``norm**p`` cannot overflow."""
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def _dtensor_type() -> type[DTensor] | None:
+    """The DTensor class if it has been imported, else None: no grad can be one then.
+
+    Importing ``torch.distributed.tensor`` costs about a second, so it is never imported
+    here just to answer "is this a DTensor?".
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return []
+    return [t for t in tensors if isinstance(t, dtensor)]
+
+
+def all_plain(tensors: Sequence[Tensor]) -> bool:
+    """True if no tensor is a DTensor: measuring them needs no mesh and no collective."""
+    dtensor = _dtensor_type()
+    return dtensor is None or not any(isinstance(t, dtensor) for t in tensors)
+
+
+def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``tensors`` with every DTensor replaced by its local shard (the same storage).
+
+    Scaling grads in place works shard by shard: it needs no communication, and DTensor
+    ops refuse operands on different meshes (FSDP2 + TP puts the parameters left out of
+    tensor parallelism on the data-parallel sub-mesh).
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return list(tensors)
+    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
+
+
+def check_members(
+    name: str, members: Iterable[Tensor], pool: Iterable[Tensor], pool_name: str
+) -> None:
+    """Raise a ValueError naming ``name`` unless every one of ``members`` is in ``pool``.
+
+    Membership is by identity: a replicated tensor must be the very object measured.
+    """
+    known = {id(t) for t in pool}
+    for t in members:
+        if id(t) not in known:
+            raise ValueError(
+                f"{name} holds a tensor of shape {tuple(t.shape)} that is not among {pool_name}"
+            )
+
+
+def check_process_group(process_group: object) -> None:
+    """Raise a TypeError unless ``process_group`` is None or a ``ProcessGroup``."""
+    if process_group is None:
+        return
+    if not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
+        )
+
+
+# --------------------------------------------------------------------------- DTensor
+
+
+def _replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
+    """How many ranks of ``reduction_mesh`` hold a copy of each element of ``grad``'s shard.
+
+    The product of the mesh sizes over ``grad``'s Replicate dims, times the size of the
+    reduction mesh's dims that ``grad``'s mesh lacks (a parameter left out of tensor
+    parallelism lives on the data-parallel sub-mesh and is the same on every TP rank).
+
+    Raises:
+      ValueError: ``grad`` has a Partial placement: its local values are summands of the
+        gradient, not a shard of it, so no local norm is meaningful.
+    """
+    mesh = grad.device_mesh
+    count = reduction_mesh.size() // mesh.size()
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"a gradient of shape {tuple(grad.shape)} has placements {grad.placements} "
+                f"on {mesh}: a Partial grad has no norm until it is reduced; "
+                "redistribute it to Shard or Replicate first"
+            )
+        if placement.is_replicate():
+            count *= mesh.size(dim)
+    return count
+
+
+def _distinct_meshes(grads: Sequence[DTensor]) -> list[DeviceMesh]:
+    meshes: list[DeviceMesh] = []
+    for g in grads:
+        mesh = g.device_mesh
+        if not any(mesh is known or mesh == known for known in meshes):
+            meshes.append(mesh)
+    return meshes
+
+
+def _reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
+    """The mesh to reduce over: the grads' one mesh, or the part of their common root
+    mesh spanned by the dims they use (FSDP2 + TP: 2-D TP'd params and 1-D others).
+
+    Raises:
+      ValueError: the meshes have no common root, or a mesh is unnamed or flattened, so
+        which root dims it covers is unknown.
+    """
+    meshes = _distinct_meshes(grads)
+    if len(meshes) == 1:
+        return meshes[0]
+    root = meshes[0]._get_root_mesh()
+    root_names = root.mesh_dim_names or ()
+    for mesh in meshes:
+        names = mesh.mesh_dim_names
+        same_root = mesh._get_root_mesh() == root
+        if not same_root or names is None or not set(names) <= set(root_names):
+            raise ValueError(
+                f"DTensor grads live on {meshes}: they can be reduced together only when "
+                "they are named sub-meshes of one root mesh; compute one norm per mesh "
+                "instead"
+            )
+    used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
+    names = tuple(name for name in root_names if name in used)
+    return root if len(names) == len(root_names) else root[names]
+
+
+def _mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
+    """The groups to all_reduce over, in order, so that every rank of ``mesh`` is summed.
+
+    One group when possible: ``process_group`` (which must be as large as the mesh), the
+    default group when the mesh spans the world (a mesh's ranks are distinct, so equal
+    sizes mean the same ranks), the mesh's own group when it is 1-D. An N-D mesh that is a
+    strict subset of the world needs one all_reduce per dimension (sum over dim 0, then
+    dim 1, ... is the sum over the mesh); pass a ``process_group`` spanning it to make
+    that one.
+    """
+    if process_group is not None:
+        group_size = dist.get_world_size(process_group)
+        if group_size != mesh.size():
+            raise ValueError(
+                f"process_group has {group_size} ranks but the grads' device mesh {mesh} has "
+                f"{mesh.size()}; pass a group over exactly the mesh's ranks, or None"
+            )
+        return [process_group]
+    if mesh.size() == dist.get_world_size():
+        return [None]
+    if mesh.ndim == 1:
+        return [mesh.get_group()]
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
+def _weighted_dtensor_shards(
+    grads: Sequence[DTensor], reduction_mesh: DeviceMesh
+) -> list[tuple[float, list[Tensor]]]:
+    """The local shards of ``grads`` grouped by weight ``1 / replica count``.
+
+    ``_local_tensor`` rather than ``to_local()``: the latter is an autograd function, and
+    its per-call cost adds up over thousands of parameters every step.
+    """
+    by_count: dict[int, list[Tensor]] = {}
+    for g in grads:
+        by_count.setdefault(_replica_count(g, reduction_mesh), []).append(g._local_tensor)
+    return [(1.0 / count, shards) for count, shards in by_count.items()]
+
+
+# --------------------------------------------------------------------------- plain tensors
+
+
+def _weighted_plain_tensors(
+    tensors: Sequence[Tensor], replicated_ids: set[int], group_size: int
+) -> list[tuple[float, list[Tensor]]]:
+    """``tensors`` split into (1, sharded) and (1 / group size, replicated)."""
+    own = [t for t in tensors if id(t) not in replicated_ids]
+    shared = [t for t in tensors if id(t) in replicated_ids]
+    return [(1.0, own), (1.0 / group_size, shared)]
+
+
+def _check_group_for(name: str, replicated: Collection[Tensor], process_group: object) -> None:
+    """Raise unless ``replicated`` is empty or has a ``process_group`` to be replicated across."""
+    if replicated and process_group is None:
+        raise ValueError(f"{name} need a process_group to be replicated across")
+
+
+def _check_replicated(
+    flat: Sequence[Tensor], replicated: Collection[Tensor], process_group: object
+) -> None:
+    if not replicated:
+        return
+    _check_group_for("replicated tensors", replicated, process_group)
+    check_members("replicated", replicated, flat, "the tensors to measure")
+
+
+# --------------------------------------------------------------------------- reduction
+
+
+def _collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch.device:
+    """The device the reduction runs on: the grads', or the group's when a rank has none."""
+    if tensors:
+        return tensors[0].device
+    device_types = getattr(groups[0] or dist.group.WORLD, "_device_types", [])
+    if not device_types or torch.device("cpu") in device_types:
+        return torch.device("cpu")
+    kind = device_types[0].type
+    module = getattr(torch, kind)
+    return torch.device(kind, module.current_device())
+
+
+def _local_contribution(
+    classes: Sequence[tuple[float, list[Tensor]]],
+    p: float,
+    foreach: bool | None,
+    device: torch.device,
+) -> Tensor:
+    """This rank's share of the bucket: ``sum w * norm**p``, or ``max norm`` for inf.
+
+    A 1-element float64 tensor on the first tensor's device; a zero made on ``device``
+    (where the reduction runs) when there is none, so it is never copied there.
+    Empty shards are skipped by the kernel, which the inf-norm needs.
+    """
+    parts: list[Tensor] = []
+    for weight, tensors in classes:
+        if not tensors:
+            continue
+        norm = _kernels.total_norm(tensors, p, foreach).to(_REDUCE_DTYPE)
+        parts.append(norm if p == _INF else norm.pow(p).mul(weight))
+    if not parts:
+        return torch.zeros(1, dtype=_REDUCE_DTYPE, device=device)
+    stacked = torch.stack([part.to(parts[0].device) for part in parts])
+    return (stacked.amax() if p == _INF else stacked.sum()).reshape(1)
+
+
+def _all_reduce(values: Tensor, op: dist.ReduceOp.RedOpType, groups: Sequence[Any]) -> None:
+    for group in groups:
+        dist.all_reduce(values, op=op, group=group)
+
+
+def _reduce_sum(contributions: list[Tensor], groups: Sequence[Any], device: torch.device) -> Tensor:
+    values = torch.cat([c.to(device) for c in contributions])
+    _all_reduce(values, dist.ReduceOp.SUM, groups)
+    return values
+
+
+def _reduce_max(contributions: list[Tensor], groups: Sequence[Any], device: torch.device) -> Tensor:
+    """MAX that keeps NaN: reduction backends may drop it, and then ranks would disagree."""
+    values = torch.cat([c.to(device) for c in contributions])
+    is_nan = values.isnan()
+    packed = torch.cat([values.nan_to_num(nan=_INF), is_nan.to(values.dtype)])
+    _all_reduce(packed, dist.ReduceOp.MAX, groups)
+    count = values.numel()
+    return torch.where(packed[count:] > 0, math.nan, packed[:count])
+
+
+# --------------------------------------------------------------------------- public
+
+
+def global_norms(
+    buckets: Sequence[Sequence[Tensor]],
+    norm_types: Sequence[float],
+    foreach: bool | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    replicated: Collection[Tensor] = (),
+    params: Sequence[Tensor] = (),
+) -> list[Tensor]:
+    """The global p-norm of each bucket of tensors, with at most one collective per reduce op.
+
+    Every bucket's local share is computed first, then all finite-p buckets travel in one
+    ``all_reduce(SUM)`` and all inf-norm buckets in one ``all_reduce(MAX)``: a single
+    collective per step unless finite and inf orders are mixed across buckets. Without
+    DTensors and without ``process_group`` nothing is communicated and the result is
+    :func:`clipopt._kernels.total_norm` of each bucket.
+
+    Every rank of the group (or mesh) must call this with the same number of buckets and
+    the same norm types, since it is a collective.
+
+    Args:
+      buckets: lists of tensors (usually grads); DTensors and plain tensors may not mix.
+      norm_types: the validated order of each bucket, ``> 0`` or ``math.inf``.
+      foreach: as in :func:`clipopt.get_total_norm`.
+      process_group: for plain tensors, the group they are split across; for DTensors,
+        optionally a group spanning exactly their mesh (saves one all_reduce per mesh
+        dimension when the mesh is an N-D strict subset of the world).
+      replicated: plain tensors (by identity) that hold the same values on every rank of
+        ``process_group``; they count once instead of once per rank.
+      params: the parameters the tensors are grads of. When every bucket is empty on
+        this rank but some of these are DTensors that require grad (FSDP2, and no grad
+        reached this rank's parameters this step), the rank still joins the reduction
+        over their mesh with a zero, where it would otherwise skip the collective that
+        the other ranks wait in.
+
+    Returns:
+      One 0-dim tensor per bucket on its first tensor's device, float32 (float64 if any
+      tensor of the bucket is), plain and identical on every rank.
+
+    Raises:
+      TypeError: ``process_group`` is not a ProcessGroup.
+      ValueError: DTensors mixed with plain tensors, DTensors on meshes that are not named
+        sub-meshes of one root, a Partial
+        DTensor, ``replicated`` without ``process_group`` or with DTensors, a group that
+        does not span the mesh.
+    """
+    check_process_group(process_group)
+    if len(buckets) != len(norm_types):
+        raise ValueError(f"got {len(buckets)} buckets but {len(norm_types)} norm types")
+    flat = [t for bucket in buckets for t in bucket]
+    _check_replicated(flat, replicated, process_group)
+    dtensors = _dtensors(flat)
+    if not flat:  # nothing to measure here; the parameters say whether others are
+        dtensors = [q for q in _dtensors(params) if q.requires_grad]
+    if not dtensors and process_group is None:
+        pairs = zip(buckets, norm_types, strict=True)
+        return [_kernels.total_norm(list(b), p, foreach) for b, p in pairs]
+    if dtensors:
+        if flat and len(dtensors) != len(flat):
+            raise ValueError(
+                f"{len(dtensors)} of {len(flat)} grads are DTensors: DTensor and plain grads "
+                "cannot be reduced together (the plain ones have no placement saying whether "
+                "they are sharded or replicated); shard every parameter or none"
+            )
+        if replicated:
+            raise ValueError(
+                "replicated applies to plain tensors; a DTensor's replicas follow from its "
+                "Replicate placements"
+            )
+        mesh = _reduction_mesh(dtensors)
+        groups = _mesh_groups(mesh, process_group)
+        classes = [_weighted_dtensor_shards(_dtensors(list(b)), mesh) for b in buckets]
+    else:
+        groups = [process_group]
+        size = dist.get_world_size(process_group)
+        ids = {id(t) for t in replicated}
+        classes = [_weighted_plain_tensors(list(b), ids, size) for b in buckets]
+    device = _collective_device(flat, groups)
+    contributions = [
+        _local_contribution(c, p, foreach, device) for c, p in zip(classes, norm_types, strict=True)
+    ]
+    return _finish(buckets, norm_types, contributions, groups, device)
+
+
+def _finish(
+    buckets: Sequence[Sequence[Tensor]],
+    norm_types: Sequence[float],
+    contributions: list[Tensor],
+    groups: Sequence[Any],
+    device: torch.device,
+) -> list[Tensor]:
+    """Reduce the local contributions on ``device`` (one collective per op), take p-th roots."""
+    sum_at = [i for i, p in enumerate(norm_types) if p != _INF]
+    max_at = [i for i, p in enumerate(norm_types) if p == _INF]
+    reduced: dict[int, Tensor] = {}
+    if sum_at:
+        sums = _reduce_sum([contributions[i] for i in sum_at], groups, device)
+        for k, i in enumerate(sum_at):
+            reduced[i] = sums[k].pow(1.0 / norm_types[i])
+    if max_at:
+        maxes = _reduce_max([contributions[i] for i in max_at], groups, device)
+        for k, i in enumerate(max_at):
+            reduced[i] = maxes[k]
+    results = []
+    for i, bucket in enumerate(buckets):
+        out_device = bucket[0].device if bucket else device
+        out_dtype = _kernels.result_dtype([t.dtype for t in bucket])
+        results.append(reduced[i].to(device=out_device, dtype=out_dtype))
+    return results
+
+
+def global_norm(
+    tensors: Sequence[Tensor],
+    p: float,
+    foreach: bool | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    replicated: Collection[Tensor] = (),
+    params: Sequence[Tensor] = (),
+) -> Tensor:
+    """The global p-norm of ``tensors`` across ranks: :func:`global_norms` of one bucket.
+
+    Example:
+      >>> import torch
+      >>> from clipopt._reduce import global_norm
+      >>> global_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0)
+      tensor(5.)
+    """
+    norms = global_norms(
+        [tensors], [p], foreach, process_group=process_group, replicated=replicated, params=params
+    )
+    return norms[0]
+
+
+class NormScope:
+    """Where a clipping norm is reduced: a process group and the parameters replicated on it.
+
+    :class:`clipopt.ClippedOptimizer` holds one. DTensor grads need neither (their
+    placements say it all); plain grads split across ranks need the group, and
+    parameters that every rank of it holds in full (tied embeddings, layer norms under
+    tensor parallel) must be declared so they count once.
+
+    A copy (``copy.deepcopy``) shares the process group, which is a live connection, not
+    data; pickling a scope that holds a group raises a TypeError (save a state dict).
+
+    Args:
+      process_group: the group the parameters are split across, or None.
+      replicated_params: parameters identical on every rank of ``process_group``.
+      params: when given, every replicated parameter must be one of these.
+
+    Raises:
+      TypeError: ``process_group`` is not a ProcessGroup or a replicated entry is not a
+        tensor.
+      ValueError: replicated parameters without a group, or not among ``params``.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        replicated_params: Iterable[Tensor] | None = None,
+        *,
+        params: Iterable[Tensor] | None = None,
+    ) -> None:
+        check_process_group(process_group)
+        replicated = [] if replicated_params is None else list(replicated_params)
+        for t in replicated:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"replicated_params must hold tensors, got {t!r}")
+        _check_group_for("replicated_params", replicated, process_group)
+        if params is not None:
+            check_members("replicated_params", replicated, params, "the optimizer's parameters")
+        self.process_group = process_group
+        self.replicated_params = replicated
+
+    def global_norms(
+        self,
+        buckets: Sequence[Sequence[Tensor]],
+        norm_types: Sequence[float],
+        foreach: bool | None = None,
+        params: Sequence[Tensor] = (),
+    ) -> list[Tensor]:
+        """:func:`global_norms` of the buckets, with the replicated parameters' grads."""
+        shared: list[Tensor] = []
+        if self.replicated_params:
+            present = {id(t) for bucket in buckets for t in bucket}
+            shared = [
+                q.grad
+                for q in self.replicated_params
+                if q.grad is not None and id(q.grad) in present
+            ]
+        return global_norms(
+            buckets,
+            norm_types,
+            foreach,
+            process_group=self.process_group,
+            replicated=shared,
+            params=params,
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NormScope:
+        twin = NormScope.__new__(NormScope)
+        twin.process_group = self.process_group
+        twin.replicated_params = copy.deepcopy(self.replicated_params, memo)
+        return twin
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not None:
+            raise TypeError(
+                "a NormScope holding a process_group cannot be pickled: a process group is a "
+                "live connection; save the optimizer's state_dict() instead"
+            )
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return (
+            f"NormScope(process_group={self.process_group!r}, "
+            f"replicated_params={len(self.replicated_params)})"
+        )

@@ -1,0 +1,190 @@
+"""The parts of a clipped step: read the settings, measure, decide, scale.
+
+A step is measure -> decide -> apply. This module holds the first two and the explicit
+scale; :mod:`clipopt._fused` holds the other way to apply (folded into a fused kernel).
+A :class:`ClipDecision` is everything a step needs to apply the clip and record it, so
+that the two ways to apply it take the same thing.
+
+A coefficient is given per param group: None (scale nothing), a 0-dim tensor (the whole
+group), or a tuple with one tensor per grad of the group, each broadcastable to its grad
+(per-tensor or unit-wise rules). New clip rules produce coefficients here, in
+:func:`threshold_coefficients`' place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+from torch import Tensor
+
+from clipopt import _kernels, _reduce
+from clipopt._clip_state import Threshold, check_one_norm_type, group_max_norm
+
+__all__ = [
+    "ClipDecision",
+    "Coefficient",
+    "GroupSettings",
+    "Measurement",
+    "collect_grads",
+    "measure",
+    "read_group_settings",
+    "scale",
+    "threshold_coefficients",
+]
+
+Coefficient: TypeAlias = Tensor | tuple[Tensor, ...] | None
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """Each param group's validated threshold and norm order, read fresh every step."""
+
+    thresholds: list[Threshold]
+    norm_types: list[float]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The norms of one step, before any clipping.
+
+    ``norm`` is what ``last_norm`` records. Without ``per_group`` every entry of
+    ``group_norms`` is ``norm`` itself and ``stacked`` is None; with it they are the
+    groups' own norms on one device and dtype, ``stacked`` is them in one 1-D tensor and
+    ``norm`` is its norm with the default order.
+    """
+
+    norm: Tensor
+    group_norms: list[Tensor]
+    stacked: Tensor | None
+
+
+@dataclass(frozen=True)
+class ClipDecision:
+    """What a step applies and records: made once, by the wrapper, before anything changes.
+
+    Attributes:
+      grads: each param group's grads, as measured.
+      measurement: the pre-clip norms.
+      coefficients: one :data:`Coefficient` per param group.
+      skip: the step is skipped, decided on the host (``nonfinite="skip"``).
+      streak: with ``skip``, the skips in a row before this step.
+      found_inf: a skip decided on the device: a 0-dim float32 tensor, 1.0 to skip,
+        for a fused kernel's ``found_inf``; None when the host decides.
+    """
+
+    grads: list[list[Tensor]]
+    measurement: Measurement
+    coefficients: list[Coefficient]
+    skip: bool = False
+    streak: int = 0
+    found_inf: Tensor | None = None
+
+
+def read_group_settings(
+    groups: Sequence[Mapping[str, Any]], defaults: Mapping[str, Any], per_group: bool
+) -> GroupSettings:
+    """Each group's ``max_norm`` and ``norm_type``, the defaults where it has none.
+
+    Raises:
+      TypeError, ValueError: a group's setting is invalid, or the groups' orders differ
+        without ``per_group``.
+    """
+    thresholds = [
+        group_max_norm(index, group.get("max_norm", defaults["max_norm"]))
+        for index, group in enumerate(groups)
+    ]
+    norm_types = check_one_norm_type(groups, float(defaults["norm_type"]), per_group)
+    return GroupSettings(thresholds, norm_types)
+
+
+def collect_grads(groups: Sequence[Mapping[str, Any]]) -> list[list[Tensor]]:
+    """Each group's grads, parameters without one left out."""
+    return [[p.grad for p in group["params"] if p.grad is not None] for group in groups]
+
+
+def measure(
+    grads: list[list[Tensor]],
+    norm_types: list[float],
+    default_norm_type: float,
+    per_group: bool,
+    scope: _reduce.NormScope,
+    foreach: bool | None,
+    params: Sequence[Tensor],
+) -> Measurement:
+    """The global norm of all grads, or of each group's, across ranks where needed.
+
+    Args:
+      grads: each group's grads.
+      norm_types: each group's order (all equal without ``per_group``).
+      default_norm_type: the order of the norm of the group norms (``per_group``).
+      per_group: measure each group by its own norm.
+      scope: the process group and replicated parameters of the reduction.
+      foreach: as in :func:`clipopt.get_total_norm`.
+      params: every parameter; a rank holding no grad uses them to join a reduction
+        over their DTensor mesh that the other ranks are in.
+    """
+    bystanders = [] if any(grads) else params
+    if not per_group:
+        flat = [g for group in grads for g in group]
+        norm = scope.global_norms([flat], norm_types[:1], foreach, bystanders)[0]
+        return Measurement(norm, [norm] * len(grads), None)
+    own = scope.global_norms(grads, norm_types, foreach, bystanders)
+    device = next((g[0].device for g in grads if g), own[0].device)
+    dtype = _kernels.result_dtype([n.dtype for n in own])
+    # A group without grads gets its zero made here: moving the CPU zero the kernel
+    # returns for it would be a blocking host-to-device copy every step.
+    group_norms = [
+        n.to(device=device, dtype=dtype) if bucket else torch.zeros((), device=device, dtype=dtype)
+        for n, bucket in zip(own, grads, strict=True)
+    ]
+    stacked = torch.stack(group_norms)
+    wide = _kernels.combine_dtype(stacked.device)
+    norm = torch.linalg.vector_norm(stacked, default_norm_type, dtype=wide).to(dtype)
+    return Measurement(norm, group_norms, stacked)
+
+
+def _scales_nothing(threshold: Threshold) -> bool:
+    """A float threshold of inf: the norm is measured, nothing is scaled."""
+    return isinstance(threshold, float) and math.isinf(threshold)
+
+
+def threshold_coefficients(
+    group_norms: list[Tensor], thresholds: list[Threshold]
+) -> list[Coefficient]:
+    """Per group, ``min(1, max_norm / (norm + eps))`` on device; None: scale nothing.
+
+    Groups that share a norm object and an equal threshold share one coefficient, so
+    that a global clip has one coefficient (and can fold into a fused kernel).
+    """
+    coefficients: list[Coefficient] = []
+    shared: dict[tuple[int, Any], Tensor] = {}
+    for norm, threshold in zip(group_norms, thresholds, strict=True):
+        if _scales_nothing(threshold):
+            coefficients.append(None)
+            continue
+        key = (id(norm), threshold if isinstance(threshold, float) else id(threshold))
+        if key not in shared:
+            shared[key] = _kernels.clip_coefficient(threshold, norm)
+        coefficients.append(shared[key])
+    return coefficients
+
+
+def scale(grads: list[list[Tensor]], coefficients: list[Coefficient], foreach: bool | None) -> None:
+    """Multiply each group's grads by its coefficient in place.
+
+    Groups that share a 0-dim coefficient are scaled by one kernel call; per-grad
+    coefficients are applied grad by grad.
+    """
+    by_coefficient: dict[int, tuple[Tensor, list[Tensor]]] = {}
+    for group_grads, coefficient in zip(grads, coefficients, strict=True):
+        if isinstance(coefficient, tuple):
+            for grad, own in zip(group_grads, coefficient, strict=True):
+                _reduce.local_tensors([grad])[0].mul_(own.to(grad.device))
+        elif coefficient is not None and group_grads:
+            by_coefficient.setdefault(id(coefficient), (coefficient, []))[1].extend(group_grads)
+    for coefficient, tensors in by_coefficient.values():
+        _kernels.scale_(_reduce.local_tensors(tensors), coefficient, foreach)

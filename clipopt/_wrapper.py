@@ -1,0 +1,206 @@
+"""A transparent ``torch.optim.Optimizer`` wrapper that knows nothing of clipping.
+
+:class:`OptimizerWrapper` is an ``Optimizer`` for the ``isinstance`` checks of LR
+schedulers, ``GradScaler`` and the training frameworks, but it does not call
+``Optimizer.__init__`` (as torchao's ``CPUOffloadOptimizer`` does not): its
+``param_groups``, ``state`` and ``defaults`` are the inner optimizer's very objects, so
+schedulers and code that edits ``group["lr"]`` act on the inner optimizer directly.
+
+It owns the hook registries and fires them; it saves and loads the inner optimizer's
+state dict with one extra entry of its own. A subclass supplies:
+
+- :meth:`_wrapped_step`: the step itself (the inner step included);
+- :meth:`_extra_state`, :meth:`_check_load`, :meth:`_finish_load`: its entry of the state
+  dict, validated completely before the inner optimizer loads anything.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeAlias, overload
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["Closure", "OptimizerWrapper"]
+
+Closure: TypeAlias = Callable[[], Any]
+
+
+class OptimizerWrapper(Optimizer):
+    """Pass-through plumbing around ``self.optimizer``; see the module docstring.
+
+    Args:
+      optimizer: the optimizer to wrap.
+    """
+
+    EXTRA_KEY: ClassVar[str]
+    """The top-level state-dict key of the subclass's own state."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self._init_hooks()
+        self.optimizer = optimizer
+
+    def _init_hooks(self) -> None:
+        """The hook registries that ``Optimizer.__init__`` would create, all empty."""
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    # ------------------------------------------------------------------ delegation
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (the very list, not a copy)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter state (the very dict, not a copy)."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's defaults (the very dict, not a copy)."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the grads of every parameter, as the inner optimizer does."""
+        self.optimizer.zero_grad(set_to_none)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Like torch.optim.Optimizer: hooks and a scheduler's patched ``step`` stay behind.
+        dropped = {"step", "_opt_called"}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in dropped and not k.startswith("_optimizer_")
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_hooks()
+
+    # ------------------------------------------------------------------ the step
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Closure | None = None) -> Any:
+        """Run :meth:`_wrapped_step` between this wrapper's step hooks.
+
+        Hooks registered on the wrapper fire around the whole wrapped step; hooks on the
+        inner optimizer (and global optimizer hooks) fire around the inner step.
+        """
+        args: tuple[Any, ...] = () if closure is None else (closure,)
+        args, kwargs = self._run_step_pre_hooks(args, {})
+        closure = kwargs.get("closure", args[0] if args else None)
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            result = self._wrapped_step(closure)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, args, kwargs)
+        return result
+
+    def _run_step_pre_hooks(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is None:
+                continue
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"a step pre-hook must return None or (args, kwargs), got {result!r}"
+                )
+            args, kwargs = result
+        return args, kwargs
+
+    def _wrapped_step(self, closure: Closure | None) -> Any:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus this wrapper's state under ``EXTRA_KEY``.
+
+        State-dict hooks registered on the wrapper run around the whole dict.
+        """
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
+        state_dict = dict(self.optimizer.state_dict())
+        state_dict[self.EXTRA_KEY] = self._extra_state()
+        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
+
+        Everything the wrapper reads is validated before anything is changed, and if the
+        inner optimizer's own load raises, it is put back as it was.
+
+        Raises:
+          TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
+          ValueError: the dict does not match this optimizer or holds bad values.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        loaded = dict(state_dict)
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, loaded)
+            if result is not None:
+                loaded = dict(result)
+        extra = loaded.pop(self.EXTRA_KEY, None)
+        prepared = self._check_load(loaded, extra)
+        snapshot = dict(self.optimizer.__dict__)
+        try:
+            self.optimizer.load_state_dict(loaded)
+        except BaseException:
+            self.optimizer.__dict__.clear()
+            self.optimizer.__dict__.update(snapshot)
+            raise
+        self._finish_load(prepared)
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
+
+    def _extra_state(self) -> dict[str, Any]:
+        """This wrapper's entry of the state dict: tensors and plain values only."""
+        raise NotImplementedError
+
+    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> Any:
+        """Validate a load completely (``extra`` is None without an entry); change nothing.
+
+        Returns:
+          What :meth:`_finish_load` applies once the inner optimizer has loaded.
+        """
+        raise NotImplementedError
+
+    def _finish_load(self, prepared: Any) -> None:
+        """Apply what :meth:`_check_load` returned; must not raise."""
+        raise NotImplementedError
+
+
+# A subclass that calls ``Optimizer.__init__`` would otherwise have ``step`` wrapped in
+# torch's profiling hook, which fires the global hooks a second time.
+setattr(OptimizerWrapper.step, "hooked", True)  # noqa: B010
