@@ -34,3 +34,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build clipopt/*.so
+
+# On a CUDA machine: every CUDA test, the host-sync tests and the CUDA benchmark, in
+# under 8 minutes, writing to $(OUT) if set (else benchmarks/results/). Installs nothing:
+# it uses .venv/bin/python or python3, whichever has a torch that sees the GPU.
+.PHONY: gpu-check
+gpu-check:
+	bash benchmarks/gpu_check.sh

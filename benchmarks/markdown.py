@@ -40,10 +40,14 @@ def targets_table(targets: list[dict[str, Any]]) -> str:
 
 def render(results: dict[str, Any]) -> str:
     machine = results["machine"]
+    config = results["config"]
+    gpu = ""
+    if str(config.get("device", "cpu")).startswith("cuda"):
+        gpu = f"GPU: {machine.get('cuda')} (CUDA {machine.get('cuda_runtime')}), "
     header = (
-        f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, {machine['torch_threads']} "
-        f"torch threads, torch {machine['torch']}, Python {machine['python']}; "
-        f"{machine['date_utc']}, {results['config']['repeats']} interleaved repeats."
+        f"{gpu}Machine: {machine['cpu']}, {machine['cpu_count']} cores, "
+        f"{machine['torch_threads']} torch threads, torch {machine['torch']}, Python "
+        f"{machine['python']}; {machine['date_utc']}, {config['repeats']} interleaved repeats."
     )
     tables = [
         results_table(results["rows"]),

@@ -2,7 +2,8 @@
 
 Run ``python -m benchmarks.run`` (``make bench``); ``--quick`` uses tiny sizes and few
 repeats, ``--json PATH`` writes the results there too (they always go to
-``benchmarks/results/latest.json``, or ``quick.json`` for a quick run). Contenders of
+``benchmarks/results/latest.json``, or ``quick.json`` for a quick run; with
+``--device cuda``, ``latest-cuda.json`` and ``quick-cuda.json``). Contenders of
 one case run interleaved, in a rotating order, over the repeats, and ratios are taken
 between medians of the same run: absolute times on a shared machine drift, ratios much
 less.
@@ -23,7 +24,15 @@ Sections:
   ``ClippedOptimizer`` vs torch's clip.
 - ``accuracy``: relative error of the L2 norm of one 40M-element float32 grad.
 - ``memory``: how far the peak resident memory rises during a step, and the largest
-  single allocation, bare vs clipped.
+  single allocation, bare vs clipped (on CUDA: how far the peak of allocated device
+  memory rises).
+- ``host_syncs`` (CUDA only): how many synchronizing CUDA calls one clipped step makes,
+  counted by ``torch.cuda.set_sync_debug_mode("warn")``.
+
+With ``--device cuda`` (and not ``--quick``) the transformer layout is
+``transformer_1b``: 18 blocks of width 2048 and a 50304-token embedding, 219 tensors,
+1.009e9 parameters (``transformer_1b_shapes``); the step and amp sections use it too,
+and the targets of the GPU check apply (``cuda_targets``) instead of the CPU's.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -38,6 +48,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,7 +61,7 @@ import clipopt
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MAX_NORM = 1.0
 SHRINK = 0.97
-UNCLIPPED_CASE = "transformer float32 p=2, max_norm not reached"
+UNCLIPPED_CASE = "transformer float32 p=2, max_norm not reached"  # the CPU layout's
 FOLDED_FLOOR = "fused AdamW: floor (sum, step with grad_scale)"
 SCALED_STEP = "fused AdamW: step with grad_scale alone"
 Shape = tuple[int, ...]
@@ -69,6 +80,22 @@ class Config:
     @property
     def accuracy_numel(self) -> int:
         return 100_000 if self.quick else 40_000_000
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def layouts(self) -> dict[str, Callable[[bool], list[Shape]]]:
+        """The clip section's layouts; the first is the one the step sections use."""
+        return CUDA_LAYOUTS if self.cuda else LAYOUTS
+
+    @property
+    def step_layout(self) -> str:
+        return next(iter(self.layouts))
+
+    def step_shapes(self) -> list[Shape]:
+        return self.layouts[self.step_layout](self.quick)
 
 
 @dataclasses.dataclass
@@ -102,14 +129,25 @@ class Target:
 # ---------------------------------------------------------------- layouts
 
 
-def transformer_shapes(quick: bool) -> list[Shape]:
-    """An embedding, 6 pre-norm blocks and a final norm: 75 tensors, 23.1M parameters."""
-    d, vocab, blocks = (32, 64, 2) if quick else (512, 8192, 6)
+def _transformer(d: int, vocab: int, blocks: int) -> list[Shape]:
+    """An embedding, pre-norm blocks (12 * d * d + 13 * d parameters each), a final norm."""
     shapes: list[Shape] = [(vocab, d)]
     for _ in range(blocks):
         shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,)]  # norm, attention
         shapes += [(d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # norm, MLP
     return [*shapes, (d,), (d,)]
+
+
+def transformer_shapes(quick: bool) -> list[Shape]:
+    """An embedding, 6 pre-norm blocks and a final norm: 75 tensors, 23.1M parameters."""
+    return _transformer(32, 64, 2) if quick else _transformer(512, 8192, 6)
+
+
+def transformer_1b_shapes(quick: bool) -> list[Shape]:
+    """The GPU layout: a 50304-token embedding, 18 blocks of width 2048 and a final norm,
+    219 tensors, 1,009,475,584 parameters (float32 params, grads and AdamW's two moments:
+    16 GB). Quick: the quick transformer, to check the script."""
+    return transformer_shapes(True) if quick else _transformer(2048, 50304, 18)
 
 
 def many_small_shapes(quick: bool) -> list[Shape]:
@@ -129,17 +167,51 @@ LAYOUTS: dict[str, Callable[[bool], list[Shape]]] = {
     "many_small": many_small_shapes,
     "few_large": few_large_shapes,
 }
+CUDA_LAYOUTS: dict[str, Callable[[bool], list[Shape]]] = {
+    "transformer_1b": transformer_1b_shapes,
+    "many_small": many_small_shapes,
+    "few_large": few_large_shapes,
+}
+
+
+def unclipped_case(layout: str) -> str:
+    return f"{layout} float32 p=2, max_norm not reached"
+
+
+def torch_foreach(device: torch.device) -> bool | None:
+    """What torch's clip is given: None (its default, per-tensor) on CPU, and on CUDA
+    True, the foreach path its default picks there anyway, named so the rows say so."""
+    return True if device.type == "cuda" else None
 
 
 def make_params(shapes: Sequence[Shape], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """Parameters with random grads whose total L2 norm is well above ``MAX_NORM``."""
+    """Parameters with random grads whose total L2 norm is well above ``MAX_NORM``.
+
+    On CUDA the numbers are drawn there (a billion of them on the CPU would take longer
+    than the benchmark), by a CUDA generator: other numbers than on the CPU.
+    """
+    if device.type == "cuda":
+        on_device = torch.Generator(device).manual_seed(0)
+        params: list[Tensor] = []
+        for shape in shapes:
+            param = nn.Parameter(torch.randn(shape, generator=on_device, device=device).to(dtype))
+            param.grad = torch.randn(shape, generator=on_device, device=device).to(dtype)
+            params.append(param)
+        return params
     generator = torch.Generator().manual_seed(0)
-    params: list[Tensor] = []
+    params = []
     for shape in shapes:
         param = nn.Parameter(torch.randn(shape, generator=generator).to(device, dtype))
         param.grad = torch.randn(shape, generator=generator).to(device, dtype)
         params.append(param)
     return params
+
+
+def release(device: torch.device) -> None:
+    """Hand the memory of the case just finished back before the next one (CUDA)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- timing
@@ -229,13 +301,16 @@ def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
     grads, flat = _grads_and_flat_copy(params)
     shrink = torch.tensor(SHRINK, device=flat.device)
     max_norm = ShrinkingMaxNorm.below_norm_of(grads, norm_type)
+    foreach = torch_foreach(flat.device)
 
     def floor() -> object:
         total = flat.sum()
         return flat.mul_(shrink), total
 
     return {
-        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, max_norm(), norm_type),
+        "torch": lambda: torch.nn.utils.clip_grad_norm_(
+            params, max_norm(), norm_type, foreach=foreach
+        ),
         "clipopt": lambda: clipopt.clip_grad_norm_(params, max_norm(), norm_type),
         "floor": floor,
     }
@@ -244,8 +319,9 @@ def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
 def unclipped_contenders(params: list[Tensor]) -> Contenders:
     """Clips whose ``max_norm`` is never reached, against a floor that only reads."""
     _, flat = _grads_and_flat_copy(params)
+    foreach = torch_foreach(flat.device)
     return {
-        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, 1e30),
+        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, 1e30, foreach=foreach),
         "clipopt": lambda: clipopt.clip_grad_norm_(params, 1e30),
         "floor (read)": flat.sum,
     }
@@ -253,17 +329,18 @@ def unclipped_contenders(params: list[Tensor]) -> Contenders:
 
 def bench_clip(config: Config) -> list[Row]:
     rows = []
-    for layout, shapes_of in LAYOUTS.items():
+    for layout, shapes_of in config.layouts.items():
         for dtype in (torch.float32, torch.bfloat16):
             params = make_params(shapes_of(config.quick), dtype, config.device)
             for norm_type in (2.0, math.inf):
                 case = f"{layout} {str(dtype).removeprefix('torch.')} p={norm_type:g}"
                 samples = time_interleaved(clip_contenders(params, norm_type), config)
                 rows += summarize("clip", case, samples, "floor")
-            if layout == "transformer" and dtype == torch.float32:
+            if layout == config.step_layout and dtype == torch.float32:
                 samples = time_interleaved(unclipped_contenders(params), config)
-                rows += summarize("clip", f"{UNCLIPPED_CASE}", samples, "floor (read)")
+                rows += summarize("clip", unclipped_case(layout), samples, "floor (read)")
             del params
+            release(config.device)
     return rows
 
 
@@ -279,12 +356,13 @@ def step_contenders(params: list[Tensor], device: torch.device) -> Contenders:
 
     contenders: Contenders = {}
     max_norm = ShrinkingMaxNorm()  # the clipped contenders share the grads
+    foreach = torch_foreach(device)
     for name, make in (("fused AdamW", adamw), ("foreach SGD", sgd)):
         bare, torch_clipped = make(), make()
         wrapped = clipopt.ClippedOptimizer(make(), max_norm=MAX_NORM)
 
         def torch_clip_then_step(opt: torch.optim.Optimizer = torch_clipped) -> None:
-            torch.nn.utils.clip_grad_norm_(params, max_norm())
+            torch.nn.utils.clip_grad_norm_(params, max_norm(), foreach=foreach)
             opt.step()
 
         def clipped_step(opt: clipopt.ClippedOptimizer = wrapped) -> None:
@@ -330,14 +408,15 @@ def folded_floor(
 def bench_steps(config: Config) -> list[Row]:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        params = make_params(transformer_shapes(config.quick), dtype, config.device)
+        params = make_params(config.step_shapes(), dtype, config.device)
         contenders = step_contenders(params, config.device)
-        case = f"transformer {str(dtype).removeprefix('torch.')}"
+        case = f"{config.step_layout} {str(dtype).removeprefix('torch.')}"
         samples = time_interleaved(contenders, config)
         for optimizer in ("fused AdamW", "foreach SGD"):
             mine = {k: v for k, v in samples.items() if k.startswith(optimizer)}
             rows += summarize("step", case, mine, f"{optimizer}: bare")
         del params, contenders
+        release(config.device)
     return rows
 
 
@@ -368,7 +447,7 @@ def amp_contenders(params: list[Tensor], device: torch.device) -> Contenders:
 
     def torch_recipe() -> None:
         scalers["torch"].unscale_(torch_clipped)
-        torch.nn.utils.clip_grad_norm_(params, max_norm())
+        torch.nn.utils.clip_grad_norm_(params, max_norm(), foreach=torch_foreach(device))
         scalers["torch"].step(torch_clipped)
         scalers["torch"].update()
 
@@ -409,9 +488,12 @@ def scaler_kernels(params: list[Tensor], device: torch.device) -> Contenders:
 
 
 def bench_amp(config: Config) -> list[Row]:
-    params = make_params(transformer_shapes(config.quick), torch.float32, config.device)
+    params = make_params(config.step_shapes(), torch.float32, config.device)
     samples = time_interleaved(amp_contenders(params, config.device), config)
-    return summarize("amp step", "transformer float32", samples, "GradScaler + fused AdamW: bare")
+    del params
+    release(config.device)
+    case = f"{config.step_layout} float32"
+    return summarize("amp step", case, samples, "GradScaler + fused AdamW: bare")
 
 
 class TinyLM(nn.Module):
@@ -456,7 +538,7 @@ def bench_end_to_end(config: Config) -> list[Row]:
         return run
 
     def torch_clip_then_step() -> None:
-        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=torch_foreach(config.device))
         torch_clipped.step()
 
     contenders = {
@@ -484,11 +566,12 @@ def bench_accuracy(config: Config) -> dict[str, float]:
     }
     for name, grad in cases.items():
         exact = grad.double().norm()
+        grad = grad.to(config.device)
         results[f"{name}: clipopt.get_total_norm"] = relative_error(
-            clipopt.get_total_norm([grad]), exact
+            clipopt.get_total_norm([grad]).cpu(), exact
         )
         results[f"{name}: torch.nn.utils.get_total_norm"] = relative_error(
-            torch.nn.utils.get_total_norm([grad]), exact
+            torch.nn.utils.get_total_norm([grad]).cpu(), exact
         )
     return results
 
@@ -522,11 +605,21 @@ def _peak_rss_growth(fn: Callable[[], object]) -> int | None:
     return 1024 * max(0, _status_kib("VmHWM") - before)
 
 
+def _peak_cuda_growth(fn: Callable[[], object], device: torch.device) -> int:
+    """Bytes the peak of allocated CUDA memory rose above what was allocated before ``fn``."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - before)
+
+
 def bench_memory(config: Config) -> dict[str, Any]:
-    """Peak memory of a step, bare vs clipped, on the transformer layout (CPU only)."""
-    if config.device.type != "cpu":
+    """Peak memory of a step, bare vs clipped, on the step layout (CPU and CUDA)."""
+    if config.device.type not in ("cpu", "cuda"):
         return {}
-    params = make_params(transformer_shapes(config.quick), torch.float32, config.device)
+    params = make_params(config.step_shapes(), torch.float32, config.device)
     bare = torch.optim.AdamW(params, lr=1e-6, fused=True)
     wrapped = clipopt.ClippedOptimizer(
         torch.optim.AdamW(params, lr=1e-6, fused=True), max_norm=MAX_NORM
@@ -534,7 +627,7 @@ def bench_memory(config: Config) -> dict[str, Any]:
     torch_clipped = torch.optim.AdamW(params, lr=1e-6, fused=True)
 
     def torch_clip_then_step() -> None:
-        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=torch_foreach(config.device))
         torch_clipped.step()
 
     for step in (bare.step, wrapped.step, torch_clip_then_step):
@@ -548,11 +641,61 @@ def bench_memory(config: Config) -> dict[str, Any]:
         ("ClippedOptimizer(fused AdamW)", wrapped.step),
         ("torch clip + fused AdamW", torch_clip_then_step),
     ):
-        result[name] = {
-            "peak_rss_growth_bytes": _peak_rss_growth(step),
-            "largest_allocation_bytes": _largest_allocation(step),
-        }
+        if config.cuda:
+            result[name] = {"peak_cuda_growth_bytes": _peak_cuda_growth(step, config.device)}
+        else:
+            result[name] = {
+                "peak_rss_growth_bytes": _peak_rss_growth(step),
+                "largest_allocation_bytes": _largest_allocation(step),
+            }
     return result
+
+
+def _syncs_counted(fn: Callable[[], object]) -> int:
+    """How many synchronizing CUDA calls ``fn`` makes: each warns in sync debug mode."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def bench_host_syncs(config: Config) -> dict[str, int]:
+    """Synchronizing CUDA calls in one call of each, after a warm-up call (CUDA only).
+
+    The control reads a norm with ``.item()``: it must count at least one, or the
+    counter is not live and the zeros mean nothing.
+    """
+    if not config.cuda:
+        return {}
+    params = make_params(transformer_shapes(True), torch.float32, config.device)
+    grads = [p.grad for p in params if p.grad is not None]
+
+    def wrapped(make: Callable[[], torch.optim.Optimizer], **kwargs: Any) -> Callable[[], object]:
+        return clipopt.ClippedOptimizer(make(), max_norm=MAX_NORM, **kwargs).step
+
+    def adamw() -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-6, fused=True)
+
+    def sgd() -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1e-6, momentum=0.9, foreach=True)
+
+    calls: Contenders = {
+        "clipopt.clip_grad_norm_": lambda: clipopt.clip_grad_norm_(params, MAX_NORM),
+        "ClippedOptimizer(fused AdamW)": wrapped(adamw),
+        "ClippedOptimizer(fused AdamW), nonfinite='skip'": wrapped(adamw, nonfinite="skip"),
+        "ClippedOptimizer(foreach SGD)": wrapped(sgd),
+        "control: get_total_norm(...).item()": lambda: clipopt.get_total_norm(grads).item(),
+    }
+    counts = {}
+    for name, call in calls.items():
+        call()  # buffers, optimizer state and counters are made on the first call
+        counts[name] = _syncs_counted(call)
+    return counts
 
 
 # ---------------------------------------------------------------- report
@@ -565,18 +708,21 @@ def _median(rows: list[Row], section: str, case: str, contender: str) -> float:
     raise KeyError((section, case, contender))
 
 
-def check_targets(rows: list[Row], memory: dict[str, Any]) -> list[Target]:
-    """The issue's targets, as ratios of medians from this run."""
+def check_targets(
+    rows: list[Row], memory: dict[str, Any], layout: str = "transformer"
+) -> list[Target]:
+    """The issue's targets, as ratios of medians from this run; ``layout``: the step's."""
 
     def clip(case: str, contender: str) -> float:
         return _median(rows, "clip", case, contender)
 
-    step_case = "transformer float32"
+    step_case = f"{layout} float32"
+    l2_case, inf_case = f"{layout} float32 p=2", f"{layout} float32 p=inf"
     e2e_case = next(r.case for r in rows if r.section == "end_to_end")
     targets = [
         Target(
-            "clip L2 transformer fp32: clipopt / floor",
-            clip("transformer float32 p=2", "clipopt") / clip("transformer float32 p=2", "floor"),
+            f"clip L2 {layout} fp32: clipopt / floor",
+            clip(l2_case, "clipopt") / clip(l2_case, "floor"),
             1.25,
             at_most=True,
         ),
@@ -587,14 +733,13 @@ def check_targets(rows: list[Row], memory: dict[str, Any]) -> list[Target]:
             at_most=False,
         ),
         Target(
-            "clip inf transformer fp32: torch / clipopt",
-            clip("transformer float32 p=inf", "torch")
-            / clip("transformer float32 p=inf", "clipopt"),
+            f"clip inf {layout} fp32: torch / clipopt",
+            clip(inf_case, "torch") / clip(inf_case, "clipopt"),
             5.0,
             at_most=False,
         ),
         Target(
-            "step transformer fp32: ClippedOptimizer(fused AdamW) / bare",
+            f"step {layout} fp32: ClippedOptimizer(fused AdamW) / bare",
             _median(rows, "step", step_case, "fused AdamW: ClippedOptimizer")
             / _median(rows, "step", step_case, "fused AdamW: bare"),
             1.35,
@@ -621,6 +766,72 @@ def check_targets(rows: list[Row], memory: dict[str, Any]) -> list[Target]:
             )
         )
     return targets
+
+
+def cuda_targets(
+    rows: list[Row], memory: dict[str, Any], syncs: dict[str, int], layout: str
+) -> list[Target]:
+    """The GPU check's targets (CUDA only), measured as on the CPU: medians of one run.
+
+    The folded step against its floor (``FOLDED_FLOOR``: a read of the grads and the
+    fused step with ``grad_scale``), and against torch's foreach clip + the fused step;
+    clipopt's clip against torch's foreach clip on many small tensors; no host sync in
+    any clipped call, with the control call counting at least one.
+    """
+    step_case = f"{layout} float32"
+
+    def step(contender: str) -> float:
+        return _median(rows, "step", step_case, contender)
+
+    def clip(contender: str) -> float:
+        return _median(rows, "clip", "many_small float32 p=2", contender)
+
+    clipped = step("fused AdamW: ClippedOptimizer")
+    targets = [
+        Target(
+            f"cuda step {layout} fp32: ClippedOptimizer(fused AdamW) / floor",
+            clipped / step(FOLDED_FLOOR),
+            1.05,
+            at_most=True,
+        ),
+        Target(
+            f"cuda step {layout} fp32: torch foreach clip + fused AdamW / ClippedOptimizer",
+            step("fused AdamW: torch clip + step") / clipped,
+            1.2,
+            at_most=False,
+        ),
+        Target(
+            "cuda clip L2 many_small fp32: torch foreach / clipopt",
+            clip("torch") / clip("clipopt"),
+            1.3,
+            at_most=False,
+        ),
+    ]
+    control = [n for n in syncs if n.startswith("control")]
+    for name, count in syncs.items():
+        if name in control:
+            targets.append(Target(f"cuda host syncs counted, {name}", count, 1, at_most=False))
+        else:
+            targets.append(Target(f"cuda host syncs in one call: {name}", count, 0, at_most=True))
+    bare = memory.get("bare fused AdamW", {}).get("peak_cuda_growth_bytes")
+    wrapped = memory.get("ClippedOptimizer(fused AdamW)", {}).get("peak_cuda_growth_bytes")
+    if bare is not None and wrapped is not None:
+        allowance = 4 * 2**20 + 1024 * memory["tensors"]  # as on the CPU
+        targets.append(
+            Target(
+                "cuda memory: clipped peak allocation growth - bare (MiB)",
+                (wrapped - bare) / 2**20,
+                allowance / 2**20,
+                at_most=True,
+            )
+        )
+    return targets
+
+
+def results_name(quick: bool, device: torch.device) -> str:
+    """``latest.json`` / ``quick.json`` on the CPU; other devices add theirs to the name."""
+    stem = "quick" if quick else "latest"
+    return f"{stem}.json" if device.type == "cpu" else f"{stem}-{device.type}.json"
 
 
 def format_table(rows: list[Row]) -> str:
@@ -652,6 +863,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cuda_runtime": torch.version.cuda,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -668,34 +880,55 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run every section, print the table and targets, write JSON; return the results."""
     args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False on this machine")
     config = Config(
         quick=args.quick,
         repeats=args.repeats or (3 if args.quick else 21),
         warmup=1 if args.quick else 3,
-        device=torch.device(args.device),
+        device=device,
     )
     rows = bench_clip(config) + bench_steps(config) + bench_amp(config) + bench_end_to_end(config)
     accuracy = bench_accuracy(config)
     memory = bench_memory(config)
-    targets = check_targets(rows, memory)
+    release(config.device)
+    syncs = bench_host_syncs(config)
+    # The CPU's targets name CPU costs (torch's slow CPU inf norm, a cache-bound step);
+    # on CUDA only the GPU check's own targets are checked.
+    if config.cuda:
+        targets = cuda_targets(rows, memory, syncs, config.step_layout)
+    else:
+        targets = check_targets(rows, memory, config.step_layout)
     results: dict[str, Any] = {
         "machine": machine(),
-        "config": {"quick": config.quick, "repeats": config.repeats, "device": str(config.device)},
+        "config": {
+            "quick": config.quick,
+            "repeats": config.repeats,
+            "device": str(config.device),
+            "step_layout": config.step_layout,
+            "step_params": sum(math.prod(s) for s in config.step_shapes()),
+        },
         "rows": [dataclasses.asdict(r) for r in rows],
         "accuracy_relative_error": accuracy,
         "memory": memory,
+        "host_syncs": syncs,
         "targets": [{**dataclasses.asdict(t), "held": t.held} for t in targets],
     }
     print(format_table(rows))
     print("\naccuracy (relative error of the L2 norm, vs float64):")
     for name, error in accuracy.items():
         print(f"  {name:<48} {error:.1e}")
+    if syncs:
+        print("\nsynchronizing CUDA calls in one call (after a warm-up call):")
+        for name, count in syncs.items():
+            print(f"  {name:<56} {count}")
     print("\ntargets:")
     for t in targets:
         sign = "<=" if t.at_most else ">="
         print(f"  {'held' if t.held else 'MISSED':<7} {t.name:<62} {t.value:7.2f} {sign} {t.limit}")
     RESULTS_DIR.mkdir(exist_ok=True)
-    own = RESULTS_DIR / ("quick.json" if config.quick else "latest.json")
+    own = RESULTS_DIR / results_name(config.quick, config.device)
     for path in (own, args.json):
         if path is not None:
             path.write_text(json.dumps(results, indent=2))
