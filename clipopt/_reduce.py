@@ -48,8 +48,6 @@ __all__ = [
     "local_tensors",
 ]
 
-_INF = math.inf
-
 _REDUCE_DTYPE = torch.float64
 """The dtype every rank sends: fixed, so ranks agree; wide, so ``norm**p`` cannot overflow."""
 
@@ -280,11 +278,11 @@ def _local_contribution(
         if not tensors:
             continue
         norm = _kernels.total_norm(tensors, p, foreach).to(_REDUCE_DTYPE)
-        parts.append(norm if p == _INF else norm.pow(p).mul(weight))
+        parts.append(norm if p == math.inf else norm.pow(p).mul(weight))
     if not parts:
         return torch.zeros(1, dtype=_REDUCE_DTYPE, device=device)
     stacked = torch.stack([part.to(parts[0].device) for part in parts])
-    return (stacked.amax() if p == _INF else stacked.sum()).reshape(1)
+    return (stacked.amax() if p == math.inf else stacked.sum()).reshape(1)
 
 
 def _all_reduce(values: Tensor, op: dist.ReduceOp.RedOpType, groups: Sequence[Any]) -> None:
@@ -302,7 +300,7 @@ def _reduce_max(contributions: list[Tensor], groups: Sequence[Any], device: torc
     """MAX that keeps NaN: reduction backends may drop it, and then ranks would disagree."""
     values = torch.cat([c.to(device) for c in contributions])
     is_nan = values.isnan()
-    packed = torch.cat([values.nan_to_num(nan=_INF), is_nan.to(values.dtype)])
+    packed = torch.cat([values.nan_to_num(nan=math.inf), is_nan.to(values.dtype)])
     _all_reduce(packed, dist.ReduceOp.MAX, groups)
     count = values.numel()
     return torch.where(packed[count:] > 0, math.nan, packed[:count])
@@ -403,8 +401,8 @@ def _finish(
     device: torch.device,
 ) -> list[Tensor]:
     """Reduce the local contributions on ``device`` (one collective per op), take p-th roots."""
-    sum_at = [i for i, p in enumerate(norm_types) if p != _INF]
-    max_at = [i for i, p in enumerate(norm_types) if p == _INF]
+    sum_at = [i for i, p in enumerate(norm_types) if p != math.inf]
+    max_at = [i for i, p in enumerate(norm_types) if p == math.inf]
     reduced: dict[int, Tensor] = {}
     if sum_at:
         sums = _reduce_sum([contributions[i] for i in sum_at], groups, device)

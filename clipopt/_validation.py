@@ -13,7 +13,7 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
-__all__ = ["MaxNorm", "NormType", "check_norm_type", "check_positive"]
+__all__ = ["MaxNorm", "NormType", "check_foreach", "check_norm_type", "check_positive"]
 
 NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
@@ -47,3 +47,9 @@ def check_positive(name: str, value: MaxNorm, allow_tensor: bool = True) -> None
         raise TypeError(f"{name} must be a positive number, got {value!r}")
     if not value > 0:  # also catches NaN; math.isnan would break a torch.compile graph
         raise ValueError(f"{name} must be > 0 (inf allowed), got {value!r}")
+
+
+def check_foreach(foreach: object) -> None:
+    """Raise unless ``foreach`` is True, False or None (a truthy string is not a choice)."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"foreach must be a bool or None, got {foreach!r}")

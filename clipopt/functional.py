@@ -31,7 +31,13 @@ from torch import Tensor
 
 from clipopt import _kernels, _reduce
 from clipopt._errors import NonFiniteNormError
-from clipopt._validation import MaxNorm, NormType, check_norm_type, check_positive
+from clipopt._validation import (
+    MaxNorm,
+    NormType,
+    check_foreach,
+    check_norm_type,
+    check_positive,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -135,6 +141,7 @@ def get_total_norm(
       >>> clipopt.get_total_norm([torch.full((1000,), 3000.0, dtype=torch.float16)])
       tensor(94868.3281)
     """
+    check_foreach(foreach)
     p = check_norm_type(norm_type)
     present = _present(tensors)
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
@@ -187,6 +194,7 @@ def clip_grads_with_norm_(
       tensor([0.6000, 0.8000])
     """
     check_positive("max_norm", max_norm)
+    check_foreach(foreach)
     _scale_by_norm_(_grads(_as_list(parameters)), max_norm, total_norm, foreach)
 
 
@@ -200,9 +208,12 @@ def _scale_by_norm_(
     _kernels.scale_(_reduce.local_tensors(grads), coef, foreach)
 
 
-def _checked_params(parameters: TensorOrTensors, max_norm: MaxNorm) -> list[Tensor]:
-    """The parameters of a clip, read once, after ``max_norm`` is validated."""
+def _checked_params(
+    parameters: TensorOrTensors, max_norm: MaxNorm, foreach: bool | None
+) -> list[Tensor]:
+    """The parameters of a clip, read once, after ``max_norm`` and ``foreach`` are checked."""
     check_positive("max_norm", max_norm)
+    check_foreach(foreach)
     return _as_list(parameters)
 
 
@@ -263,7 +274,7 @@ def clip_grad_norm_(
       >>> w.grad
       tensor([0.6000, 0.8000])
     """
-    params = _checked_params(parameters, max_norm)
+    params = _checked_params(parameters, max_norm, foreach)
     grads = _grads(params)
     # With no grad here, the parameters say whether other ranks reduce over a mesh.
     measured = grads or params
@@ -325,7 +336,7 @@ def clip_grad_norm(
       >>> clipped[0], norm, w.grad
       (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
     """
-    params = _checked_params(parameters, max_norm)
+    params = _checked_params(parameters, max_norm, foreach)
     norm = _grads_norm(
         params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
@@ -359,6 +370,7 @@ def clip_grad_value_(
       tensor([-1.0000,  0.5000,  1.0000])
     """
     check_positive("clip_value", clip_value, allow_tensor=False)
+    check_foreach(foreach)
     value = float(clip_value)
     params = _as_list(parameters)
     if any(g.is_complex() for g in _grads(params)):

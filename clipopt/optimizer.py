@@ -1,12 +1,12 @@
 """``ClippedOptimizer``: clip the gradient norm before every step of any torch optimizer.
 
-Gradient-norm clipping (Pascanu et al., 2013) as an optimizer wrapper. The wrapper's
-plumbing (pass-through ``param_groups`` / ``state`` / ``defaults``, hooks, pickling, the
-state-dict templates) is :class:`clipopt._wrapper.OptimizerWrapper`; this module is the
-clip: its settings, its step (measure -> decide -> apply, :mod:`clipopt._step`) and its
-entry of the state dict (:mod:`clipopt._clip_state`). A decision is applied in exactly
-one of two ways: scale the grads, then run the inner step; or fold the scale (and a
-skip) into a fused inner optimizer's kernel (:mod:`clipopt._fused`).
+Gradient-norm clipping as an optimizer wrapper. The wrapper's plumbing (pass-through
+``param_groups`` / ``state`` / ``defaults``, hooks, pickling, the state-dict templates)
+is :class:`clipopt._wrapper.OptimizerWrapper`; this module is the clip: its settings,
+its step (measure -> decide -> apply, :mod:`clipopt._step`) and its entry of the state
+dict (:mod:`clipopt._clip_state`). A decision is applied in exactly one of two ways:
+scale the grads, then run the inner step; or fold the scale (and a skip) into a fused
+inner optimizer's kernel (:mod:`clipopt._fused`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from clipopt._clip_state import (
 )
 from clipopt._nonfinite import StepCounters, device_verdict, host_verdict
 from clipopt._reduce import NormScope
+from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
 
 if TYPE_CHECKING:
@@ -130,8 +131,7 @@ class ClippedOptimizer(OptimizerWrapper):
         settings = validated_settings(
             max_norm, norm_type, per_group, nonfinite, max_consecutive_skips
         )
-        if foreach is not None and not isinstance(foreach, bool):
-            raise TypeError(f"foreach must be a bool or None, got {foreach!r}")
+        check_foreach(foreach)
         for index, group in enumerate(optimizer.param_groups):
             check_group_settings(index, group)
         check_one_norm_type(optimizer.param_groups, settings.norm_type, settings.per_group)

@@ -520,6 +520,26 @@ def test_bad_norm_type_raises_naming_it_and_touches_nothing(
     assert_untouched(params, before)
 
 
+@pytest.mark.parametrize("foreach", ["yes", 1, 0.0])
+def test_a_foreach_that_is_not_a_bool_raises_naming_it_and_touches_nothing(
+    foreach: object,
+) -> None:
+    params = with_grads(torch.tensor([3.0, -4.0]), None)
+    before = snapshot(params)
+    calls: list[Callable[[], object]] = [
+        lambda: clipopt.clip_grad_norm_(params, 1.0, foreach=foreach),  # type: ignore[arg-type]
+        lambda: clipopt.clip_grad_norm(params, 1.0, foreach=foreach),  # type: ignore[arg-type]
+        lambda: clipopt.get_total_norm([params[0].grad], foreach=foreach),  # type: ignore[arg-type]
+        lambda: clipopt.clip_grads_with_norm_(params, 1.0, torch.tensor(5.0), foreach),  # type: ignore[arg-type]
+        lambda: clipopt.clip_grad_value_(params, 1.0, foreach),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(TypeError) as raised:
+            call()
+        assert "foreach" in str(raised.value) and repr(foreach) in str(raised.value)
+    assert_untouched(params, before)
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("norm_type", [1, 2.0, math.inf])
 @pytest.mark.parametrize("foreach", [None, True, False])
