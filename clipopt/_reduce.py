@@ -24,71 +24,25 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt import _kernels
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
+from clipopt import _kernels, _mesh
 
 __all__ = [
     "NormScope",
-    "all_plain",
     "check_members",
     "check_process_group",
     "global_norm",
     "global_norms",
-    "local_tensors",
 ]
 
 _REDUCE_DTYPE = torch.float64
 """The dtype every rank sends: fixed, so ranks agree; wide, so ``norm**p`` cannot overflow."""
-
-
-# --------------------------------------------------------------------------- detection
-
-
-def _dtensor_type() -> type[DTensor] | None:
-    """The DTensor class if it has been imported, else None: no grad can be one then.
-
-    Importing ``torch.distributed.tensor`` costs about a second, so it is never imported
-    here just to answer "is this a DTensor?".
-    """
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
-def _dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
-    dtensor = _dtensor_type()
-    if dtensor is None:
-        return []
-    return [t for t in tensors if isinstance(t, dtensor)]
-
-
-def all_plain(tensors: Sequence[Tensor]) -> bool:
-    """True if no tensor is a DTensor: measuring them needs no mesh and no collective."""
-    dtensor = _dtensor_type()
-    return dtensor is None or not any(isinstance(t, dtensor) for t in tensors)
-
-
-def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``tensors`` with every DTensor replaced by its local shard (the same storage).
-
-    Scaling grads in place works shard by shard: it needs no communication, and DTensor
-    ops refuse operands on different meshes (FSDP2 + TP puts the parameters left out of
-    tensor parallelism on the data-parallel sub-mesh).
-    """
-    dtensor = _dtensor_type()
-    if dtensor is None:
-        return list(tensors)
-    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
 
 def check_members(
@@ -114,109 +68,6 @@ def check_process_group(process_group: object) -> None:
         raise TypeError(
             f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
         )
-
-
-# --------------------------------------------------------------------------- DTensor
-
-
-def _replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
-    """How many ranks of ``reduction_mesh`` hold a copy of each element of ``grad``'s shard.
-
-    The product of the mesh sizes over ``grad``'s Replicate dims, times the size of the
-    reduction mesh's dims that ``grad``'s mesh lacks (a parameter left out of tensor
-    parallelism lives on the data-parallel sub-mesh and is the same on every TP rank).
-
-    Raises:
-      ValueError: ``grad`` has a Partial placement: its local values are summands of the
-        gradient, not a shard of it, so no local norm is meaningful.
-    """
-    mesh = grad.device_mesh
-    count = reduction_mesh.size() // mesh.size()
-    for dim, placement in enumerate(grad.placements):
-        if placement.is_partial():
-            raise ValueError(
-                f"a gradient of shape {tuple(grad.shape)} has placements {grad.placements} "
-                f"on {mesh}: a Partial grad has no norm until it is reduced; "
-                "redistribute it to Shard or Replicate first"
-            )
-        if placement.is_replicate():
-            count *= mesh.size(dim)
-    return count
-
-
-def _distinct_meshes(grads: Sequence[DTensor]) -> list[DeviceMesh]:
-    meshes: list[DeviceMesh] = []
-    for g in grads:
-        mesh = g.device_mesh
-        if not any(mesh is known or mesh == known for known in meshes):
-            meshes.append(mesh)
-    return meshes
-
-
-def _reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
-    """The mesh to reduce over: the grads' one mesh, or the part of their common root
-    mesh spanned by the dims they use (FSDP2 + TP: 2-D TP'd params and 1-D others).
-
-    Raises:
-      ValueError: the meshes have no common root, or a mesh is unnamed or flattened, so
-        which root dims it covers is unknown.
-    """
-    meshes = _distinct_meshes(grads)
-    if len(meshes) == 1:
-        return meshes[0]
-    root = meshes[0]._get_root_mesh()
-    root_names = root.mesh_dim_names or ()
-    for mesh in meshes:
-        names = mesh.mesh_dim_names
-        same_root = mesh._get_root_mesh() == root
-        if not same_root or names is None or not set(names) <= set(root_names):
-            raise ValueError(
-                f"DTensor grads live on {meshes}: they can be reduced together only when "
-                "they are named sub-meshes of one root mesh; compute one norm per mesh "
-                "instead"
-            )
-    used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
-    names = tuple(name for name in root_names if name in used)
-    return root if len(names) == len(root_names) else root[names]
-
-
-def _mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
-    """The groups to all_reduce over, in order, so that every rank of ``mesh`` is summed.
-
-    One group when possible: ``process_group`` (which must be as large as the mesh), the
-    default group when the mesh spans the world (a mesh's ranks are distinct, so equal
-    sizes mean the same ranks), the mesh's own group when it is 1-D. An N-D mesh that is a
-    strict subset of the world needs one all_reduce per dimension (sum over dim 0, then
-    dim 1, ... is the sum over the mesh); pass a ``process_group`` spanning it to make
-    that one.
-    """
-    if process_group is not None:
-        group_size = dist.get_world_size(process_group)
-        if group_size != mesh.size():
-            raise ValueError(
-                f"process_group has {group_size} ranks but the grads' device mesh {mesh} has "
-                f"{mesh.size()}; pass a group over exactly the mesh's ranks, or None"
-            )
-        return [process_group]
-    if mesh.size() == dist.get_world_size():
-        return [None]
-    if mesh.ndim == 1:
-        return [mesh.get_group()]
-    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
-
-
-def _weighted_dtensor_shards(
-    grads: Sequence[DTensor], reduction_mesh: DeviceMesh
-) -> list[tuple[float, list[Tensor]]]:
-    """The local shards of ``grads`` grouped by weight ``1 / replica count``.
-
-    ``_local_tensor`` rather than ``to_local()``: the latter is an autograd function, and
-    its per-call cost adds up over thousands of parameters every step.
-    """
-    by_count: dict[int, list[Tensor]] = {}
-    for g in grads:
-        by_count.setdefault(_replica_count(g, reduction_mesh), []).append(g._local_tensor)
-    return [(1.0 / count, shards) for count, shards in by_count.items()]
 
 
 # --------------------------------------------------------------------------- plain tensors
@@ -360,9 +211,9 @@ def global_norms(
         raise ValueError(f"got {len(buckets)} buckets but {len(norm_types)} norm types")
     flat = [t for bucket in buckets for t in bucket]
     _check_replicated(flat, replicated, process_group)
-    dtensors = _dtensors(flat)
+    dtensors = _mesh.dtensors(flat)
     if not flat:  # nothing to measure here; the parameters say whether others are
-        dtensors = [q for q in _dtensors(params) if q.requires_grad]
+        dtensors = [q for q in _mesh.dtensors(params) if q.requires_grad]
     if not dtensors and process_group is None:
         pairs = zip(buckets, norm_types, strict=True)
         return [_kernels.total_norm(list(b), p, foreach) for b, p in pairs]
@@ -378,9 +229,9 @@ def global_norms(
                 "replicated applies to plain tensors; a DTensor's replicas follow from its "
                 "Replicate placements"
             )
-        mesh = _reduction_mesh(dtensors)
-        groups = _mesh_groups(mesh, process_group)
-        classes = [_weighted_dtensor_shards(_dtensors(list(b)), mesh) for b in buckets]
+        mesh = _mesh.reduction_mesh(dtensors)
+        groups = _mesh.mesh_groups(mesh, process_group)
+        classes = [_mesh.weighted_dtensor_shards(_mesh.dtensors(list(b)), mesh) for b in buckets]
     else:
         groups = [process_group]
         size = dist.get_world_size(process_group)

@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _reduce
+from clipopt import _kernels, _mesh, _reduce
 from clipopt._clip_state import Threshold, check_one_norm_type, group_max_norm
 
 __all__ = [
@@ -183,8 +183,8 @@ def scale(grads: list[list[Tensor]], coefficients: list[Coefficient], foreach: b
     for group_grads, coefficient in zip(grads, coefficients, strict=True):
         if isinstance(coefficient, tuple):
             for grad, own in zip(group_grads, coefficient, strict=True):
-                _reduce.local_tensors([grad])[0].mul_(own.to(grad.device))
+                _mesh.local_tensors([grad])[0].mul_(own.to(grad.device))
         elif coefficient is not None and group_grads:
             by_coefficient.setdefault(id(coefficient), (coefficient, []))[1].extend(group_grads)
     for coefficient, tensors in by_coefficient.values():
-        _kernels.scale_(_reduce.local_tensors(tensors), coefficient, foreach)
+        _kernels.scale_(_mesh.local_tensors(tensors), coefficient, foreach)

@@ -39,7 +39,8 @@ from clipopt._checkpoint import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from clipopt._reduce import NormScope, global_norm, global_norms, local_tensors
+from clipopt._mesh import local_tensors
+from clipopt._reduce import NormScope, global_norm, global_norms
 
 __all__ = [
     "ClippedOptimizerState",

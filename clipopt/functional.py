@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _reduce
+from clipopt import _kernels, _mesh, _reduce
 from clipopt._errors import NonFiniteNormError
 from clipopt._validation import (
     MaxNorm,
@@ -205,7 +205,7 @@ def _scale_by_norm_(
     if not grads or _measures_only(max_norm):
         return
     coef = _kernels.clip_coefficient(max_norm, total_norm)
-    _kernels.scale_(_reduce.local_tensors(grads), coef, foreach)
+    _kernels.scale_(_mesh.local_tensors(grads), coef, foreach)
 
 
 def _checked_params(
@@ -278,7 +278,7 @@ def clip_grad_norm_(
     grads = _grads(params)
     # With no grad here, the parameters say whether other ranks reduce over a mesh.
     measured = grads or params
-    if process_group is None and replicated_params is None and _reduce.all_plain(measured):
+    if process_group is None and replicated_params is None and _mesh.all_plain(measured):
         return _clip_local_(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     norm = _grads_norm(
         params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params

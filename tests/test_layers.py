@@ -18,7 +18,7 @@ PACKAGE = Path(clipopt.__file__).parent
 LAYERS: list[set[str]] = [
     {"_errors", "_validation", "_native"},  # no clipopt imports
     {"_cpu"},  # the C kernels' Python side
-    {"_kernels"},  # local norms and scales
+    {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
     {"_reduce", "_clip_state", "_nonfinite"},  # norms across ranks; settings; the skip policy
     {"functional", "_step", "_fused"},  # the functional API; the step's parts; the fold
     {"_wrapper"},  # the transparent wrapper, which knows nothing of clipping

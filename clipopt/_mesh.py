@@ -1,0 +1,166 @@
+"""DTensor grads: which are DTensors, their local shards, and the mesh to reduce them over.
+
+A DTensor grad's norm counts each element once: its local shard's contribution is
+weighted by ``1 / (product of the mesh sizes over its Replicate dims)``, and grads on
+named sub-meshes of one root mesh (FSDP2 over tensor parallel) are reduced over the part
+of the root they span. Nothing here imports ``torch.distributed.tensor``: it costs about
+a second, and no grad can be a DTensor until the user has imported it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "all_plain",
+    "dtensors",
+    "local_tensors",
+    "mesh_groups",
+    "reduction_mesh",
+    "weighted_dtensor_shards",
+]
+
+
+def _dtensor_type() -> type[DTensor] | None:
+    """The DTensor class if it has been imported, else None: no grad can be one then.
+
+    Importing ``torch.distributed.tensor`` costs about a second, so it is never imported
+    here just to answer "is this a DTensor?".
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return []
+    return [t for t in tensors if isinstance(t, dtensor)]
+
+
+def all_plain(tensors: Sequence[Tensor]) -> bool:
+    """True if no tensor is a DTensor: measuring them needs no mesh and no collective."""
+    dtensor = _dtensor_type()
+    return dtensor is None or not any(isinstance(t, dtensor) for t in tensors)
+
+
+def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``tensors`` with every DTensor replaced by its local shard (the same storage).
+
+    Scaling grads in place works shard by shard: it needs no communication, and DTensor
+    ops refuse operands on different meshes (FSDP2 + TP puts the parameters left out of
+    tensor parallelism on the data-parallel sub-mesh).
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return list(tensors)
+    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
+
+
+def _replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
+    """How many ranks of ``reduction_mesh`` hold a copy of each element of ``grad``'s shard.
+
+    The product of the mesh sizes over ``grad``'s Replicate dims, times the size of the
+    reduction mesh's dims that ``grad``'s mesh lacks (a parameter left out of tensor
+    parallelism lives on the data-parallel sub-mesh and is the same on every TP rank).
+
+    Raises:
+      ValueError: ``grad`` has a Partial placement: its local values are summands of the
+        gradient, not a shard of it, so no local norm is meaningful.
+    """
+    mesh = grad.device_mesh
+    count = reduction_mesh.size() // mesh.size()
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"a gradient of shape {tuple(grad.shape)} has placements {grad.placements} "
+                f"on {mesh}: a Partial grad has no norm until it is reduced; "
+                "redistribute it to Shard or Replicate first"
+            )
+        if placement.is_replicate():
+            count *= mesh.size(dim)
+    return count
+
+
+def _distinct_meshes(grads: Sequence[DTensor]) -> list[DeviceMesh]:
+    meshes: list[DeviceMesh] = []
+    for g in grads:
+        mesh = g.device_mesh
+        if not any(mesh is known or mesh == known for known in meshes):
+            meshes.append(mesh)
+    return meshes
+
+
+def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
+    """The mesh to reduce over: the grads' one mesh, or the part of their common root
+    mesh spanned by the dims they use (FSDP2 + TP: 2-D TP'd params and 1-D others).
+
+    Raises:
+      ValueError: the meshes have no common root, or a mesh is unnamed or flattened, so
+        which root dims it covers is unknown.
+    """
+    meshes = _distinct_meshes(grads)
+    if len(meshes) == 1:
+        return meshes[0]
+    root = meshes[0]._get_root_mesh()
+    root_names = root.mesh_dim_names or ()
+    for mesh in meshes:
+        names = mesh.mesh_dim_names
+        same_root = mesh._get_root_mesh() == root
+        if not same_root or names is None or not set(names) <= set(root_names):
+            raise ValueError(
+                f"DTensor grads live on {meshes}: they can be reduced together only when "
+                "they are named sub-meshes of one root mesh; compute one norm per mesh "
+                "instead"
+            )
+    used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
+    names = tuple(name for name in root_names if name in used)
+    return root if len(names) == len(root_names) else root[names]
+
+
+def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
+    """The groups to all_reduce over, in order, so that every rank of ``mesh`` is summed.
+
+    One group when possible: ``process_group`` (which must be as large as the mesh), the
+    default group when the mesh spans the world (a mesh's ranks are distinct, so equal
+    sizes mean the same ranks), the mesh's own group when it is 1-D. An N-D mesh that is a
+    strict subset of the world needs one all_reduce per dimension (sum over dim 0, then
+    dim 1, ... is the sum over the mesh); pass a ``process_group`` spanning it to make
+    that one.
+    """
+    if process_group is not None:
+        group_size = dist.get_world_size(process_group)
+        if group_size != mesh.size():
+            raise ValueError(
+                f"process_group has {group_size} ranks but the grads' device mesh {mesh} has "
+                f"{mesh.size()}; pass a group over exactly the mesh's ranks, or None"
+            )
+        return [process_group]
+    if mesh.size() == dist.get_world_size():
+        return [None]
+    if mesh.ndim == 1:
+        return [mesh.get_group()]
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
+def weighted_dtensor_shards(
+    grads: Sequence[DTensor], reduction_mesh: DeviceMesh
+) -> list[tuple[float, list[Tensor]]]:
+    """The local shards of ``grads`` grouped by weight ``1 / replica count``.
+
+    ``_local_tensor`` rather than ``to_local()``: the latter is an autograd function, and
+    its per-call cost adds up over thousands of parameters every step.
+    """
+    by_count: dict[int, list[Tensor]] = {}
+    for g in grads:
+        by_count.setdefault(_replica_count(g, reduction_mesh), []).append(g._local_tensor)
+    return [(1.0 / count, shards) for count, shards in by_count.items()]
