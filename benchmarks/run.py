@@ -366,7 +366,7 @@ def step_contenders(params: list[Tensor], device: torch.device) -> Contenders:
             opt.step()
 
         def clipped_step(opt: clipopt.ClippedOptimizer = wrapped) -> None:
-            opt.param_groups[0]["max_norm"] = max_norm()
+            opt.param_groups[0]["clip_max_norm"] = max_norm()
             opt.step()
 
         contenders[f"{name}: bare"] = bare.step
@@ -452,7 +452,7 @@ def amp_contenders(params: list[Tensor], device: torch.device) -> Contenders:
         scalers["torch"].update()
 
     def clipped_step() -> None:
-        wrapped.param_groups[0]["max_norm"] = max_norm()
+        wrapped.param_groups[0]["clip_max_norm"] = max_norm()
         scalers["clipopt"].step(wrapped)
         scalers["clipopt"].update()
 

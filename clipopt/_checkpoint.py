@@ -124,9 +124,13 @@ def set_optimizer_state_dict(
     if CLIP_KEY in optim_state_dict:
         raw = _decode_clip_state(optim_state_dict[CLIP_KEY])
     inner_state = {k: v for k, v in optim_state_dict.items() if k != CLIP_KEY}
-    prepared = wrapper._check_load(inner_state, raw)
-    dcp_state_dict.set_optimizer_state_dict(model, wrapper.optimizer, inner_state, options=options)
-    wrapper._finish_load(prepared)
+    to_load, prepared = wrapper._check_load(inner_state, raw)
+    wrapper._load_atomically(
+        lambda: dcp_state_dict.set_optimizer_state_dict(
+            model, wrapper.optimizer, dict(to_load), options=options
+        ),
+        prepared,
+    )
 
 
 class ClippedOptimizerState:

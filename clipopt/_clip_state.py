@@ -2,7 +2,14 @@
 
 One job: say what a valid setting and a valid saved clip state are, completely, before
 anything is applied, so that a bad constructor argument or a malformed checkpoint raises
-naming the value and leaves the live optimizer as it was. Layout of ``"clip"``::
+naming the value and leaves the live optimizer as it was.
+
+Per-group settings live in the inner optimizer's param groups (and its defaults) under
+names no optimizer uses, ``"clip_max_norm"`` and ``"clip_norm_type"``, so that they are
+saved, loaded and edited like ``lr``. clipopt 0.1.0 called them ``"max_norm"`` and
+``"norm_type"``, which optimizers may own (pytorch_optimizer's SCION has a
+``"norm_type"``); :func:`migrate_legacy_keys` renames those where the inner optimizer
+does not own the old name. Layout of ``"clip"``::
 
   {"settings": {"max_norm": float, "norm_type": float, "per_group": bool,
                 "nonfinite": str, "max_consecutive_skips": int | None},
@@ -15,7 +22,7 @@ Tensors and plain Python values only, so ``torch.load(..., weights_only=True)`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
@@ -26,13 +33,17 @@ from clipopt._validation import check_norm_type, check_positive
 
 __all__ = [
     "CLIP_KEY",
+    "MAX_NORM_KEY",
+    "NORM_TYPE_KEY",
     "ClipState",
     "NonFinite",
     "Settings",
     "Threshold",
     "check_group_settings",
+    "check_groups",
     "check_one_norm_type",
     "group_max_norm",
+    "migrate_legacy_keys",
     "prepare_load",
     "validated_settings",
 ]
@@ -43,6 +54,14 @@ Threshold: TypeAlias = float | Tensor
 NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise")
 CLIP_KEY = "clip"
 """The top-level key of :meth:`ClippedOptimizer.state_dict` that holds the clip state."""
+
+MAX_NORM_KEY = "clip_max_norm"
+"""The param-group (and defaults) key of a group's threshold."""
+
+NORM_TYPE_KEY = "clip_norm_type"
+"""The param-group (and defaults) key of a group's norm order."""
+
+_LEGACY_KEYS = {"max_norm": MAX_NORM_KEY, "norm_type": NORM_TYPE_KEY}
 
 _SETTINGS_KEYS = ("max_norm", "norm_type", "per_group", "nonfinite", "max_consecutive_skips")
 _CLIP_STATE_KEYS = (
@@ -109,26 +128,42 @@ def validated_settings(
     )
 
 
+def migrate_legacy_keys(group: dict[str, Any], owned: Container[str]) -> list[str]:
+    """Rename a group's 0.1.0 clip keys to the namespaced ones, in place.
+
+    A legacy name is renamed only where the inner optimizer does not own it (it is not
+    among ``owned``, the inner optimizer's defaults); its value replaces the namespaced
+    key's, since it was written later (by code that sets ``group["max_norm"]``).
+
+    Returns:
+      The legacy names renamed.
+    """
+    renamed = [old for old in _LEGACY_KEYS if old in group and old not in owned]
+    for old in renamed:
+        group[_LEGACY_KEYS[old]] = group.pop(old)
+    return renamed
+
+
 def group_max_norm(index: int, value: Any) -> Threshold:
-    """A param group's ``max_norm``: a number > 0 (inf allowed) or a 0-dim tensor."""
-    check_positive(f"param_groups[{index}]['max_norm']", value)
+    """A param group's ``clip_max_norm``: a number > 0 (inf allowed) or a 0-dim tensor."""
+    check_positive(f"param_groups[{index}][{MAX_NORM_KEY!r}]", value)
     return value if isinstance(value, Tensor) else float(value)
 
 
 def group_norm_type(index: int, value: Any) -> float:
-    """A param group's ``norm_type`` as a float; errors name the group."""
+    """A param group's ``clip_norm_type`` as a float; errors name the group."""
     try:
         return check_norm_type(value)
     except (TypeError, ValueError) as error:
-        raise type(error)(f"param_groups[{index}]['norm_type']: {error}") from None
+        raise type(error)(f"param_groups[{index}][{NORM_TYPE_KEY!r}]: {error}") from None
 
 
 def check_group_settings(index: int, group: Mapping[str, Any]) -> None:
-    """Validate a param group's own ``max_norm`` / ``norm_type``, where it has them."""
-    if "max_norm" in group:
-        group_max_norm(index, group["max_norm"])
-    if "norm_type" in group:
-        group_norm_type(index, group["norm_type"])
+    """Validate a param group's own clip settings, where it has them."""
+    if MAX_NORM_KEY in group:
+        group_max_norm(index, group[MAX_NORM_KEY])
+    if NORM_TYPE_KEY in group:
+        group_norm_type(index, group[NORM_TYPE_KEY])
 
 
 def check_one_norm_type(
@@ -146,7 +181,7 @@ def check_one_norm_type(
       ValueError: without ``per_group``, two groups use different orders.
     """
     norm_types = [
-        group_norm_type(index, group.get("norm_type", default_norm_type))
+        group_norm_type(index, group.get(NORM_TYPE_KEY, default_norm_type))
         for index, group in enumerate(groups)
     ]
     if not per_group and len(set(norm_types)) > 1:
@@ -157,65 +192,59 @@ def check_one_norm_type(
     return norm_types
 
 
-def check_inner_state_dict(
-    state_dict: Mapping[str, Any], live_groups: Sequence[Mapping[str, Any]]
-) -> None:
-    """Raise unless the inner part matches the live groups in number and size."""
-    saved_groups = state_dict.get("param_groups")
-    if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
-        raise TypeError("state_dict['param_groups'] must be a list of dicts")
-    if len(saved_groups) != len(live_groups):
-        raise ValueError(
-            f"state_dict has {len(saved_groups)} param groups, "
-            f"this optimizer has {len(live_groups)}"
-        )
-    for index, (saved, live) in enumerate(zip(saved_groups, live_groups, strict=True)):
-        params = saved.get("params")
-        if not isinstance(params, list):
-            raise TypeError(f"state_dict['param_groups'][{index}]['params'] must be a list")
-        if len(params) != len(live["params"]):
-            raise ValueError(
-                f"state_dict['param_groups'][{index}] has {len(params)} params, "
-                f"this optimizer's group {index} has {len(live['params'])}"
-            )
-    state = state_dict.get("state", {})
-    if not isinstance(state, Mapping) or not all(isinstance(v, Mapping) for v in state.values()):
-        raise TypeError("state_dict['state'] must be a dict of dicts")
+def readable_groups(state_dict: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The saved param groups when they are a list of dicts, else None (a custom layout,
+    left to the inner optimizer's own ``load_state_dict``)."""
+    groups = state_dict.get("param_groups")
+    if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+        return groups
+    return None
+
+
+def check_groups(groups: Sequence[Mapping[str, Any]], settings: Settings) -> None:
+    """Each group's clip settings, and one order for all groups unless ``per_group``."""
+    for index, group in enumerate(groups):
+        check_group_settings(index, group)
+    check_one_norm_type(groups, settings.norm_type, settings.per_group)
 
 
 def prepare_load(
     raw_clip: Any,
     inner_state: Mapping[str, Any],
-    live_groups: Sequence[Mapping[str, Any]],
+    num_groups: int,
     current: Settings,
-) -> ClipState | None:
-    """Validate everything a load would apply, before anything is loaded.
+    owned: Container[str],
+) -> tuple[dict[str, Any], ClipState | None]:
+    """Validate what the wrapper reads from a load, before anything is loaded.
 
     The one check of both loaders (``ClippedOptimizer.load_state_dict`` and the DCP
-    one): the ``"clip"`` entry completely, the inner dict's layout against the live
-    groups, each saved group's ``max_norm`` / ``norm_type``, and one order for all groups
-    unless the settings that will apply say ``per_group``.
+    one): the ``"clip"`` entry completely and, where the saved param groups are a list of
+    dicts, their clip settings (0.1.0's names migrated on a copy). Everything else is
+    the inner optimizer's to judge: its own ``load_state_dict`` gets it as it is.
 
     Args:
       raw_clip: the saved ``"clip"`` entry, None when there is none.
       inner_state: the rest of the dict, for the inner optimizer.
-      live_groups: the optimizer's param groups now.
+      num_groups: how many param groups the optimizer has now.
       current: the settings that stay when the dict has no ``"clip"`` entry.
+      owned: the inner optimizer's own keys, which are never renamed.
 
     Returns:
-      The validated clip state to apply, or None.
+      The dict to hand to the inner optimizer, and the validated clip state (or None).
 
     Raises:
       TypeError, ValueError: naming the first bad value; nothing has been changed.
     """
-    clip_state = parse_clip_state(raw_clip, len(live_groups))
-    check_inner_state_dict(inner_state, live_groups)
-    saved_groups = inner_state["param_groups"]
-    for index, group in enumerate(saved_groups):
-        check_group_settings(index, group)
-    settings = current if clip_state is None else clip_state.settings
-    check_one_norm_type(saved_groups, settings.norm_type, settings.per_group)
-    return clip_state
+    clip_state = parse_clip_state(raw_clip, num_groups)
+    inner_state = dict(inner_state)
+    groups = readable_groups(inner_state)
+    if groups is not None:
+        groups = [dict(g) for g in groups]
+        for group in groups:
+            migrate_legacy_keys(group, owned)
+        inner_state["param_groups"] = groups
+        check_groups(groups, current if clip_state is None else clip_state.settings)
+    return inner_state, clip_state
 
 
 def parse_clip_state(raw: Any, num_groups: int) -> ClipState | None:

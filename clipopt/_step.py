@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from clipopt import _kernels, _mesh, _reduce
-from clipopt._clip_state import Threshold, check_one_norm_type, group_max_norm
+from clipopt._clip_state import (
+    MAX_NORM_KEY,
+    NORM_TYPE_KEY,
+    Threshold,
+    check_one_norm_type,
+    group_max_norm,
+)
 
 __all__ = [
     "ClipDecision",
@@ -87,17 +93,17 @@ class ClipDecision:
 def read_group_settings(
     groups: Sequence[Mapping[str, Any]], defaults: Mapping[str, Any], per_group: bool
 ) -> GroupSettings:
-    """Each group's ``max_norm`` and ``norm_type``, the defaults where it has none.
+    """Each group's ``clip_max_norm`` and ``clip_norm_type``, the defaults where it has none.
 
     Raises:
       TypeError, ValueError: a group's setting is invalid, or the groups' orders differ
         without ``per_group``.
     """
     thresholds = [
-        group_max_norm(index, group.get("max_norm", defaults["max_norm"]))
+        group_max_norm(index, group.get(MAX_NORM_KEY, defaults[MAX_NORM_KEY]))
         for index, group in enumerate(groups)
     ]
-    norm_types = check_one_norm_type(groups, float(defaults["norm_type"]), per_group)
+    norm_types = check_one_norm_type(groups, float(defaults[NORM_TYPE_KEY]), per_group)
     return GroupSettings(thresholds, norm_types)
 
 

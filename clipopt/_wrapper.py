@@ -21,9 +21,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeAlias, overload
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["Closure", "OptimizerWrapper"]
+__all__ = ["Closure", "OptimizerWrapper", "check_state_shapes"]
 
 Closure: TypeAlias = Callable[[], Any]
 
@@ -172,33 +173,68 @@ class OptimizerWrapper(Optimizer):
             if result is not None:
                 loaded = dict(result)
         extra = loaded.pop(self.EXTRA_KEY, None)
-        prepared = self._check_load(loaded, extra)
+        inner_state, prepared = self._check_load(loaded, extra)
+        self._load_atomically(lambda: self.optimizer.load_state_dict(inner_state), prepared)
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
+
+    def _load_atomically(self, load_inner: Callable[[], object], prepared: Any) -> None:
+        """Run ``load_inner``, then :meth:`_finish_load`; if either raises, put the inner
+        optimizer back as it was (its attributes, so its groups and state objects)."""
         snapshot = dict(self.optimizer.__dict__)
         try:
-            self.optimizer.load_state_dict(loaded)
+            load_inner()
+            check_state_shapes(self.optimizer)
+            self._finish_load(prepared)
         except BaseException:
             self.optimizer.__dict__.clear()
             self.optimizer.__dict__.update(snapshot)
             raise
-        self._finish_load(prepared)
-        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
-            post_hook(self)
 
     def _extra_state(self) -> dict[str, Any]:
         """This wrapper's entry of the state dict: tensors and plain values only."""
         raise NotImplementedError
 
-    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> Any:
-        """Validate a load completely (``extra`` is None without an entry); change nothing.
+    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> tuple[dict[str, Any], Any]:
+        """Validate a load (``extra`` is None without an entry) before anything changes.
 
         Returns:
-          What :meth:`_finish_load` applies once the inner optimizer has loaded.
+          The dict to hand to the inner optimizer's ``load_state_dict``, and what
+          :meth:`_finish_load` applies once it has loaded.
         """
         raise NotImplementedError
 
     def _finish_load(self, prepared: Any) -> None:
-        """Apply what :meth:`_check_load` returned; must not raise."""
+        """Check what the inner optimizer loaded where only then it can be read, and apply
+        ``prepared``; raise before applying anything (the inner load is then undone)."""
         raise NotImplementedError
+
+
+def check_state_shapes(optimizer: Optimizer) -> None:
+    """Refuse a torch optimizer's state tensor whose shape is not its parameter's.
+
+    Every state tensor of torch's own optimizers but LBFGS (whose state is flat vectors)
+    has its parameter's shape or none; one that loaded with another would make the next
+    step fail half-way, after some parameters were updated. Other optimizers keep
+    state of their own shapes (factored moments, preconditioners), so they are not
+    checked.
+
+    Raises:
+      ValueError: naming the parameter and the state entry.
+    """
+    kind = type(optimizer)
+    if not kind.__module__.startswith("torch.optim.") or kind is torch.optim.LBFGS:
+        return
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            entries = optimizer.state.get(p, {})
+            for key, value in entries.items() if isinstance(entries, Mapping) else ():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(
+                        f"the loaded state {key!r} of param_groups[{g}]['params'][{i}] has "
+                        f"shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
+                        "nothing was loaded"
+                    )
 
 
 # A subclass that calls ``Optimizer.__init__`` would otherwise have ``step`` wrapped in

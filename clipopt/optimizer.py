@@ -11,7 +11,8 @@ inner optimizer's kernel (:mod:`clipopt._fused`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -21,11 +22,13 @@ from torch.optim import Optimizer
 from clipopt import _fused, _step
 from clipopt._clip_state import (
     CLIP_KEY,
+    MAX_NORM_KEY,
+    NORM_TYPE_KEY,
     ClipState,
     NonFinite,
     Settings,
-    check_group_settings,
-    check_one_norm_type,
+    check_groups,
+    migrate_legacy_keys,
     prepare_load,
     validated_settings,
 )
@@ -56,6 +59,27 @@ def _check_inner(optimizer: Any) -> None:
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
 
 
+def _migrated(group: Mapping[str, Any], owned: Container[str]) -> dict[str, Any]:
+    """A copy of ``group`` with 0.1.0's clip keys renamed, to validate before renaming."""
+    copy = dict(group)
+    migrate_legacy_keys(copy, owned)
+    return copy
+
+
+def _rename_legacy_keys(
+    groups: Iterable[dict[str, Any]], owned: Container[str], warn: bool = True
+) -> None:
+    """Rename 0.1.0's clip keys in the live ``groups``; a user who wrote them is told."""
+    renamed = sorted({key for group in groups for key in migrate_legacy_keys(group, owned)})
+    if renamed and warn:
+        warnings.warn(
+            f"param group keys {renamed} are read as {[f'clip_{k}' for k in renamed]} and "
+            "renamed so: an optimizer may own the old names. Write the clip_ names",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
 class ClippedOptimizer(OptimizerWrapper):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
@@ -69,9 +93,9 @@ class ClippedOptimizer(OptimizerWrapper):
     Args:
       optimizer: the optimizer to wrap; it keeps its param groups and state.
       max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
-        param group may carry its own ``"max_norm"`` (a number or a 0-dim tensor).
+        param group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor).
       norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
-        Each param group may carry its own ``"norm_type"`` when ``per_group=True``.
+        Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
       per_group: clip each param group by its own norm instead of one global norm over
         all groups; the per-group norms are in :attr:`last_group_norms`.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest for
@@ -132,15 +156,15 @@ class ClippedOptimizer(OptimizerWrapper):
             max_norm, norm_type, per_group, nonfinite, max_consecutive_skips
         )
         check_foreach(foreach)
-        for index, group in enumerate(optimizer.param_groups):
-            check_group_settings(index, group)
-        check_one_norm_type(optimizer.param_groups, settings.norm_type, settings.per_group)
+        migrated = [_migrated(group, optimizer.defaults) for group in optimizer.param_groups]
+        check_groups(migrated, settings)
         scope = NormScope(
             process_group,
             replicated_params,
             params=[p for group in optimizer.param_groups for p in group["params"]],
         )
         # Nothing has been touched above this line.
+        _rename_legacy_keys(optimizer.param_groups, optimizer.defaults)
         super().__init__(optimizer)
         self._foreach = foreach
         self._norm_scope = scope
@@ -151,22 +175,22 @@ class ClippedOptimizer(OptimizerWrapper):
         self._counters = StepCounters()
 
     def _apply_settings(self, settings: Settings) -> None:
-        self.optimizer.defaults["max_norm"] = settings.max_norm
-        self.optimizer.defaults["norm_type"] = settings.norm_type
+        self.optimizer.defaults[MAX_NORM_KEY] = settings.max_norm
+        self.optimizer.defaults[NORM_TYPE_KEY] = settings.norm_type
         self._per_group = settings.per_group
         self._nonfinite: NonFinite = settings.nonfinite
         self._max_consecutive_skips = settings.max_consecutive_skips
 
     def _fill_group_defaults(self) -> None:
-        """Give each param group without its own ``max_norm``/``norm_type`` the defaults."""
+        """Give each param group without its own clip settings the defaults."""
         for group in self.param_groups:
-            group.setdefault("max_norm", self.defaults["max_norm"])
-            group.setdefault("norm_type", self.defaults["norm_type"])
+            group.setdefault(MAX_NORM_KEY, self.defaults[MAX_NORM_KEY])
+            group.setdefault(NORM_TYPE_KEY, self.defaults[NORM_TYPE_KEY])
 
     def _settings(self) -> Settings:
         return Settings(
-            float(self.defaults["max_norm"]),
-            float(self.defaults["norm_type"]),
+            float(self.defaults[MAX_NORM_KEY]),
+            float(self.defaults[NORM_TYPE_KEY]),
             self._per_group,
             self._nonfinite,
             self._max_consecutive_skips,
@@ -227,17 +251,18 @@ class ClippedOptimizer(OptimizerWrapper):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the inner optimizer.
 
-        Missing ``max_norm`` / ``norm_type`` are filled from :attr:`defaults`, like
-        every other hyperparameter; given ones are validated first, and without
-        ``per_group`` the group's ``norm_type`` must be the one the others use.
+        Missing ``clip_max_norm`` / ``clip_norm_type`` are filled from :attr:`defaults`,
+        like every other hyperparameter; given ones are validated first, and without
+        ``per_group`` the group's ``clip_norm_type`` must be the one the others use.
 
         Raises:
-          TypeError, ValueError: a bad ``max_norm``/``norm_type``; nothing is added.
+          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``; nothing is
+            added.
         """
         if isinstance(param_group, dict):
-            check_group_settings(len(self.param_groups), param_group)
-            groups = [*self.param_groups, param_group]
-            check_one_norm_type(groups, float(self.defaults["norm_type"]), self._per_group)
+            migrated = _migrated(param_group, self.defaults)
+            check_groups([*self.param_groups, migrated], self._settings())
+            _rename_legacy_keys([param_group], self.defaults)
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -252,6 +277,10 @@ class ClippedOptimizer(OptimizerWrapper):
             counters.load(
                 {n: state.pop(f"_{n}") for n in ("step_count", "skip_count", "consecutive_skips")}
             )
+            inner = state["optimizer"]
+            migrate_legacy_keys(inner.defaults, owned=())  # 0.1.0 wrote them: they are ours
+            for group in inner.param_groups:
+                migrate_legacy_keys(group, inner.defaults)
             lagged = state.pop("_lagged_consecutive_skips", None)
             if lagged is not None:
                 counters.lagged = lagged
@@ -307,12 +336,13 @@ class ClippedOptimizer(OptimizerWrapper):
         Raises:
           NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
         """
+        _rename_legacy_keys(self.param_groups, self.defaults)  # "max_norm" set on a group
         settings = _step.read_group_settings(self.param_groups, self.defaults, self._per_group)
         grads = _step.collect_grads(self.param_groups)
         measured = _step.measure(
             grads,
             settings.norm_types,
-            float(self.defaults["norm_type"]),
+            float(self.defaults[NORM_TYPE_KEY]),
             self._per_group,
             self._norm_scope,
             self._foreach,
@@ -406,10 +436,18 @@ class ClippedOptimizer(OptimizerWrapper):
         """
         super().load_state_dict(state_dict)
 
-    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> ClipState | None:
-        return prepare_load(extra, inner_state, self.param_groups, self._settings())
+    def _check_load(
+        self, inner_state: Mapping[str, Any], extra: Any
+    ) -> tuple[dict[str, Any], ClipState | None]:
+        return prepare_load(
+            extra, inner_state, len(self.param_groups), self._settings(), self.defaults
+        )
 
     def _finish_load(self, prepared: ClipState | None) -> None:
+        # An inner optimizer with a layout of its own loads groups that only now can be read.
+        settings = self._settings() if prepared is None else prepared.settings
+        check_groups([_migrated(g, self.defaults) for g in self.param_groups], settings)
+        _rename_legacy_keys(self.param_groups, self.defaults, warn=False)
         if prepared is not None:
             self._apply_clip_state(prepared)
         self._fill_group_defaults()

@@ -48,7 +48,7 @@ def _model(seed: int, device: str = "cpu") -> nn.Module:
 def _groups(model: nn.Module) -> list[dict[str, Any]]:
     return [
         {"params": list(model[0].parameters())},
-        {"params": list(model[2].parameters()), "max_norm": MAX_NORM / 2},
+        {"params": list(model[2].parameters()), "clip_max_norm": MAX_NORM / 2},
     ]
 
 

@@ -189,7 +189,7 @@ def test_explicit_step_never_syncs(make: MakeInner, foreach: bool | None) -> Non
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach SGD", "fused AdamW"])
 def test_per_group_step_never_syncs(fused: bool) -> None:
     params = make_params()
-    groups = [{"params": params[:2]}, {"params": params[2:], "max_norm": 0.5}]
+    groups = [{"params": params[:2]}, {"params": params[2:], "clip_max_norm": 0.5}]
     inner = (
         torch.optim.AdamW(groups, lr=1e-2, fused=True)
         if fused
@@ -211,7 +211,7 @@ def test_tensor_max_norm_never_syncs(where: str, make: MakeInner) -> None:
     params = make_params()
     threshold = torch.tensor(0.75, device=where)
     inner = make(params)
-    inner.param_groups[0]["max_norm"] = threshold
+    inner.param_groups[0]["clip_max_norm"] = threshold
     opt = clipopt.ClippedOptimizer(inner, max_norm=MAX_NORM)
     grads = warm_then_check(opt, params)
     assert_clipped(params, reference_clip(grads, 0.75))

@@ -821,7 +821,7 @@ def test_one_all_reduce_per_step_whatever_the_dtype_groups(mesh: Any, no_host_sy
     expected = torch.full((3,), 12.0**0.5, dtype=torch.float64)
     assert_rel(optimizer.last_group_norms, expected, "per-group norms")
     # Mixing finite and inf orders across groups needs one SUM and one MAX.
-    optimizer.param_groups[0]["norm_type"] = math.inf
+    optimizer.param_groups[0]["clip_norm_type"] = math.inf
     with CountAllReduce() as counter:
         optimizer.step()
     assert counter.calls == 2
@@ -1018,7 +1018,10 @@ def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
     optimizer = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.5), 0.25)
     optimizer.step()
     clip_before = optimizer.state_dict()["clip"]
-    for bad, match in (({"max_norm": -1.0}, "max_norm"), ({"norm_type": -2.0}, "norm_type")):
+    for bad, match in (
+        ({"clip_max_norm": -1.0}, "max_norm"),
+        ({"clip_norm_type": -2.0}, "norm_type"),
+    ):
         groups = [{**g, **bad} for g in saved["param_groups"]]
         before = copy.deepcopy(optimizer.state_dict())
         with pytest.raises(ValueError, match=match):
@@ -1027,7 +1030,7 @@ def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
 
     cdist.set_optimizer_state_dict(model, optimizer, saved)
     group = optimizer.param_groups[0]
-    assert group["lr"] == 0.1 and group["max_norm"] == 0.25 and group["norm_type"] == 2.0
+    assert group["lr"] == 0.1 and group["clip_max_norm"] == 0.25 and group["clip_norm_type"] == 2.0
     assert_same(optimizer.state_dict()["clip"], clip_before)
     assert_same(optimizer.optimizer.state_dict()["state"], unwrapped.state_dict()["state"])
 

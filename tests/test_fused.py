@@ -227,7 +227,7 @@ def test_scale_set_by_someone_else_is_left_alone(explicit_only: Callable[[], Non
         pytest.param(
             lambda p: clipopt.ClippedOptimizer(
                 torch.optim.Adam(
-                    [{"params": p[:1], "max_norm": 2.0}, {"params": p[1:]}], fused=True
+                    [{"params": p[:1], "clip_max_norm": 2.0}, {"params": p[1:]}], fused=True
                 ),
                 MAX_NORM,
             ),

@@ -26,7 +26,7 @@ from torch.optim import Optimizer, lr_scheduler
 import clipopt
 
 STEPS = 6
-CLIP_GROUP_KEYS = {"max_norm": math.inf, "norm_type": 2.0}
+CLIP_GROUP_KEYS = {"clip_max_norm": math.inf, "clip_norm_type": 2.0}
 """The per-group clip settings the wrapper keeps in param groups, and their values here."""
 
 
