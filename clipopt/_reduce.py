@@ -189,11 +189,12 @@ def global_norms(
         dimension when the mesh is an N-D strict subset of the world).
       replicated: plain tensors (by identity) that hold the same values on every rank of
         ``process_group``; they count once instead of once per rank.
-      params: the parameters the tensors are grads of. When every bucket is empty on
-        this rank but some of these are DTensors that require grad (FSDP2, and no grad
-        reached this rank's parameters this step), the rank still joins the reduction
-        over their mesh with a zero, where it would otherwise skip the collective that
-        the other ranks wait in.
+      params: the parameters the tensors are grads of. Those that are DTensors and
+        require grad decide the mesh together with the grads present, so every rank
+        reduces over the same ranks whatever grads it holds: a rank with no grad (FSDP2,
+        and no grad reached this rank's parameters this step) joins with a zero, where it
+        would otherwise skip the collective that the other ranks wait in, and a rank with
+        grads on only some of the meshes (FSDP2 over TP) reduces over the whole of them.
 
     Returns:
       One 0-dim tensor per bucket on its first tensor's device, float32 (float64 if any
@@ -212,12 +213,16 @@ def global_norms(
     flat = [t for bucket in buckets for t in bucket]
     _check_replicated(flat, replicated, process_group)
     dtensors = _mesh.dtensors(flat)
-    if not flat:  # nothing to measure here; the parameters say whether others are
-        dtensors = [q for q in _mesh.dtensors(params) if q.requires_grad]
-    if not dtensors and process_group is None:
+    if dtensors or not flat:
+        # The mesh comes from the parameters as well as the grads present: a rank holding
+        # no grad, or grads on only some of the meshes, must reduce over the same ranks.
+        spanned = dtensors + [q for q in _mesh.dtensors(params) if q.requires_grad]
+    else:
+        spanned = []
+    if not spanned and process_group is None:
         pairs = zip(buckets, norm_types, strict=True)
         return [_kernels.total_norm(list(b), p, foreach) for b, p in pairs]
-    if dtensors:
+    if spanned:
         if flat and len(dtensors) != len(flat):
             raise ValueError(
                 f"{len(dtensors)} of {len(flat)} grads are DTensors: DTensor and plain grads "
@@ -229,7 +234,7 @@ def global_norms(
                 "replicated applies to plain tensors; a DTensor's replicas follow from its "
                 "Replicate placements"
             )
-        mesh = _mesh.reduction_mesh(dtensors)
+        mesh = _mesh.reduction_mesh(spanned)
         groups = _mesh.mesh_groups(mesh, process_group)
         classes = [_mesh.weighted_dtensor_shards(_mesh.dtensors(list(b)), mesh) for b in buckets]
     else:

@@ -130,21 +130,24 @@ def measure(
       per_group: measure each group by its own norm.
       scope: the process group and replicated parameters of the reduction.
       foreach: as in :func:`clipopt.get_total_norm`.
-      params: every parameter; a rank holding no grad uses them to join a reduction
-        over their DTensor mesh that the other ranks are in.
+      params: every parameter; their DTensor meshes decide the reduction's, so a rank
+        holding no grad, or grads on only some meshes, joins the same collective as the
+        other ranks.
     """
-    bystanders = [] if any(grads) else params
     if not per_group:
         flat = [g for group in grads for g in group]
-        norm = scope.global_norms([flat], norm_types[:1], foreach, bystanders)[0]
+        norm = scope.global_norms([flat], norm_types[:1], foreach, params)[0]
         return Measurement(norm, [norm] * len(grads), None)
-    own = scope.global_norms(grads, norm_types, foreach, bystanders)
+    own = scope.global_norms(grads, norm_types, foreach, params)
     device = next((g[0].device for g in grads if g), own[0].device)
     dtype = _kernels.result_dtype([n.dtype for n in own])
-    # A group without grads gets its zero made here: moving the CPU zero the kernel
-    # returns for it would be a blocking host-to-device copy every step.
+    # A group without grads here gets its zero made here, unless its norm was reduced
+    # across ranks (then it is on the device, and others' grads count): moving the CPU
+    # zero the kernel returns for it would be a blocking host-to-device copy every step.
     group_norms = [
-        n.to(device=device, dtype=dtype) if bucket else torch.zeros((), device=device, dtype=dtype)
+        n.to(device=device, dtype=dtype)
+        if bucket or n.device == device
+        else torch.zeros((), device=device, dtype=dtype)
         for n, bucket in zip(own, grads, strict=True)
     ]
     stacked = torch.stack(group_norms)

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from clipopt import _torch_dcp
+
 __all__ = ["Closure", "OptimizerWrapper", "check_state_shapes"]
 
 Closure: TypeAlias = Callable[[], Any]
@@ -112,6 +114,8 @@ class OptimizerWrapper(Optimizer):
         Hooks registered on the wrapper fire around the whole wrapped step; hooks on the
         inner optimizer (and global optimizer hooks) fire around the inner step.
         """
+        if not self.optimizer.state and _torch_dcp.called_by_torch_dcp():
+            return self.optimizer.step(closure)  # torch's init on zero grads: inner only
         args: tuple[Any, ...] = () if closure is None else (closure,)
         args, kwargs = self._run_step_pre_hooks(args, {})
         closure = kwargs.get("closure", args[0] if args else None)
@@ -149,6 +153,8 @@ class OptimizerWrapper(Optimizer):
             pre_hook(self)
         state_dict = dict(self.optimizer.state_dict())
         state_dict[self.EXTRA_KEY] = self._extra_state()
+        if _torch_dcp.called_by_torch_dcp():
+            _torch_dcp.warn_entry_dropped(type(self).__name__, self.EXTRA_KEY, saving=True)
         for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
             result = post_hook(self, state_dict)
             if result is not None:
@@ -168,6 +174,8 @@ class OptimizerWrapper(Optimizer):
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         loaded = dict(state_dict)
+        if self.EXTRA_KEY not in loaded and _torch_dcp.called_by_torch_dcp():
+            _torch_dcp.warn_entry_dropped(type(self).__name__, self.EXTRA_KEY, saving=False)
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, loaded)
             if result is not None:

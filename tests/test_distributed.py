@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -939,7 +940,7 @@ def test_bad_process_group_and_replicated_arguments(world_of_one: Any, mesh: Any
     with pytest.raises(ValueError, match="Replicate placements"):
         clipopt.get_total_norm([shard], process_group=world_of_one, replicated=[shard])
     assert torch.equal(w.grad, torch.ones(2)) and torch.equal(b.grad, torch.ones(2))
-    assert "max_norm" not in sgd_wb.param_groups[0], "a refused wrapper must not touch it"
+    assert "clip_max_norm" not in sgd_wb.param_groups[0], "a refused wrapper must not touch it"
 
 
 def test_wrapper_with_a_group_deep_copies_but_does_not_pickle(world_of_one: Any) -> None:
@@ -977,10 +978,13 @@ def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one:
     assert int(after["clip"]["step_count"]) == 0
 
 
-def test_torchs_dcp_functions_drop_clip_and_step_the_wrapper(world_of_one: Any) -> None:
-    """Why clipopt has its own DCP helpers (docs/distributed.md): torch's drop "clip",
-    and initialise a fresh optimizer's state by stepping it on zero grads, which on the
-    wrapper counts a step and records a norm of 0."""
+def test_torchs_dcp_functions_warn_that_clip_is_dropped_and_do_not_step_the_wrapper(
+    world_of_one: Any,
+) -> None:
+    """torch's DCP state-dict functions keep only "state" and "param_groups" and offer no
+    hook for more, so handed the wrapper they drop "clip": it warns, naming clipopt's
+    helpers. Their initialisation step on zero grads reaches only the inner optimizer, so
+    a fresh wrapper counts no step and records no norm of 0."""
     from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
     model = nn.Linear(3, 2)
@@ -988,15 +992,55 @@ def test_torchs_dcp_functions_drop_clip_and_step_the_wrapper(world_of_one: Any) 
         p.grad = torch.ones_like(p)
     trained = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
     trained.step()
-    assert "clip" not in dcp_state_dict.get_optimizer_state_dict(model, trained)
+    clip_before = trained.state_dict()["clip"]
+    helpers = r"clipopt\.distributed\.get_optimizer_state_dict"
+    with pytest.warns(UserWarning, match=rf"drops ClippedOptimizer's 'clip' entry.*{helpers}"):
+        saved = dcp_state_dict.get_optimizer_state_dict(model, trained)
+    assert "clip" not in saved and saved["param_groups"][0]["clip_max_norm"] == 0.5
+    assert_same(trained.state_dict()["clip"], clip_before)
+    with pytest.warns(UserWarning, match="'clip' entry"):
+        _, both = dcp_state_dict.get_state_dict(model, trained)
+    assert "clip" not in both
+
     model.zero_grad(set_to_none=True)  # torch steps a fresh optimizer only without grads
     fresh = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
-    dcp_state_dict.get_optimizer_state_dict(model, fresh)
-    assert int(fresh.step_count) == 1 and fresh.last_norm is not None
-    assert fresh.last_norm.item() == 0.0
+    with pytest.warns(UserWarning, match="'clip' entry"):
+        dcp_state_dict.get_optimizer_state_dict(model, fresh)
+    assert len(fresh.state) > 0, "torch's init step should have reached the inner optimizer"
+    assert int(fresh.step_count) == 0 and fresh.last_norm is None
+    assert fresh.param_groups[0]["lr"] == 0.1
+
+    loading = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.3), 0.5)
+    with pytest.warns(UserWarning, match=r"loads no 'clip' entry.*keeps its current one"):
+        dcp_state_dict.set_optimizer_state_dict(model, loading, saved)
+    assert int(loading.step_count) == 0 and loading.last_norm is None
+    assert_same(loading.optimizer.state_dict()["state"], trained.optimizer.state_dict()["state"])
+    assert loading.param_groups[0]["lr"] == 0.1
+
+    # clipopt's helpers keep "clip" and warn about nothing.
     ours = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
-    cdist.get_optimizer_state_dict(model, ours)
-    assert int(ours.step_count) == 0 and ours.last_norm is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cdist.get_optimizer_state_dict(model, ours)
+        kept = cdist.get_optimizer_state_dict(model, trained)
+        cdist.set_optimizer_state_dict(model, ours, kept)
+    assert int(ours.step_count) == 1 and ours.last_norm is not None
+    assert_same(ours.state_dict()["clip"], clip_before)
+
+
+def test_a_stateless_wrapper_steps_normally_outside_torchs_dcp() -> None:
+    """The check for torch's init step runs while the inner state is empty (every step of
+    plain SGD): outside torch's functions it must clip and count as usual."""
+    w = nn.Parameter(torch.zeros(2))
+    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=1.0), 1.0)
+    for step in range(1, 3):
+        w.grad = torch.tensor([3.0, 4.0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            optimizer.step()
+            optimizer.state_dict()
+        assert not optimizer.state and int(optimizer.step_count) == step
+        assert torch.allclose(w.grad, torch.tensor([0.6, 0.8]), atol=1e-6)
 
 
 def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
@@ -1013,7 +1057,7 @@ def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
     unwrapped = torch.optim.Adam(model.parameters(), lr=0.1)
     unwrapped.step()
     saved = dcp_state_dict.get_optimizer_state_dict(model, unwrapped)
-    assert "clip" not in saved and "max_norm" not in saved["param_groups"][0]
+    assert "clip" not in saved and "clip_max_norm" not in saved["param_groups"][0]
 
     optimizer = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.5), 0.25)
     optimizer.step()
