@@ -1,4 +1,5 @@
-"""What a non-finite norm does to a step, and the counters that record every step's fate.
+"""What a non-finite norm does to a step, and the record every step leaves: its norms and
+the counters of steps taken and skipped.
 
 Three policies (``nonfinite=``): ``"propagate"`` looks at nothing; ``"raise"`` and a
 ``"skip"`` decided on the host read one flag per step (:func:`host_verdict`); a ``"skip"``
@@ -10,7 +11,9 @@ So on that path the error comes one ``step()`` later than on the host path (afte
 That step changes nothing, and the next one is decided afresh: finite grads step (and
 clear the streak), while non-finite ones are skipped once more before it raises again.
 
-:meth:`StepCounters.record` is the one place the counters move, once the step has run.
+:meth:`StepRecord.record` is the one place the record changes, once the step has run. It
+is an object of its own, not attributes of the wrapper: ``torch.compile`` drops attribute
+writes on an ``Optimizer`` instance, but keeps those on the objects it holds.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import Tensor
 
 from clipopt._errors import NonFiniteNormError
 
-__all__ = ["LaggedCount", "StepCounters", "device_verdict", "host_verdict"]
+__all__ = ["COUNTER_NAMES", "LaggedCount", "StepRecord", "device_verdict", "host_verdict"]
 
 COUNTER_NAMES = ("step_count", "skip_count", "consecutive_skips")
 
@@ -79,31 +82,38 @@ def _new_counter() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-class StepCounters:
-    """Inner steps taken, steps skipped, and skips in a row: 0-dim int64 device tensors.
+class StepRecord:
+    """The last step's norms, and inner steps taken, skipped, and skipped in a row.
 
-    They live on the grads' device, so updating them never syncs. ``lagged`` holds
-    ``consecutive_skips`` as of the end of the previous step, readable without waiting:
-    known on the host after a step decided there or a load, copied without blocking
-    after a step decided on the device.
+    The counters are 0-dim int64 tensors on the grads' device, so updating them never
+    syncs. ``lagged`` holds ``consecutive_skips`` as of the end of the previous step,
+    readable without waiting: known on the host after a step decided there or a load,
+    copied without blocking after a step decided on the device.
     """
 
     def __init__(self) -> None:
+        self.last_norm: Tensor | None = None
+        self.last_group_norms: Tensor | None = None
         self.step_count = _new_counter()
         self.skip_count = _new_counter()
         self.consecutive_skips = _new_counter()
         self.lagged = LaggedCount()
 
-    def record(self, device: torch.device, skipped: bool | Tensor, streak: int = 0) -> None:
-        """Count a step that has run (or was skipped) without raising.
+    def record(
+        self, norm: Tensor, group_norms: Tensor | None, skipped: bool | Tensor, streak: int = 0
+    ) -> None:
+        """Record a step that has run (or was skipped) without raising.
 
         Args:
-          device: the grads' device, where the counters move on first use.
+          norm: its pre-clip norm, on the grads' device, where the counters move.
+          group_norms: its per-group norms (``per_group``), else None.
           skipped: decided on the host (a bool), or on the device (``found_inf``: a
             0-dim tensor, non-zero for a skip).
           streak: for a skip decided on the host, the skips in a row before it, as
             :func:`host_verdict` read them.
         """
+        self.last_norm, self.last_group_norms = norm, group_norms
+        device = norm.device
         if self.step_count.device != device:
             for name in COUNTER_NAMES:
                 setattr(self, name, getattr(self, name).to(device))
@@ -126,8 +136,14 @@ class StepCounters:
         """Copies of the three counters, by name."""
         return {name: getattr(self, name).clone() for name in COUNTER_NAMES}
 
-    def load(self, counters: dict[str, Tensor]) -> None:
-        """Replace the three counters (validated by the caller, so reading one is safe)."""
+    def load(
+        self,
+        counters: dict[str, Tensor],
+        last_norm: Tensor | None = None,
+        last_group_norms: Tensor | None = None,
+    ) -> None:
+        """Replace the record (validated by the caller, so reading a counter is safe)."""
+        self.last_norm, self.last_group_norms = last_norm, last_group_norms
         self.step_count = counters["step_count"]
         self.skip_count = counters["skip_count"]
         self.consecutive_skips = counters["consecutive_skips"]
@@ -136,7 +152,7 @@ class StepCounters:
 
 def host_verdict(
     norms: Tensor,
-    counters: StepCounters,
+    counters: StepRecord,
     mode: str,
     limit: int | None,
     may_skip: bool,
@@ -167,7 +183,7 @@ def host_verdict(
     return streak
 
 
-def device_verdict(norms: Tensor, counters: StepCounters, limit: int | None) -> Tensor:
+def device_verdict(norms: Tensor, counters: StepRecord, limit: int | None) -> Tensor:
     """``found_inf`` for this step (float32, 1.0 to skip), decided on the device.
 
     Raises:

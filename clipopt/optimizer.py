@@ -32,7 +32,7 @@ from clipopt._clip_state import (
     prepare_load,
     validated_settings,
 )
-from clipopt._nonfinite import StepCounters, device_verdict, host_verdict
+from clipopt._nonfinite import COUNTER_NAMES, StepRecord, device_verdict, host_verdict
 from clipopt._reduce import NormScope
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
@@ -78,6 +78,22 @@ def _rename_legacy_keys(
             FutureWarning,
             stacklevel=3,
         )
+
+
+def _upgrade_0_1_0_pickle(state: dict[str, Any]) -> None:
+    """A 0.1.0 pickle's attributes in today's layout, in place: its norms, counters and
+    lagged count become one record, and its group keys get today's names."""
+    record = StepRecord()
+    counters = {name: state.pop(f"_{name}") for name in COUNTER_NAMES}
+    record.load(counters, state.pop("_last_norm"), state.pop("_last_group_norms"))
+    lagged = state.pop("_lagged_consecutive_skips", None)
+    if lagged is not None:
+        record.lagged = lagged
+    state["_record"] = record
+    inner = state["optimizer"]
+    migrate_legacy_keys(inner.defaults, owned=())  # 0.1.0 wrote them there: they are ours
+    for group in inner.param_groups:
+        migrate_legacy_keys(group, inner.defaults)
 
 
 class ClippedOptimizer(OptimizerWrapper):
@@ -170,9 +186,7 @@ class ClippedOptimizer(OptimizerWrapper):
         self._norm_scope = scope
         self._apply_settings(settings)
         self._fill_group_defaults()
-        self._last_norm: Tensor | None = None
-        self._last_group_norms: Tensor | None = None
-        self._counters = StepCounters()
+        self._record = StepRecord()
 
     def _apply_settings(self, settings: Settings) -> None:
         self.optimizer.defaults[MAX_NORM_KEY] = settings.max_norm
@@ -226,27 +240,27 @@ class ClippedOptimizer(OptimizerWrapper):
         ``per_group=True`` it is the norm of the per-group norms taken with the default
         ``norm_type``: the total norm whenever every group uses that order.
         """
-        return self._last_norm
+        return self._record.last_norm
 
     @property
     def last_group_norms(self) -> Tensor | None:
         """With ``per_group=True``, the pre-clip norm of each group (1-D); else None."""
-        return self._last_group_norms
+        return self._record.last_group_norms
 
     @property
     def step_count(self) -> Tensor:
         """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
-        return self._counters.step_count
+        return self._record.step_count
 
     @property
     def skip_count(self) -> Tensor:
         """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
-        return self._counters.skip_count
+        return self._record.skip_count
 
     @property
     def consecutive_skips(self) -> Tensor:
         """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
-        return self._counters.consecutive_skips
+        return self._record.consecutive_skips
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the inner optimizer.
@@ -270,21 +284,8 @@ class ClippedOptimizer(OptimizerWrapper):
         return f"{type(self).__name__}({settings}) wrapping\n{self.optimizer!r}"
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Pickles made by clipopt 0.1.0 hold the counters as three attributes and maybe a
-        # lagged copy of one; they become the one counters object.
-        if "_counters" not in state:
-            counters = StepCounters()
-            counters.load(
-                {n: state.pop(f"_{n}") for n in ("step_count", "skip_count", "consecutive_skips")}
-            )
-            inner = state["optimizer"]
-            migrate_legacy_keys(inner.defaults, owned=())  # 0.1.0 wrote them: they are ours
-            for group in inner.param_groups:
-                migrate_legacy_keys(group, inner.defaults)
-            lagged = state.pop("_lagged_consecutive_skips", None)
-            if lagged is not None:
-                counters.lagged = lagged
-            state["_counters"] = counters
+        if "_record" not in state:
+            _upgrade_0_1_0_pickle(state)
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ the step
@@ -321,9 +322,8 @@ class ClippedOptimizer(OptimizerWrapper):
         else:
             apply = self._apply_folded if fold else self._apply_explicit
             result, latest = apply(decision, closure, loss)
-        self._last_norm, self._last_group_norms = latest.norm, latest.stacked
         skipped = decision.skip if decision.found_inf is None else decision.found_inf
-        self._counters.record(latest.norm.device, skipped, decision.streak)
+        self._record.record(latest.norm, latest.stacked, skipped, decision.streak)
         return result
 
     @torch.no_grad()
@@ -354,10 +354,10 @@ class ClippedOptimizer(OptimizerWrapper):
         if self._nonfinite == "propagate":
             return _step.ClipDecision(grads, measured, coefficients), fold
         if fold and self._nonfinite == "skip" and _fused.skips_cleanly(self.optimizer):
-            found_inf = device_verdict(norms, self._counters, self._max_consecutive_skips)
+            found_inf = device_verdict(norms, self._record, self._max_consecutive_skips)
             return _step.ClipDecision(grads, measured, coefficients, found_inf=found_inf), fold
         streak = host_verdict(
-            norms, self._counters, self._nonfinite, self._max_consecutive_skips, may_skip
+            norms, self._record, self._nonfinite, self._max_consecutive_skips, may_skip
         )
         skip = streak is not None
         return _step.ClipDecision(grads, measured, coefficients, skip, streak or 0), fold
@@ -416,9 +416,9 @@ class ClippedOptimizer(OptimizerWrapper):
 
         return {
             "settings": self._settings().as_dict(),
-            "last_norm": copy(self._last_norm),
-            "last_group_norms": copy(self._last_group_norms),
-            **self._counters.state(),
+            "last_norm": copy(self._record.last_norm),
+            "last_group_norms": copy(self._record.last_group_norms),
+            **self._record.state(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -460,11 +460,8 @@ class ClippedOptimizer(OptimizerWrapper):
             return None if t is None else t.to(device=device, copy=True)
 
         self._apply_settings(clip_state.settings)
-        self._last_norm = here(clip_state.last_norm)
-        self._last_group_norms = here(clip_state.last_group_norms)
-        self._counters.load(
-            {k: v.to(device=device, copy=True) for k, v in clip_state.counters.items()}
-        )
+        counters = {k: v.to(device=device, copy=True) for k, v in clip_state.counters.items()}
+        self._record.load(counters, here(clip_state.last_norm), here(clip_state.last_group_norms))
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  see clipopt._wrapper

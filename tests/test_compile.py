@@ -128,3 +128,57 @@ def test_a_python_branch_on_the_norm_breaks_the_graph() -> None:
     compiled = torch.compile(branchy, fullgraph=True, backend=BACKEND)
     with pytest.raises(torch._dynamo.exc.Unsupported):
         compiled(make_params(0), 1.0, 2.0)
+
+
+# --- ClippedOptimizer under torch.compile(opt.step) -----------------------------------------
+
+COMPILED_STEPS = 4
+POISONED = 2  # with nonfinite="skip", this step's grads hold an inf and it is skipped
+
+
+def _wrapped_run(
+    compiled: bool, fused: bool, nonfinite: str, per_group: bool
+) -> tuple[list[Tensor], list[tuple[Tensor | None, Tensor | None, list[int]]]]:
+    """Train a few steps, eager or with torch's compiled-optimizer recipe; return the
+    parameters and, after each step, what the wrapper recorded."""
+    generator = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in ((6, 5), (5,))]
+    groups = [{"params": params[:1]}, {"params": params[1:]}]
+    inner = torch.optim.AdamW(groups, lr=0.1, fused=fused, foreach=not fused)
+    opt = clipopt.ClippedOptimizer(inner, 0.5, per_group=per_group, nonfinite=nonfinite)  # type: ignore[arg-type]
+    step = torch.compile(opt.step, backend=BACKEND) if compiled else opt.step
+    records = []
+    for i in range(COMPILED_STEPS):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator) * 10
+        if i == POISONED and nonfinite == "skip":
+            params[0].grad[0, 0] = math.inf
+        step()
+        counters = [int(opt.step_count), int(opt.skip_count), int(opt.consecutive_skips)]
+        last = None if opt.last_norm is None else opt.last_norm.clone()
+        group = None if opt.last_group_norms is None else opt.last_group_norms.clone()
+        records.append((last, group, counters))
+    return [p.detach().clone() for p in params], records
+
+
+@pytest.mark.parametrize("per_group", [False, True], ids=["global", "per_group"])
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip", "raise"])
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_compiled_step_records_and_steps_as_the_eager_one(
+    fused: bool, nonfinite: str, per_group: bool
+) -> None:
+    eager_params, eager = _wrapped_run(False, fused, nonfinite, per_group)
+    compiled_params, compiled = _wrapped_run(True, fused, nonfinite, per_group)
+    for (norm, group, counters), (eager_norm, eager_group, eager_counters) in zip(
+        compiled, eager, strict=True
+    ):
+        assert counters == eager_counters
+        assert norm is not None and eager_norm is not None
+        torch.testing.assert_close(norm, eager_norm, rtol=1e-6, atol=0, equal_nan=True)
+        assert (group is None) == (eager_group is None) == (not per_group)
+        if group is not None:
+            torch.testing.assert_close(group, eager_group, rtol=1e-6, atol=0, equal_nan=True)
+    if nonfinite == "skip":
+        assert eager[POISONED][2][1] == 1  # the poisoned step was skipped
+    for ours, theirs in zip(compiled_params, eager_params, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
