@@ -221,7 +221,9 @@ def case_process_group_rank_without_grads() -> None:
             q = nn.Parameter(torch.zeros_like(rows))
             q.grad = None if dist.get_rank() == 1 and i in empty else rows.clone()
             params.append(q)
-        groups = [{"params": [q], "clip_norm_type": p} for q, p in zip(params, norm_types, strict=True)]
+        groups = [
+            {"params": [q], "clip_norm_type": p} for q, p in zip(params, norm_types, strict=True)
+        ]
         optimizer = clipopt.ClippedOptimizer(
             sgd(groups), max_norm=1e9, per_group=True, process_group=group
         )
