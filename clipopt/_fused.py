@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from clipopt import _hooks
 from clipopt._nonfinite import LaggedCount
 
 __all__ = ["apply_folded", "can_fold", "skips_cleanly"]
@@ -98,21 +99,29 @@ def _scaled_step(
 
 
 def skips_cleanly(optimizer: Optimizer) -> bool:
-    """``found_inf`` leaves the state as it was, except on fused SGD's first momentum step.
+    """``found_inf`` leaves the state as it was, except on a parameter's first step.
 
-    There torch creates each momentum buffer with ``empty_like`` and relies on the
-    kernel to fill it; a skipped kernel leaves it uninitialised, and the next step
-    would read garbage. Such a step decides on the host instead.
+    There torch creates the state before the kernel runs: fused SGD each momentum buffer
+    with ``empty_like`` (a skipped kernel leaves it uninitialised, and the next step would
+    read garbage), fused Adam and AdamW a ``step`` and zero moments (a skipped step would
+    leave state that the step without the fold does not). Such a step decides on the host
+    instead; Adagrad makes its state at construction.
     """
-    if type(optimizer) is not torch.optim.SGD:
+    kind = type(optimizer)
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return True
     for group in optimizer.param_groups:
-        if group["momentum"] == 0:
+        if kind is torch.optim.SGD and group["momentum"] == 0:
             continue
         for p in group["params"]:
-            if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
+            if p.grad is not None and not _has_state(optimizer, p, kind is torch.optim.SGD):
                 return False
     return True
+
+
+def _has_state(optimizer: Optimizer, p: Tensor, momentum_only: bool) -> bool:
+    state = optimizer.state.get(p, {})
+    return state.get("momentum_buffer") is not None if momentum_only else bool(state)
 
 
 def apply_folded(optimizer: Optimizer, coefficient: Tensor | None, found_inf: Tensor | None) -> Any:
@@ -128,4 +137,4 @@ def apply_folded(optimizer: Optimizer, coefficient: Tensor | None, found_inf: Te
     """
     grad_scale = None if coefficient is None else coefficient.float().reciprocal()
     with _scaled_step(optimizer, grad_scale, found_inf):
-        return optimizer.step()
+        return _hooks.inner_step(optimizer, None)

@@ -412,12 +412,25 @@ def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:
     """``min(1, max_norm / (norm + EPS))`` on ``norm``'s device, without a host sync.
 
     A tensor ``max_norm`` of inf gives exactly 1.0, as a float inf scales nothing:
-    ``inf / (inf + EPS)`` would otherwise turn an inf norm's grads into NaN.
+    ``inf / (inf + EPS)`` would otherwise turn an inf norm's grads into NaN. Two
+    coefficients are NaN, so that the grads turn NaN (or a ``nonfinite`` policy skips or
+    raises) rather than change silently:
+
+    - a tensor ``max_norm`` that is not > 0 (negative, zero, NaN; a float one is refused
+      before anything runs), which would flip or zero every grad;
+    - a coefficient below the dtype's smallest normal number (``norm / max_norm`` past
+      8.5e37 in float32), whose reciprocal, the ``grad_scale`` a fused optimizer divides
+      by, overflows: the folded step and the explicit one then agree.
+
+    An infinite norm still gives 0, as in torch.
     """
     coef: Tensor = torch.clamp(max_norm / (norm + EPS), max=1.0)
+    invalid = (coef > 0) & (coef < torch.finfo(coef.dtype).tiny)
     if isinstance(max_norm, Tensor):
-        coef = torch.where(torch.isinf(_beside(max_norm, coef)), 1.0, coef)
-    return coef
+        limit = _beside(max_norm, coef)
+        coef = torch.where(limit == math.inf, 1.0, coef)
+        invalid = invalid | ~(limit > 0)
+    return torch.where(invalid, math.nan, coef)
 
 
 def _beside(value: Tensor, other: Tensor) -> Tensor:

@@ -150,40 +150,56 @@ class StepRecord:
         self.lagged.set(int(self.consecutive_skips))  # a load, not a step: this read may wait
 
 
+def _nonfinite(norms: Tensor, coefficients: Tensor) -> Tensor:
+    """1 (int64) if any norm or clip coefficient is NaN or infinite, else 0, on the device."""
+    finite = torch.isfinite(norms).all() & torch.isfinite(coefficients).all()
+    return (~finite).to(torch.int64)
+
+
+def _what(norms: Tensor) -> str:
+    """What was non-finite, for an error message (read on the host: it is raising)."""
+    if bool(torch.isfinite(norms).all()):
+        return (
+            f"the clip coefficient is NaN (norm {norms.tolist()}): a tensor max_norm that "
+            "is not > 0, or a norm past the dtype's range times max_norm"
+        )
+    return f"the gradient norm is non-finite ({norms.tolist()})"
+
+
 def host_verdict(
     norms: Tensor,
+    coefficients: Tensor,
     counters: StepRecord,
     mode: str,
     limit: int | None,
     may_skip: bool,
 ) -> int | None:
-    """One host read: None if ``norms`` are finite, else the skips in a row before this
-    step, which is to be skipped.
+    """One host read: None if ``norms`` and ``coefficients`` are finite, else the skips in
+    a row before this step, which is to be skipped.
 
     Raises:
-      NonFiniteNormError: ``mode == "raise"``, or a non-finite norm that cannot skip
+      NonFiniteNormError: ``mode == "raise"``, or a non-finite value that cannot skip
         (``may_skip`` is False inside a step that has started), or ``limit`` steps were
         skipped in a row already.
     """
-    nonfinite = (~torch.isfinite(norms).all()).to(torch.int64)
+    nonfinite = _nonfinite(norms, coefficients)
     streak_here = counters.consecutive_skips.to(nonfinite.device)
     is_bad, streak = (int(v) for v in torch.stack([nonfinite, streak_here]).tolist())
     if not is_bad:
         return None
     if mode == "raise" or not may_skip:
-        raise NonFiniteNormError(
-            f"the gradient norm is non-finite ({norms.tolist()}); "
-            f"nonfinite={mode!r}, so nothing was changed"
-        )
+        raise NonFiniteNormError(f"{_what(norms)}; nonfinite={mode!r}, so nothing was changed")
     if limit is not None and streak >= limit:
         raise NonFiniteNormError(
-            f"the gradient norm is non-finite ({norms.tolist()}) after {streak} skipped "
-            f"steps in a row (max_consecutive_skips={limit}); training is not recovering"
+            f"{_what(norms)} after {streak} skipped steps in a row "
+            f"(max_consecutive_skips={limit}); training is not recovering"
         )
     return streak
 
 
-def device_verdict(norms: Tensor, counters: StepRecord, limit: int | None) -> Tensor:
+def device_verdict(
+    norms: Tensor, coefficients: Tensor, counters: StepRecord, limit: int | None
+) -> Tensor:
     """``found_inf`` for this step (float32, 1.0 to skip), decided on the device.
 
     Raises:
@@ -197,4 +213,4 @@ def device_verdict(norms: Tensor, counters: StepRecord, limit: int | None) -> Te
             f"the gradient norm was non-finite for {streak} steps in a row "
             f"(max_consecutive_skips={limit}); training is not recovering"
         )
-    return (~torch.isfinite(norms).all()).to(torch.float32)
+    return _nonfinite(norms, coefficients).to(torch.float32)

@@ -35,6 +35,7 @@ __all__ = [
     "Coefficient",
     "GroupSettings",
     "Measurement",
+    "coefficient_values",
     "collect_grads",
     "measure",
     "read_group_settings",
@@ -197,3 +198,15 @@ def scale(grads: list[list[Tensor]], coefficients: list[Coefficient], foreach: b
             by_coefficient.setdefault(id(coefficient), (coefficient, []))[1].extend(group_grads)
     for coefficient, tensors in by_coefficient.values():
         _kernels.scale_(_mesh.local_tensors(tensors), coefficient, foreach)
+
+
+def coefficient_values(coefficients: list[Coefficient], like: Tensor) -> Tensor:
+    """Every distinct coefficient in one 1-D tensor (empty if none), for a finiteness check."""
+    seen: dict[int, Tensor] = {}
+    for coefficient in coefficients:
+        for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
+            if c is not None:
+                seen.setdefault(id(c), c.reshape(-1))
+    if not seen:
+        return like.new_zeros(0)
+    return torch.cat(list(seen.values()))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _torch_dcp
+from clipopt import _hooks, _torch_dcp
 
 __all__ = ["Closure", "OptimizerWrapper", "check_state_shapes"]
 
@@ -109,35 +109,24 @@ class OptimizerWrapper(Optimizer):
     def step(self, closure: Callable[[], float]) -> float: ...
 
     def step(self, closure: Closure | None = None) -> Any:
-        """Run :meth:`_wrapped_step` between this wrapper's step hooks.
+        """Run :meth:`_wrapped_step` between the step hooks, in torch's order.
 
-        Hooks registered on the wrapper fire around the whole wrapped step; hooks on the
-        inner optimizer (and global optimizer hooks) fire around the inner step.
+        Global pre-hooks, the wrapper's own pre-hooks, the wrapped step, the wrapper's own
+        post-hooks, global post-hooks: as around a bare optimizer's step. The inner
+        optimizer's own hooks fire around the inner step inside it, the global ones do not
+        fire again there (:func:`clipopt._hooks.inner_step`).
         """
         if not self.optimizer.state and _torch_dcp.called_by_torch_dcp():
             return self.optimizer.step(closure)  # torch's init on zero grads: inner only
         args: tuple[Any, ...] = () if closure is None else (closure,)
-        args, kwargs = self._run_step_pre_hooks(args, {})
-        closure = kwargs.get("closure", args[0] if args else None)
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            result = self._wrapped_step(closure)
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, args, kwargs)
+            pre_hooks = [*_hooks.global_pre_hooks(), *self._optimizer_step_pre_hooks.values()]
+            args, kwargs = _hooks.run_pre_hooks(pre_hooks, self, args, {})
+            result = self._wrapped_step(kwargs.get("closure", args[0] if args else None))
+            post_hooks = [*self._optimizer_step_post_hooks.values(), *_hooks.global_post_hooks()]
+            for hook in post_hooks:
+                hook(self, args, kwargs)
         return result
-
-    def _run_step_pre_hooks(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        for hook in list(self._optimizer_step_pre_hooks.values()):
-            result = hook(self, args, kwargs)
-            if result is None:
-                continue
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(
-                    f"a step pre-hook must return None or (args, kwargs), got {result!r}"
-                )
-            args, kwargs = result
-        return args, kwargs
 
     def _wrapped_step(self, closure: Closure | None) -> Any:
         raise NotImplementedError

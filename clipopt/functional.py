@@ -23,6 +23,8 @@ Nothing here reads a tensor's value on the host unless ``error_if_nonfinite=True
 from __future__ import annotations
 
 import math
+import types
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -198,23 +200,49 @@ def clip_grads_with_norm_(
     _scale_by_norm_(_grads(_as_list(parameters)), max_norm, total_norm, foreach)
 
 
+def _coefficient(max_norm: MaxNorm, norm: Tensor, error_if_nonfinite: bool) -> Tensor:
+    """The clip coefficient; with ``error_if_nonfinite``, a NaN one (a tensor ``max_norm``
+    that is not > 0, an absurd ``norm / max_norm``) raises before any grad is written."""
+    coef = _kernels.clip_coefficient(max_norm, norm)
+    if error_if_nonfinite and not torch.isfinite(coef).item():  # the caller asked for this
+        raise NonFiniteNormError(
+            f"the clip coefficient for max_norm={max_norm!r} and a total norm of "
+            f"{norm.item()} is NaN: a tensor max_norm must be > 0, and norm / max_norm "
+            "within the dtype's range. To clip anyway, pass error_if_nonfinite=False."
+        )
+    return coef
+
+
 def _scale_by_norm_(
-    grads: list[Tensor], max_norm: MaxNorm, total_norm: Tensor, foreach: bool | None
+    grads: list[Tensor],
+    max_norm: MaxNorm,
+    total_norm: Tensor,
+    foreach: bool | None,
+    error_if_nonfinite: bool = False,
 ) -> None:
     """Scale ``grads`` in place by the clip coefficient of ``total_norm``, if any could apply."""
     if not grads or _measures_only(max_norm):
         return
-    coef = _kernels.clip_coefficient(max_norm, total_norm)
+    coef = _coefficient(max_norm, total_norm, error_if_nonfinite)
     _kernels.scale_(_mesh.local_tensors(grads), coef, foreach)
 
 
 def _checked_params(
     parameters: TensorOrTensors, max_norm: MaxNorm, foreach: bool | None
 ) -> list[Tensor]:
-    """The parameters of a clip, read once, after ``max_norm`` and ``foreach`` are checked."""
+    """The parameters of a clip, read once, after ``max_norm`` and ``foreach`` are checked.
+
+    An empty generator warns, as torch does: it is usually one consumed earlier.
+    """
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
-    return _as_list(parameters)
+    params = _as_list(parameters)
+    if not params and isinstance(parameters, types.GeneratorType):
+        warnings.warn(
+            "`parameters` is an empty generator, no gradient clipping will occur.",
+            stacklevel=4,
+        )
+    return params
 
 
 def _grads_norm(
@@ -283,7 +311,7 @@ def clip_grad_norm_(
     norm = _grads_norm(
         params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
-    _scale_by_norm_(grads, max_norm, norm, foreach)
+    _scale_by_norm_(grads, max_norm, norm, foreach, error_if_nonfinite)
     return norm
 
 
@@ -300,7 +328,7 @@ def _clip_local_(
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
     if grads and not _measures_only(max_norm):
-        _kernels.scale_groups_(groups, _kernels.clip_coefficient(max_norm, norm), foreach)
+        _kernels.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
     return norm
 
 
@@ -341,7 +369,9 @@ def clip_grad_norm(
         params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
     )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
-    _scale_by_norm_([c for c in copies if c is not None], max_norm, norm, foreach)
+    _scale_by_norm_(
+        [c for c in copies if c is not None], max_norm, norm, foreach, error_if_nonfinite
+    )
     return copies, norm
 
 

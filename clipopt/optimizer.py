@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _step
+from clipopt import _fused, _hooks, _step
 from clipopt._clip_state import (
     CLIP_KEY,
     MAX_NORM_KEY,
@@ -306,8 +306,9 @@ class ClippedOptimizer(OptimizerWrapper):
         non-finite norm in those later evaluations cannot skip a step that has already
         started, so it raises :class:`clipopt.NonFiniteNormError`, as ``"raise"`` does.
 
-        Hooks registered on the wrapper fire around this whole clipped step; hooks on
-        the inner optimizer (and global optimizer hooks) fire around the inner step.
+        Step hooks fire in torch's order around this whole clipped step (global ones
+        once, with the wrapper as the optimizer); hooks on the inner optimizer fire
+        around the inner step.
         """
         return super().step(closure)
 
@@ -350,15 +351,15 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
         fold = may_fold and _fused.can_fold(self.optimizer, grads, coefficients)
-        norms = measured.norm if measured.stacked is None else measured.stacked
         if self._nonfinite == "propagate":
             return _step.ClipDecision(grads, measured, coefficients), fold
+        norms = measured.norm if measured.stacked is None else measured.stacked
+        values = _step.coefficient_values(coefficients, norms)
+        limit = self._max_consecutive_skips
         if fold and self._nonfinite == "skip" and _fused.skips_cleanly(self.optimizer):
-            found_inf = device_verdict(norms, self._record, self._max_consecutive_skips)
+            found_inf = device_verdict(norms, values, self._record, limit)
             return _step.ClipDecision(grads, measured, coefficients, found_inf=found_inf), fold
-        streak = host_verdict(
-            norms, self._record, self._nonfinite, self._max_consecutive_skips, may_skip
-        )
+        streak = host_verdict(norms, values, self._record, self._nonfinite, limit, may_skip)
         skip = streak is not None
         return _step.ClipDecision(grads, measured, coefficients, skip, streak or 0), fold
 
@@ -382,7 +383,7 @@ class ClippedOptimizer(OptimizerWrapper):
         """
         _step.scale(decision.grads, decision.coefficients, self._foreach)
         if closure is None:
-            return self.optimizer.step(), decision.measurement
+            return _hooks.inner_step(self.optimizer, None), decision.measurement
         pending = [loss]
         latest = [decision.measurement]
 
@@ -396,7 +397,7 @@ class ClippedOptimizer(OptimizerWrapper):
             latest.append(redo.measurement)
             return again
 
-        return self.optimizer.step(clipped_closure), latest[-1]
+        return _hooks.inner_step(self.optimizer, clipped_closure), latest[-1]
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -277,6 +277,13 @@ def test_a_double_group_added_later_stops_the_fold() -> None:
     assert not folds(opt)
 
 
+def first_step(opt: clipopt.ClippedOptimizer, params: list[nn.Parameter]) -> None:
+    """A finite step: fused Adam makes its state at a parameter's first step, which
+    therefore decides a skip on the host (a skip must not leave that state behind)."""
+    set_grads(params, 99)
+    opt.step()
+
+
 def poison(params: list[nn.Parameter]) -> None:
     assert params[1].grad is not None
     params[1].grad[0, 0] = math.inf
@@ -342,6 +349,7 @@ def test_max_consecutive_skips_raises_one_step_late() -> None:
     opt = clipopt.ClippedOptimizer(
         FUSED["Adam"](params), MAX_NORM, nonfinite="skip", max_consecutive_skips=2
     )
+    first_step(opt, params)  # the fused state exists: skips are decided on the device
     for _ in range(3):  # the third is skipped on the device before anyone can look
         set_grads(params, 0)
         poison(params)
@@ -362,6 +370,7 @@ def test_an_explicit_step_between_folded_ones_clears_the_lagged_count() -> None:
     opt = clipopt.ClippedOptimizer(
         FUSED["Adam"](params), MAX_NORM, nonfinite="skip", max_consecutive_skips=1
     )
+    first_step(opt, params)  # the fused state exists: skips are decided on the device
     for _ in range(2):  # folded, skipped: the copy now says 2, over the limit of 1
         set_grads(params, 0)
         poison(params)
@@ -391,6 +400,7 @@ def test_a_host_decided_step_between_device_skips_clears_the_lagged_count(
     opt = clipopt.ClippedOptimizer(
         FUSED["Adam"](params), MAX_NORM, nonfinite="skip", max_consecutive_skips=1
     )
+    first_step(opt, params)  # the fused state exists: skips are decided on the device
     for _ in range(2):  # decided on the device: skipped, and the copy says 2
         set_grads(params, 0)
         poison(params)
@@ -542,6 +552,7 @@ def test_a_copy_keeps_the_lagged_count(duplicate: str) -> None:
     opt = clipopt.ClippedOptimizer(
         FUSED["Adam"](params), MAX_NORM, nonfinite="skip", max_consecutive_skips=2
     )
+    first_step(opt, params)  # the fused state exists: skips are decided on the device
     for step in range(3):
         step_both([(params, opt)], step, bad=True)
     twin = copy.deepcopy(opt) if duplicate == "deepcopy" else pickle.loads(pickle.dumps(opt))

@@ -16,7 +16,7 @@ import clipopt
 PACKAGE = Path(clipopt.__file__).parent
 
 LAYERS: list[set[str]] = [
-    {"_errors", "_validation", "_native", "_torch_dcp"},  # no clipopt imports
+    {"_errors", "_validation", "_native", "_torch_dcp", "_hooks"},  # no clipopt imports
     {"_cpu"},  # the C kernels' Python side
     {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
     {"_reduce", "_clip_state", "_nonfinite"},  # norms across ranks; settings; the skip policy

@@ -674,36 +674,59 @@ def test_step_hooks_fire_around_the_whole_clipped_step() -> None:
         assert math.isclose(seen, 0.1, rel_tol=1e-4), "later hooks see clipped grads"
 
 
-def test_global_optimizer_hooks_fire_once_around_the_inner_step() -> None:
+def test_hooks_fire_in_torchs_order_and_global_ones_once() -> None:
+    """torch: global pre-hooks, own pre-hooks, the step, own post-hooks, global post-hooks.
+    A wrapped step gives the same sequence as the bare one, with the inner optimizer's own
+    hooks around the inner step, and the global hooks see the wrapper and the pre-clip
+    grads, as around any optimizer's step."""
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
     )
 
+    def record(
+        opt: torch.optim.Optimizer, inner: torch.optim.Optimizer | None
+    ) -> list[tuple[int, Any, float]]:
+        events: list[tuple[int, Any, float]] = []
+
+        def hook(tag: int) -> Callable[..., None]:
+            return lambda o, a, k: events.append((tag, o, _ref_norm(_grads(model), 2.0)))
+
+        handles = [register_optimizer_step_pre_hook(hook(0))]
+        opt.register_step_pre_hook(hook(1))
+        opt.register_step_post_hook(hook(2))
+        if inner is not None:
+            inner.register_step_pre_hook(hook(3))
+            inner.register_step_post_hook(hook(4))
+        handles.append(register_optimizer_step_post_hook(hook(5)))
+        try:
+            opt.step()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return events
+
     model = _model()
-    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=0.1)
     _backward(model)
-    events: list[tuple[str, Any, float]] = []
-    opt.register_step_pre_hook(lambda o, a, k: events.append(("wrapper pre", o, 0.0)))
-    opt.register_step_post_hook(lambda o, a, k: events.append(("wrapper post", o, 0.0)))
-    handles = [
-        register_optimizer_step_pre_hook(
-            lambda o, a, k: events.append(("global pre", o, _ref_norm(_grads(model), 2.0)))
-        ),
-        register_optimizer_step_post_hook(lambda o, a, k: events.append(("global post", o, 0.0))),
+    pre_clip = _ref_norm(_grads(model), 2.0)
+    bare = torch.optim.SGD(model.parameters(), lr=0.0)
+    assert [tag for tag, _, _ in record(bare, None)] == [0, 1, 2, 5]
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt = ClippedOptimizer(inner, max_norm=0.1)
+    events = record(opt, inner)
+    assert [(tag, o) for tag, o, _ in events] == [
+        (0, opt),
+        (1, opt),
+        (3, inner),
+        (4, inner),
+        (2, opt),
+        (5, opt),
     ]
-    try:
-        opt.step()
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert [(name, o) for name, o, _ in events] == [
-        ("wrapper pre", opt),
-        ("global pre", opt.optimizer),
-        ("global post", opt.optimizer),
-        ("wrapper post", opt),
-    ]
-    assert math.isclose(events[1][2], 0.1, rel_tol=1e-4), "global hooks see clipped grads"
+    norms = [norm for _, _, norm in events]
+    assert math.isclose(norms[0], pre_clip, rel_tol=1e-6) and pre_clip > 1.0
+    assert math.isclose(norms[2], 0.1, rel_tol=1e-4), (
+        "the inner optimizer's hooks see clipped grads"
+    )
 
 
 def test_step_pre_hook_may_replace_the_closure() -> None:
