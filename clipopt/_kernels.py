@@ -38,7 +38,7 @@ float32 accumulation for half types.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -103,6 +103,41 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+_WIDE = (torch.float64, torch.complex128)
+
+
+def _range_dtype(dtype: torch.dtype, p: float, device: torch.device) -> torch.dtype | None:
+    """The dtype to take ``dtype``'s p-th powers in: wide enough for their range.
+
+    A float32 (or bfloat16) element past 1.8e19 squares to inf in float32, and one below
+    1e-19 to 0 (less than 1e-23 for subnormals), though the norm is fine; float64 holds
+    every p-th power of every float32 for p up to 8. The 1- and inf-norms take no powers
+    (a sum of magnitudes cannot pass the norm it adds up to), nor do orders below 1
+    leave the range, and float16's powers fit in float32. Off CPU and CUDA (no float64)
+    it is the accumulation dtype alone.
+
+    Returns:
+      float64 (complex128 for complex64) where float32 accumulation would leave the
+      range, else :func:`_accumulate_dtype`'s answer.
+    """
+    acc = _accumulate_dtype(dtype)
+    if p <= 1.0 or p == _INF or combine_dtype(device) != torch.float64:
+        return acc
+    if dtype in (torch.float32, torch.bfloat16):
+        return torch.float64
+    if dtype == torch.complex64:
+        return torch.complex128
+    return acc
+
+
+def _widens(dtype: torch.dtype, p: float) -> bool:
+    """Whether CPU ``dtype`` grads take their p-th powers in a wider dtype than float32."""
+    return dtype not in _WIDE and _range_dtype(dtype, p, _CPU) in _WIDE
+
+
+_CPU = torch.device("cpu")
+
+
 def _sparse_values(t: Tensor) -> Tensor:
     """The values that define a sparse COO tensor's norm (duplicates summed first)."""
     return t.coalesce().values()
@@ -151,10 +186,49 @@ def _widened_row_norms(flat: Tensor, p: float) -> list[Tensor]:
     return norms
 
 
+def _pieces(t: Tensor) -> Iterator[Tensor]:
+    """Views that cover ``t`` once, each of at most ``_CHUNK`` elements (for any strides)."""
+    if t.dim() <= 1:
+        for start in range(0, t.numel(), _CHUNK):
+            yield t[start : start + _CHUNK]
+        return
+    inner = t.numel() // t.shape[0]
+    if inner > _CHUNK:
+        for sub in t.unbind(0):
+            yield from _pieces(sub)
+        return
+    step = _CHUNK // inner
+    for start in range(0, t.shape[0], step):
+        yield t[start : start + step]
+
+
+def _widened_partials(t: Tensor, p: float) -> list[Tensor]:
+    """Partial norms of any CPU tensor, its pieces copied to a float64 (or complex128)
+    scratch of at most ``_CHUNK`` elements, one norm per piece.
+
+    Double sums of 2**18 terms are accurate to about 1e-13, and hold every power that
+    :func:`_range_dtype` widens for; ``vector_norm(dtype=float64)`` would first copy the
+    whole tensor.
+    """
+    wide = _range_dtype(t.dtype, p, _CPU)
+    assert wide is not None
+    scratch = torch.empty(min(_CHUNK, t.numel()), dtype=wide)
+    norms = []
+    for piece in _pieces(t):
+        buffer = scratch[: piece.numel()].view(piece.shape)
+        buffer.copy_(piece)
+        norms.append(torch.linalg.vector_norm(buffer, p).reshape(1))
+    return norms
+
+
 def _body_partials(flat: Tensor, p: float) -> list[Tensor]:
     """Partial norms of a dense 1-D tensor whose length ``_ROW`` divides."""
     if flat.numel() == 0:
         return []
+    if _is_real_inf(p, flat.dtype):
+        return [_abs_max(flat)]
+    if _widens(flat.dtype, p):
+        return _widened_partials(flat, p)
     if _accumulate_dtype(flat.dtype) is not None:
         return _widened_row_norms(flat, p)
     return [_row_norms(flat, p)]
@@ -166,8 +240,11 @@ def _flat_partials(flat: Tensor, p: float) -> list[Tensor]:
     parts = _body_partials(flat[:body], p)
     if body < flat.numel():
         tail = flat[body:]
-        acc = _accumulate_dtype(flat.dtype)
-        parts.append(torch.linalg.vector_norm(tail, p, dtype=acc).reshape(1))
+        if _is_real_inf(p, flat.dtype):
+            parts.append(_abs_max(tail))
+        else:
+            acc = _range_dtype(flat.dtype, p, _CPU)
+            parts.append(torch.linalg.vector_norm(tail, p, dtype=acc).reshape(1))
     return parts
 
 
@@ -175,10 +252,13 @@ def _strided_partials(t: Tensor, p: float) -> Tensor:
     """Partial norms of a tensor with gaps in memory, read in place (no copy).
 
     Its last dim is split into rows of ``_ROW`` (a view for any strides) and each row
-    reduced; the ragged ends form one more set of rows.
+    reduced; the ragged ends form one more set of rows. Where float32 powers would leave
+    float32's range, pieces are copied to a double scratch instead.
     """
     if _is_real_inf(p, t.dtype):
         return _abs_max(t)
+    if _widens(t.dtype, p):
+        return torch.cat(_widened_partials(t, p))
     acc = _accumulate_dtype(t.dtype)
     length = t.shape[-1]
     body = length - length % _ROW
@@ -258,7 +338,8 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
 
 def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     """Partial norms of one dense CPU group from torch ops: large tensors in place, small
-    ones packed. Never the real inf-norm, which the C reduction always takes.
+    ones packed. The real inf-norm is one ``aminmax`` per tensor or packed run; powers
+    that would leave float32's range are taken in double (:func:`_range_dtype`).
 
     Small 1-D tensors (the usual biases and norms) take the short path through this
     loop: on thousands of them the Python cost per tensor is what shows.
@@ -295,16 +376,19 @@ def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
 def _group_partial_norms(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
     """Partial p-norms of one (device, dtype) group, each tensor's contribution once."""
     device, dtype = tensors[0].device, tensors[0].dtype
-    acc = _accumulate_dtype(dtype)
+    acc = _range_dtype(dtype, p, device)
     if tensors[0].is_sparse:
-        return [
-            torch.linalg.vector_norm(_sparse_values(t), p, dtype=acc).reshape(1) for t in tensors
-        ]
+        values = [_sparse_values(t) for t in tensors]
+        if device.type == "cpu":
+            return _torch_cpu_partials(values, p)
+        return [torch.linalg.vector_norm(v, p, dtype=acc).reshape(1) for v in values]
     if device.type == "cpu":
         return _cpu_partials(tensors, p)
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
+    # float32 grads take float64 partials here: _foreach_norm accumulates in its output
+    # dtype; vector_norm first copies the tensor to it.
     if _uses_foreach(device, foreach):
         return [torch.stack(torch._foreach_norm(tensors, p, dtype=acc))]
     return [torch.linalg.vector_norm(t, p, dtype=acc).reshape(1) for t in tensors]
@@ -458,8 +542,9 @@ def _refuse_inference_tensors(tensors: list[Tensor]) -> None:
             )
 
 
-def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
-    """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch.
+def _scale_cpu_group_(group: list[Tensor], coef: Tensor, foreach: bool | None) -> None:
+    """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch;
+    all of them by torch where the C kernel does not scale the group.
 
     Raises:
       RuntimeError: a grad is an inference tensor and inference mode is off, where
@@ -467,6 +552,9 @@ def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
     """
     if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
         _refuse_inference_tensors(group)
+    if not (_cpu.scales(group[0].dtype) and coef.dtype in _COEF_DTYPES):
+        _scale_by_torch_(group, coef, foreach)
+        return
     dense, gappy = _cpu.split_dense(group)
     if dense:
         _cpu.scale_(dense, coef)
@@ -474,19 +562,24 @@ def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
         torch._foreach_mul_(gappy, coef)
 
 
+def _scale_by_torch_(group: list[Tensor], coef: Tensor, foreach: bool | None) -> None:
+    if foreach is False:
+        for t in group:
+            t.mul_(coef)
+    else:
+        torch._foreach_mul_(group, coef)
+
+
 def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> None:
     """:func:`scale_` over tensors already grouped, e.g. by :func:`grouped_total_norm`."""
     dense, sparse = groups
     coef_on: dict[torch.device, Tensor] = {}
-    for (device, dtype), group in dense.items():
+    for (device, _), group in dense.items():
         coef_here = coef_on.setdefault(device, coef.to(device))
-        if device.type == "cpu" and _cpu.scales(dtype) and coef_here.dtype in _COEF_DTYPES:
-            _scale_cpu_group_(group, coef_here)
-        elif foreach is False:
-            for t in group:
-                t.mul_(coef_here)
+        if device.type == "cpu":
+            _scale_cpu_group_(group, coef_here, foreach)
         else:
-            torch._foreach_mul_(group, coef_here)
+            _scale_by_torch_(group, coef_here, foreach)
     for group in sparse.values():
         for t in group:
             t.mul_(coef_on.setdefault(t.device, coef.to(t.device)))
