@@ -171,16 +171,34 @@ def _row_norms(flat: Tensor, p: float) -> Tensor:
     return norms
 
 
-def _widened_row_norms(flat: Tensor, p: float) -> list[Tensor]:
+class _Scratch:
+    """Scratch buffers of at most ``_CHUNK`` elements, one per dtype, for one group.
+
+    Allocated once per group: a fresh buffer per tensor is a fresh mapping of its pages,
+    whose faults cost a transformer's 2-norm a third more.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """A 1-D buffer of ``dtype`` with at least ``min(numel, _CHUNK)`` elements."""
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < min(numel, _CHUNK):
+            buffer = self._buffers[dtype] = torch.empty(min(numel, _CHUNK), dtype=dtype)
+        return buffer
+
+
+def _widened_row_norms(flat: Tensor, p: float, scratch: _Scratch) -> list[Tensor]:
     """Row norms of a half-precision 1-D tensor, widened to float32 a chunk at a time.
 
     ``vector_norm(dtype=float32)`` would first copy the whole tensor to float32.
     """
-    scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.float32, device=flat.device)
+    buffer = scratch.get(flat.numel(), torch.float32)
     norms = []
     for start in range(0, flat.numel(), _CHUNK):
         piece = flat[start : start + _CHUNK]
-        wide = scratch[: piece.numel()]
+        wide = buffer[: piece.numel()]
         wide.copy_(piece)
         norms.append(_row_norms(wide, p))
     return norms
@@ -202,42 +220,46 @@ def _pieces(t: Tensor) -> Iterator[Tensor]:
         yield t[start : start + step]
 
 
-def _widened_partials(t: Tensor, p: float) -> list[Tensor]:
+def _widened_partials(t: Tensor, p: float, scratch: _Scratch) -> list[Tensor]:
     """Partial norms of any CPU tensor, its pieces copied to a float64 (or complex128)
     scratch of at most ``_CHUNK`` elements, one norm per piece.
 
     Double sums of 2**18 terms are accurate to about 1e-13, and hold every power that
     :func:`_range_dtype` widens for; ``vector_norm(dtype=float64)`` would first copy the
-    whole tensor.
+    whole tensor. The 2-norm is a BLAS ``dot``, which costs the piece's copy again where
+    a double ``vector_norm`` costs it twice.
     """
     wide = _range_dtype(t.dtype, p, _CPU)
     assert wide is not None
-    scratch = torch.empty(min(_CHUNK, t.numel()), dtype=wide)
+    buffer = scratch.get(t.numel(), wide)
     norms = []
     for piece in _pieces(t):
-        buffer = scratch[: piece.numel()].view(piece.shape)
-        buffer.copy_(piece)
-        norms.append(torch.linalg.vector_norm(buffer, p).reshape(1))
+        flat = buffer[: piece.numel()]
+        flat.view(piece.shape).copy_(piece)
+        if p == 2.0 and not wide.is_complex:
+            norms.append(torch.dot(flat, flat).sqrt().reshape(1))
+        else:
+            norms.append(torch.linalg.vector_norm(flat, p).reshape(1))
     return norms
 
 
-def _body_partials(flat: Tensor, p: float) -> list[Tensor]:
+def _body_partials(flat: Tensor, p: float, scratch: _Scratch) -> list[Tensor]:
     """Partial norms of a dense 1-D tensor whose length ``_ROW`` divides."""
     if flat.numel() == 0:
         return []
     if _is_real_inf(p, flat.dtype):
         return [_abs_max(flat)]
     if _widens(flat.dtype, p):
-        return _widened_partials(flat, p)
+        return _widened_partials(flat, p, scratch)
     if _accumulate_dtype(flat.dtype) is not None:
-        return _widened_row_norms(flat, p)
+        return _widened_row_norms(flat, p, scratch)
     return [_row_norms(flat, p)]
 
 
-def _flat_partials(flat: Tensor, p: float) -> list[Tensor]:
+def _flat_partials(flat: Tensor, p: float, scratch: _Scratch) -> list[Tensor]:
     """Partial norms of any dense 1-D tensor: the row-aligned body, then the tail."""
     body = flat.numel() - flat.numel() % _ROW
-    parts = _body_partials(flat[:body], p)
+    parts = _body_partials(flat[:body], p, scratch)
     if body < flat.numel():
         tail = flat[body:]
         if _is_real_inf(p, flat.dtype):
@@ -248,7 +270,7 @@ def _flat_partials(flat: Tensor, p: float) -> list[Tensor]:
     return parts
 
 
-def _strided_partials(t: Tensor, p: float) -> Tensor:
+def _strided_partials(t: Tensor, p: float, scratch: _Scratch) -> Tensor:
     """Partial norms of a tensor with gaps in memory, read in place (no copy).
 
     Its last dim is split into rows of ``_ROW`` (a view for any strides) and each row
@@ -258,7 +280,7 @@ def _strided_partials(t: Tensor, p: float) -> Tensor:
     if _is_real_inf(p, t.dtype):
         return _abs_max(t)
     if _widens(t.dtype, p):
-        return torch.cat(_widened_partials(t, p))
+        return torch.cat(_widened_partials(t, p, scratch))
     acc = _accumulate_dtype(t.dtype)
     length = t.shape[-1]
     body = length - length % _ROW
@@ -271,9 +293,9 @@ def _strided_partials(t: Tensor, p: float) -> Tensor:
     return torch.cat(parts)
 
 
-def _packed_partials(run: list[Tensor], p: float) -> list[Tensor]:
+def _packed_partials(run: list[Tensor], p: float, scratch: _Scratch) -> list[Tensor]:
     """Partial norms of tensors that ``torch.cat`` joins: one copy, one reduction."""
-    return _flat_partials(torch.cat(run).reshape(-1), p)  # cat keeps channels-last
+    return _flat_partials(torch.cat(run).reshape(-1), p, scratch)  # cat keeps channels-last
 
 
 class _Packer:
@@ -283,8 +305,9 @@ class _Packer:
     ``view``; a full run is reduced at once, so at most one run's copy is alive.
     """
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, scratch: _Scratch) -> None:
         self.p = p
+        self.scratch = scratch
         self.parts: list[Tensor] = []
         self._runs: dict[int | tuple[int, ...], list[Tensor]] = {}
         self._sizes: dict[int | tuple[int, ...], int] = {}
@@ -300,7 +323,7 @@ class _Packer:
         run = self._runs.get(key)
         if run is None or self._sizes[key] + numel > _PACK_RUN:
             if run:
-                self.parts.extend(_packed_partials(run, self.p))
+                self.parts.extend(_packed_partials(run, self.p, self.scratch))
             run = self._runs[key] = []
             self._sizes[key] = 0
         run.append(t)
@@ -309,22 +332,22 @@ class _Packer:
     def flush(self) -> list[Tensor]:
         """Reduce the runs still open; return every partial norm."""
         for run in self._runs.values():
-            self.parts.extend(_packed_partials(run, self.p))
+            self.parts.extend(_packed_partials(run, self.p, self.scratch))
         self._runs.clear()
         self._sizes.clear()
         return self.parts
 
 
-def _large_partials(t: Tensor, p: float) -> tuple[list[Tensor], Tensor | None]:
+def _large_partials(t: Tensor, p: float, scratch: _Scratch) -> tuple[list[Tensor], Tensor | None]:
     """Partial norms of a large tensor read in place, and its tail to pack (or None)."""
     flat = _cpu.dense_flat_view(t)
     if flat is None:
-        return [_strided_partials(t, p)], None
+        return [_strided_partials(t, p, scratch)], None
     ragged = flat.numel() % _ROW
     if not ragged:  # the usual case: no slicing, which costs as much as a small kernel
-        return _body_partials(flat, p), None
+        return _body_partials(flat, p, scratch), None
     body = flat.numel() - ragged
-    return _body_partials(flat[:body], p), flat[body:]
+    return _body_partials(flat[:body], p, scratch), flat[body:]
 
 
 def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
@@ -333,7 +356,8 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
         return _torch_cpu_partials(tensors, p)
     dense, gappy = _cpu.split_dense(tensors)
     parts = [_cpu.norm_partial(dense, p)] if dense else []
-    return parts + [_strided_partials(t, p) for t in gappy]
+    scratch = _Scratch()
+    return parts + [_strided_partials(t, p, scratch) for t in gappy]
 
 
 def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
@@ -345,7 +369,8 @@ def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     loop: on thousands of them the Python cost per tensor is what shows.
     """
     parts: list[Tensor] = []
-    others = _Packer(p)
+    scratch = _Scratch()
+    others = _Packer(p, scratch)
     run: list[Tensor] = []
     run_size = 0
     # Last to first: the pass that usually follows (the scale, or a fused optimizer step)
@@ -353,7 +378,7 @@ def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     for t in reversed(tensors):
         numel = t.numel()
         if numel >= _PACK_BELOW:
-            large, tail = _large_partials(t, p)
+            large, tail = _large_partials(t, p, scratch)
             parts.extend(large)
             if tail is None:
                 continue
@@ -364,12 +389,12 @@ def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
             others.add(t, numel, dims)
             continue
         if run_size + numel > _PACK_RUN:
-            parts.extend(_packed_partials(run, p))
+            parts.extend(_packed_partials(run, p, scratch))
             run, run_size = [], 0
         run.append(t)
         run_size += numel
     if run:
-        parts.extend(_packed_partials(run, p))
+        parts.extend(_packed_partials(run, p, scratch))
     return parts + others.flush()
 
 
