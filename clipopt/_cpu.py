@@ -27,9 +27,11 @@ every case, and every CPU grad takes the torch-ops path of :mod:`clipopt._kernel
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import types
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -44,6 +46,7 @@ __all__ = [
     "DISABLE_ENV",
     "available",
     "dense_flat_view",
+    "disabled",
     "norm_partial",
     "scale_",
     "scales",
@@ -55,6 +58,21 @@ DISABLE_ENV = "CLIPOPT_DISABLE_NATIVE"
 """Set to anything but ``""`` or ``"0"`` to leave the C kernels unused."""
 
 _ENABLED = _native is not None and os.environ.get(DISABLE_ENV, "") in ("", "0")
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Leave the C kernels unused inside the block, as ``CLIPOPT_DISABLE_NATIVE`` would.
+
+    For benchmarks and tests that compare both CPU paths in one process; it changes a
+    module-wide switch, so other threads see it too.
+    """
+    global _ENABLED
+    saved, _ENABLED = _ENABLED, False
+    try:
+        yield
+    finally:
+        _ENABLED = saved
 
 
 def available() -> bool:
