@@ -14,7 +14,8 @@ on torch's own threads, at the speed of ``torch.sum`` (float16's 1- and 2-norm a
 about half of it on CPUs without F16C); grads with gaps in memory (a strided slice) are
 reduced in place by torch ops, their last dim split into rows.
 
-CPU, any other p or dtype (complex): torch ops.
+CPU, any other p or dtype (complex), or any case where the C kernel is not in use
+(not built, or ``CLIPOPT_DISABLE_NATIVE``): torch ops.
 
 - A tensor of at least ``_PACK_BELOW`` elements whose memory is dense is viewed as rows
   of ``_ROW`` elements and reduced row-wise, one ``vector_norm(dim=1)`` per tensor.
@@ -27,12 +28,17 @@ CPU, any other p or dtype (complex): torch ops.
   and ``_foreach_norm`` on CPU is a loop of them; packing costs one bounded copy.
 - Half types are widened to float32 ``_CHUNK`` elements at a time in a scratch buffer,
   so nothing proportional to the model is allocated.
+- For p > 1 but inf, float32 and bfloat16 grads (strided ones too) are copied
+  ``_CHUNK`` elements at a time to a double scratch instead, one norm per piece: their
+  powers in float32 overflow past 1.8e19 (and vanish below 1e-19) where the norm does
+  not (:func:`_range_dtype`). The real inf-norm is one ``aminmax`` per tensor or run.
 
 Each CPU group is read last to first: the pass that usually follows (the scale, a fused
 optimizer step) runs first to last and so starts on grads still in cache.
 
-Other devices (CUDA): one ``torch._foreach_norm`` per (device, dtype) group, with
-float32 accumulation for half types.
+Other devices (CUDA): one ``torch._foreach_norm`` per (device, dtype) group (one
+``vector_norm`` per grad with ``foreach=False``), accumulating in :func:`_range_dtype`:
+float32 for half types, float64 for float32 and bfloat16 powers on CUDA.
 """
 
 from __future__ import annotations
@@ -111,10 +117,10 @@ def _range_dtype(dtype: torch.dtype, p: float, device: torch.device) -> torch.dt
 
     A float32 (or bfloat16) element past 1.8e19 squares to inf in float32, and one below
     1e-19 to 0 (less than 1e-23 for subnormals), though the norm is fine; float64 holds
-    every p-th power of every float32 for p up to 8. The 1- and inf-norms take no powers
-    (a sum of magnitudes cannot pass the norm it adds up to), nor do orders below 1
-    leave the range, and float16's powers fit in float32. Off CPU and CUDA (no float64)
-    it is the accumulation dtype alone.
+    every p-th power of every float32, subnormals included, for p up to 7. The 1- and
+    inf-norms take no powers (a sum of magnitudes cannot pass the norm it adds up to),
+    nor do orders below 1 leave the range, and float16's powers fit in float32. Off CPU
+    and CUDA (no float64) it is the accumulation dtype alone.
 
     Returns:
       float64 (complex128 for complex64) where float32 accumulation would leave the
@@ -130,12 +136,12 @@ def _range_dtype(dtype: torch.dtype, p: float, device: torch.device) -> torch.dt
     return acc
 
 
+_CPU = torch.device("cpu")
+
+
 def _widens(dtype: torch.dtype, p: float) -> bool:
     """Whether CPU ``dtype`` grads take their p-th powers in a wider dtype than float32."""
     return dtype not in _WIDE and _range_dtype(dtype, p, _CPU) in _WIDE
-
-
-_CPU = torch.device("cpu")
 
 
 def _sparse_values(t: Tensor) -> Tensor:
