@@ -10,10 +10,12 @@ less.
 
 Sections:
 
-- ``clip``: ``torch.nn.utils.clip_grad_norm_`` vs ``clipopt.clip_grad_norm_`` vs the
-  memory floor (``torch.sum`` + in-place ``mul_`` over one buffer of the same bytes), on
-  three layouts (transformer-like, many small tensors, a few large ones), float32 and
-  bfloat16, norm types 2 and inf. Every timed call clips (see ``ShrinkingMaxNorm``);
+- ``clip``: ``torch.nn.utils.clip_grad_norm_`` vs ``clipopt.clip_grad_norm_`` (and the
+  same with its C kernel left unused, ``clipopt (torch ops)``: what an install without a
+  C compiler, or ``CLIPOPT_DISABLE_NATIVE=1``, runs) vs the memory floor (``torch.sum``
+  + in-place ``mul_`` over one buffer of the same bytes), on three layouts
+  (transformer-like, many small tensors, a few large ones), float32 and bfloat16, norm
+  types 2 and inf. Every timed call clips (see ``ShrinkingMaxNorm``);
   one more case times clips whose ``max_norm`` is never reached, against a floor that
   only reads.
 - ``step``: full optimizer steps on the transformer layout: bare fused AdamW, torch's clip
@@ -57,6 +59,7 @@ import torch
 from torch import Tensor, nn
 
 import clipopt
+from clipopt import _cpu
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MAX_NORM = 1.0
@@ -64,6 +67,7 @@ SHRINK = 0.97
 UNCLIPPED_CASE = "transformer float32 p=2, max_norm not reached"  # the CPU layout's
 FOLDED_FLOOR = "fused AdamW: floor (sum, step with grad_scale)"
 SCALED_STEP = "fused AdamW: step with grad_scale alone"
+TORCH_OPS = "clipopt (torch ops)"
 Shape = tuple[int, ...]
 Contenders = dict[str, Callable[[], object]]
 
@@ -297,7 +301,8 @@ def _grads_and_flat_copy(params: list[Tensor]) -> tuple[list[Tensor], Tensor]:
 
 
 def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
-    """torch's clip, clipopt's clip, and the floor over one buffer of the same bytes."""
+    """torch's clip, clipopt's clip with and without its C kernel, and the floor over one
+    buffer of the same bytes."""
     grads, flat = _grads_and_flat_copy(params)
     shrink = torch.tensor(SHRINK, device=flat.device)
     max_norm = ShrinkingMaxNorm.below_norm_of(grads, norm_type)
@@ -307,11 +312,16 @@ def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
         total = flat.sum()
         return flat.mul_(shrink), total
 
+    def torch_ops() -> object:
+        with _cpu.disabled():
+            return clipopt.clip_grad_norm_(params, max_norm(), norm_type)
+
     return {
         "torch": lambda: torch.nn.utils.clip_grad_norm_(
             params, max_norm(), norm_type, foreach=foreach
         ),
         "clipopt": lambda: clipopt.clip_grad_norm_(params, max_norm(), norm_type),
+        TORCH_OPS: torch_ops,
         "floor": floor,
     }
 

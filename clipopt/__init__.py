@@ -22,4 +22,4 @@ __all__ = [
     "get_total_norm",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here

@@ -18,18 +18,73 @@ the coefficient's memory, so no Python code looks at its value.
 In eager mode the kernels are called directly; under ``torch.compile`` they are the
 custom ops ``clipopt::dense_partial_norm`` and ``clipopt::dense_scale_``, the same
 code, so eager and compiled runs give the same bits.
+
+The extension is optional: an install without a working C compiler leaves it out, and
+``CLIPOPT_DISABLE_NATIVE=1`` in the environment (read once, at import) leaves it unused.
+Either way :func:`available` is False, :func:`supports` and :func:`scales` say no to
+every case, and every CPU grad takes the torch-ops path of :mod:`clipopt._kernels`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import types
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from clipopt import _native
+_native: types.ModuleType | None
+try:
+    from clipopt import _native
+except ImportError:  # installed where the C extension could not be built
+    _native = None
 
-__all__ = ["dense_flat_view", "norm_partial", "scale_", "scales", "split_dense", "supports"]
+__all__ = [
+    "DISABLE_ENV",
+    "available",
+    "dense_flat_view",
+    "disabled",
+    "norm_partial",
+    "scale_",
+    "scales",
+    "split_dense",
+    "supports",
+]
+
+DISABLE_ENV = "CLIPOPT_DISABLE_NATIVE"
+"""Set to anything but ``""`` or ``"0"`` to leave the C kernels unused."""
+
+_ENABLED = _native is not None and os.environ.get(DISABLE_ENV, "") in ("", "0")
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Leave the C kernels unused inside the block, as ``CLIPOPT_DISABLE_NATIVE`` would.
+
+    For benchmarks and tests that compare both CPU paths in one process; it changes a
+    module-wide switch, so other threads see it too.
+    """
+    global _ENABLED
+    saved, _ENABLED = _ENABLED, False
+    try:
+        yield
+    finally:
+        _ENABLED = saved
+
+
+def available() -> bool:
+    """Whether clipopt's CPU norm and scale run in the C kernels of ``_native.c``.
+
+    Returns:
+      False where the extension was not built (no C compiler at install time) or
+      ``CLIPOPT_DISABLE_NATIVE`` was set when clipopt was imported; the same results
+      then come from torch ops, more slowly.
+    """
+    return _ENABLED
+
 
 _SUM_SQUARES, _SUM_ABS, _MAX_ABS = 0, 1, 2
 _OPS = {2.0: _SUM_SQUARES, 1.0: _SUM_ABS, math.inf: _MAX_ABS}
@@ -39,12 +94,12 @@ _SCALED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 def supports(p: float, dtype: torch.dtype) -> bool:
     """Whether the C reduction computes the ``p``-norm of ``dtype`` grads."""
-    return p in _OPS and dtype in _DTYPES
+    return _ENABLED and p in _OPS and dtype in _DTYPES
 
 
 def scales(dtype: torch.dtype) -> bool:
     """Whether the C kernel scales ``dtype`` grads (float16 rounding is left to torch)."""
-    return dtype in _SCALED_DTYPES
+    return _ENABLED and dtype in _SCALED_DTYPES
 
 
 def dense_flat_view(t: Tensor) -> Tensor | None:
@@ -75,9 +130,15 @@ def split_dense(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     return dense, gappy
 
 
+def _kernels() -> types.ModuleType:
+    if _native is None:
+        raise RuntimeError("clipopt was installed without its C extension (clipopt._native)")
+    return _native
+
+
 def _reduce(dense: list[Tensor], p: float) -> Tensor:
     """The ``p``-norm of dense CPU tensors of one dtype, as a float64 1-vector."""
-    value = _native.reduce(
+    value: float = _kernels().reduce(
         _OPS[p],
         _DTYPES[dense[0].dtype],
         list(map(Tensor.data_ptr, dense)),
@@ -116,7 +177,7 @@ def norm_partial(dense: list[Tensor], p: float) -> Tensor:
 
 
 def _scale(dense: list[Tensor], coef: Tensor) -> None:
-    _native.scale(
+    _kernels().scale(
         _DTYPES[dense[0].dtype],
         list(map(Tensor.data_ptr, dense)),
         list(map(Tensor.numel, dense)),

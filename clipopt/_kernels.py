@@ -14,7 +14,8 @@ on torch's own threads, at the speed of ``torch.sum`` (float16's 1- and 2-norm a
 about half of it on CPUs without F16C); grads with gaps in memory (a strided slice) are
 reduced in place by torch ops, their last dim split into rows.
 
-CPU, any other p or dtype (complex): torch ops.
+CPU, any other p or dtype (complex), or any case where the C kernel is not in use
+(not built, or ``CLIPOPT_DISABLE_NATIVE``): torch ops.
 
 - A tensor of at least ``_PACK_BELOW`` elements whose memory is dense is viewed as rows
   of ``_ROW`` elements and reduced row-wise, one ``vector_norm(dim=1)`` per tensor.
@@ -27,18 +28,23 @@ CPU, any other p or dtype (complex): torch ops.
   and ``_foreach_norm`` on CPU is a loop of them; packing costs one bounded copy.
 - Half types are widened to float32 ``_CHUNK`` elements at a time in a scratch buffer,
   so nothing proportional to the model is allocated.
+- For p > 1 but inf, float32 and bfloat16 grads (strided ones too) are copied
+  ``_CHUNK`` elements at a time to a double scratch instead, one norm per piece: their
+  powers in float32 overflow past 1.8e19 (and vanish below 1e-19) where the norm does
+  not (:func:`_range_dtype`). The real inf-norm is one ``aminmax`` per tensor or run.
 
 Each CPU group is read last to first: the pass that usually follows (the scale, a fused
 optimizer step) runs first to last and so starts on grads still in cache.
 
-Other devices (CUDA): one ``torch._foreach_norm`` per (device, dtype) group, with
-float32 accumulation for half types.
+Other devices (CUDA): one ``torch._foreach_norm`` per (device, dtype) group (one
+``vector_norm`` per grad with ``foreach=False``), accumulating in :func:`_range_dtype`:
+float32 for half types, float64 for float32 and bfloat16 powers on CUDA.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -103,6 +109,41 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+_WIDE = (torch.float64, torch.complex128)
+
+
+def _range_dtype(dtype: torch.dtype, p: float, device: torch.device) -> torch.dtype | None:
+    """The dtype to take ``dtype``'s p-th powers in: wide enough for their range.
+
+    A float32 (or bfloat16) element past 1.8e19 squares to inf in float32, and one below
+    1e-19 to 0 (less than 1e-23 for subnormals), though the norm is fine; float64 holds
+    every p-th power of every float32, subnormals included, for p up to 7. The 1- and
+    inf-norms take no powers (a sum of magnitudes cannot pass the norm it adds up to),
+    nor do orders below 1 leave the range, and float16's powers fit in float32. Off CPU
+    and CUDA (no float64) it is the accumulation dtype alone.
+
+    Returns:
+      float64 (complex128 for complex64) where float32 accumulation would leave the
+      range, else :func:`_accumulate_dtype`'s answer.
+    """
+    acc = _accumulate_dtype(dtype)
+    if p <= 1.0 or p == _INF or combine_dtype(device) != torch.float64:
+        return acc
+    if dtype in (torch.float32, torch.bfloat16):
+        return torch.float64
+    if dtype == torch.complex64:
+        return torch.complex128
+    return acc
+
+
+_CPU = torch.device("cpu")
+
+
+def _widens(dtype: torch.dtype, p: float) -> bool:
+    """Whether CPU ``dtype`` grads take their p-th powers in a wider dtype than float32."""
+    return dtype not in _WIDE and _range_dtype(dtype, p, _CPU) in _WIDE
+
+
 def _sparse_values(t: Tensor) -> Tensor:
     """The values that define a sparse COO tensor's norm (duplicates summed first)."""
     return t.coalesce().values()
@@ -136,49 +177,117 @@ def _row_norms(flat: Tensor, p: float) -> Tensor:
     return norms
 
 
-def _widened_row_norms(flat: Tensor, p: float) -> list[Tensor]:
+class _Scratch:
+    """Scratch buffers of at most ``_CHUNK`` elements, one per dtype, for one group.
+
+    Allocated once per group: a fresh buffer per tensor is a fresh mapping of its pages,
+    whose faults cost a transformer's 2-norm a third more.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """A 1-D buffer of ``dtype`` with at least ``min(numel, _CHUNK)`` elements."""
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < min(numel, _CHUNK):
+            buffer = self._buffers[dtype] = torch.empty(min(numel, _CHUNK), dtype=dtype)
+        return buffer
+
+
+def _widened_row_norms(flat: Tensor, p: float, scratch: _Scratch) -> list[Tensor]:
     """Row norms of a half-precision 1-D tensor, widened to float32 a chunk at a time.
 
     ``vector_norm(dtype=float32)`` would first copy the whole tensor to float32.
     """
-    scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.float32, device=flat.device)
+    buffer = scratch.get(flat.numel(), torch.float32)
     norms = []
     for start in range(0, flat.numel(), _CHUNK):
         piece = flat[start : start + _CHUNK]
-        wide = scratch[: piece.numel()]
+        wide = buffer[: piece.numel()]
         wide.copy_(piece)
         norms.append(_row_norms(wide, p))
     return norms
 
 
-def _body_partials(flat: Tensor, p: float) -> list[Tensor]:
+def _pieces(t: Tensor) -> Iterator[Tensor]:
+    """Views that cover ``t`` once, each of at most ``_CHUNK`` elements (for any strides)."""
+    if t.dim() <= 1:
+        for start in range(0, t.numel(), _CHUNK):
+            yield t[start : start + _CHUNK]
+        return
+    inner = t.numel() // t.shape[0]
+    if inner > _CHUNK:
+        for sub in t.unbind(0):
+            yield from _pieces(sub)
+        return
+    step = _CHUNK // inner
+    for start in range(0, t.shape[0], step):
+        yield t[start : start + step]
+
+
+def _widened_partials(t: Tensor, p: float, scratch: _Scratch) -> list[Tensor]:
+    """Partial norms of any CPU tensor, its pieces copied to a float64 (or complex128)
+    scratch of at most ``_CHUNK`` elements, one norm per piece.
+
+    Double sums of 2**18 terms are accurate to about 1e-13, and hold every power that
+    :func:`_range_dtype` widens for; ``vector_norm(dtype=float64)`` would first copy the
+    whole tensor. The 2-norm squares the scratch in place and sums it, two thirds of a
+    double ``vector_norm``'s cost; a BLAS ``dot`` would be cheaper still, but MKL's
+    threads stalled for milliseconds a call on a busy 2-core machine.
+    """
+    wide = _range_dtype(t.dtype, p, _CPU)
+    assert wide is not None
+    buffer = scratch.get(t.numel(), wide)
+    norms = []
+    for piece in _pieces(t):
+        flat = buffer[: piece.numel()]
+        flat.view(piece.shape).copy_(piece)
+        if p == 2.0 and not wide.is_complex:
+            norms.append(flat.square_().sum().sqrt().reshape(1))
+        else:
+            norms.append(torch.linalg.vector_norm(flat, p).reshape(1))
+    return norms
+
+
+def _body_partials(flat: Tensor, p: float, scratch: _Scratch) -> list[Tensor]:
     """Partial norms of a dense 1-D tensor whose length ``_ROW`` divides."""
     if flat.numel() == 0:
         return []
+    if _is_real_inf(p, flat.dtype):
+        return [_abs_max(flat)]
+    if _widens(flat.dtype, p):
+        return _widened_partials(flat, p, scratch)
     if _accumulate_dtype(flat.dtype) is not None:
-        return _widened_row_norms(flat, p)
+        return _widened_row_norms(flat, p, scratch)
     return [_row_norms(flat, p)]
 
 
-def _flat_partials(flat: Tensor, p: float) -> list[Tensor]:
+def _flat_partials(flat: Tensor, p: float, scratch: _Scratch) -> list[Tensor]:
     """Partial norms of any dense 1-D tensor: the row-aligned body, then the tail."""
     body = flat.numel() - flat.numel() % _ROW
-    parts = _body_partials(flat[:body], p)
+    parts = _body_partials(flat[:body], p, scratch)
     if body < flat.numel():
         tail = flat[body:]
-        acc = _accumulate_dtype(flat.dtype)
-        parts.append(torch.linalg.vector_norm(tail, p, dtype=acc).reshape(1))
+        if _is_real_inf(p, flat.dtype):
+            parts.append(_abs_max(tail))
+        else:
+            acc = _range_dtype(flat.dtype, p, _CPU)
+            parts.append(torch.linalg.vector_norm(tail, p, dtype=acc).reshape(1))
     return parts
 
 
-def _strided_partials(t: Tensor, p: float) -> Tensor:
+def _strided_partials(t: Tensor, p: float, scratch: _Scratch) -> Tensor:
     """Partial norms of a tensor with gaps in memory, read in place (no copy).
 
     Its last dim is split into rows of ``_ROW`` (a view for any strides) and each row
-    reduced; the ragged ends form one more set of rows.
+    reduced; the ragged ends form one more set of rows. Where float32 powers would leave
+    float32's range, pieces are copied to a double scratch instead.
     """
     if _is_real_inf(p, t.dtype):
         return _abs_max(t)
+    if _widens(t.dtype, p):
+        return torch.cat(_widened_partials(t, p, scratch))
     acc = _accumulate_dtype(t.dtype)
     length = t.shape[-1]
     body = length - length % _ROW
@@ -191,9 +300,9 @@ def _strided_partials(t: Tensor, p: float) -> Tensor:
     return torch.cat(parts)
 
 
-def _packed_partials(run: list[Tensor], p: float) -> list[Tensor]:
+def _packed_partials(run: list[Tensor], p: float, scratch: _Scratch) -> list[Tensor]:
     """Partial norms of tensors that ``torch.cat`` joins: one copy, one reduction."""
-    return _flat_partials(torch.cat(run).reshape(-1), p)  # cat keeps channels-last
+    return _flat_partials(torch.cat(run).reshape(-1), p, scratch)  # cat keeps channels-last
 
 
 class _Packer:
@@ -203,8 +312,9 @@ class _Packer:
     ``view``; a full run is reduced at once, so at most one run's copy is alive.
     """
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, scratch: _Scratch) -> None:
         self.p = p
+        self.scratch = scratch
         self.parts: list[Tensor] = []
         self._runs: dict[int | tuple[int, ...], list[Tensor]] = {}
         self._sizes: dict[int | tuple[int, ...], int] = {}
@@ -220,7 +330,7 @@ class _Packer:
         run = self._runs.get(key)
         if run is None or self._sizes[key] + numel > _PACK_RUN:
             if run:
-                self.parts.extend(_packed_partials(run, self.p))
+                self.parts.extend(_packed_partials(run, self.p, self.scratch))
             run = self._runs[key] = []
             self._sizes[key] = 0
         run.append(t)
@@ -229,22 +339,22 @@ class _Packer:
     def flush(self) -> list[Tensor]:
         """Reduce the runs still open; return every partial norm."""
         for run in self._runs.values():
-            self.parts.extend(_packed_partials(run, self.p))
+            self.parts.extend(_packed_partials(run, self.p, self.scratch))
         self._runs.clear()
         self._sizes.clear()
         return self.parts
 
 
-def _large_partials(t: Tensor, p: float) -> tuple[list[Tensor], Tensor | None]:
+def _large_partials(t: Tensor, p: float, scratch: _Scratch) -> tuple[list[Tensor], Tensor | None]:
     """Partial norms of a large tensor read in place, and its tail to pack (or None)."""
     flat = _cpu.dense_flat_view(t)
     if flat is None:
-        return [_strided_partials(t, p)], None
+        return [_strided_partials(t, p, scratch)], None
     ragged = flat.numel() % _ROW
     if not ragged:  # the usual case: no slicing, which costs as much as a small kernel
-        return _body_partials(flat, p), None
+        return _body_partials(flat, p, scratch), None
     body = flat.numel() - ragged
-    return _body_partials(flat[:body], p), flat[body:]
+    return _body_partials(flat[:body], p, scratch), flat[body:]
 
 
 def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
@@ -253,18 +363,21 @@ def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
         return _torch_cpu_partials(tensors, p)
     dense, gappy = _cpu.split_dense(tensors)
     parts = [_cpu.norm_partial(dense, p)] if dense else []
-    return parts + [_strided_partials(t, p) for t in gappy]
+    scratch = _Scratch()
+    return parts + [_strided_partials(t, p, scratch) for t in gappy]
 
 
 def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     """Partial norms of one dense CPU group from torch ops: large tensors in place, small
-    ones packed. Never the real inf-norm, which the C reduction always takes.
+    ones packed. The real inf-norm is one ``aminmax`` per tensor or packed run; powers
+    that would leave float32's range are taken in double (:func:`_range_dtype`).
 
     Small 1-D tensors (the usual biases and norms) take the short path through this
     loop: on thousands of them the Python cost per tensor is what shows.
     """
     parts: list[Tensor] = []
-    others = _Packer(p)
+    scratch = _Scratch()
+    others = _Packer(p, scratch)
     run: list[Tensor] = []
     run_size = 0
     # Last to first: the pass that usually follows (the scale, or a fused optimizer step)
@@ -272,7 +385,7 @@ def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
     for t in reversed(tensors):
         numel = t.numel()
         if numel >= _PACK_BELOW:
-            large, tail = _large_partials(t, p)
+            large, tail = _large_partials(t, p, scratch)
             parts.extend(large)
             if tail is None:
                 continue
@@ -283,28 +396,31 @@ def _torch_cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
             others.add(t, numel, dims)
             continue
         if run_size + numel > _PACK_RUN:
-            parts.extend(_packed_partials(run, p))
+            parts.extend(_packed_partials(run, p, scratch))
             run, run_size = [], 0
         run.append(t)
         run_size += numel
     if run:
-        parts.extend(_packed_partials(run, p))
+        parts.extend(_packed_partials(run, p, scratch))
     return parts + others.flush()
 
 
 def _group_partial_norms(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
     """Partial p-norms of one (device, dtype) group, each tensor's contribution once."""
     device, dtype = tensors[0].device, tensors[0].dtype
-    acc = _accumulate_dtype(dtype)
+    acc = _range_dtype(dtype, p, device)
     if tensors[0].is_sparse:
-        return [
-            torch.linalg.vector_norm(_sparse_values(t), p, dtype=acc).reshape(1) for t in tensors
-        ]
+        values = [_sparse_values(t) for t in tensors]
+        if device.type == "cpu":
+            return _torch_cpu_partials(values, p)
+        return [torch.linalg.vector_norm(v, p, dtype=acc).reshape(1) for v in values]
     if device.type == "cpu":
         return _cpu_partials(tensors, p)
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
+    # float32 grads take float64 partials here: _foreach_norm accumulates in its output
+    # dtype; vector_norm first copies the tensor to it.
     if _uses_foreach(device, foreach):
         return [torch.stack(torch._foreach_norm(tensors, p, dtype=acc))]
     return [torch.linalg.vector_norm(t, p, dtype=acc).reshape(1) for t in tensors]
@@ -471,8 +587,9 @@ def _refuse_inference_tensors(tensors: list[Tensor]) -> None:
             )
 
 
-def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
-    """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch.
+def _scale_cpu_group_(group: list[Tensor], coef: Tensor, foreach: bool | None) -> None:
+    """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch;
+    all of them by torch where the C kernel does not scale the group.
 
     Raises:
       RuntimeError: a grad is an inference tensor and inference mode is off, where
@@ -480,6 +597,9 @@ def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
     """
     if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
         _refuse_inference_tensors(group)
+    if not (_cpu.scales(group[0].dtype) and coef.dtype in _COEF_DTYPES):
+        _scale_by_torch_(group, coef, foreach)
+        return
     dense, gappy = _cpu.split_dense(group)
     if dense:
         _cpu.scale_(dense, coef)
@@ -487,19 +607,24 @@ def _scale_cpu_group_(group: list[Tensor], coef: Tensor) -> None:
         torch._foreach_mul_(gappy, coef)
 
 
+def _scale_by_torch_(group: list[Tensor], coef: Tensor, foreach: bool | None) -> None:
+    if foreach is False:
+        for t in group:
+            t.mul_(coef)
+    else:
+        torch._foreach_mul_(group, coef)
+
+
 def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> None:
     """:func:`scale_` over tensors already grouped, e.g. by :func:`grouped_total_norm`."""
     dense, sparse = groups
     coef_on: dict[torch.device, Tensor] = {}
-    for (device, dtype), group in dense.items():
+    for (device, _), group in dense.items():
         coef_here = coef_on.setdefault(device, coef.to(device))
-        if device.type == "cpu" and _cpu.scales(dtype) and coef_here.dtype in _COEF_DTYPES:
-            _scale_cpu_group_(group, coef_here)
-        elif foreach is False:
-            for t in group:
-                t.mul_(coef_here)
+        if device.type == "cpu":
+            _scale_cpu_group_(group, coef_here, foreach)
         else:
-            torch._foreach_mul_(group, coef_here)
+            _scale_by_torch_(group, coef_here, foreach)
     for group in sparse.values():
         for t in group:
             t.mul_(coef_on.setdefault(t.device, coef.to(t.device)))

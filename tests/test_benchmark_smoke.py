@@ -42,7 +42,7 @@ def test_every_section_and_contender_is_reported(
                 case = ("clip", f"{layout} {dtype} p={p}")
                 assert case in cases
                 contenders = {r["contender"] for r in rows if (r["section"], r["case"]) == case}
-                assert contenders == {"torch", "clipopt", "floor"}
+                assert contenders == {"torch", "clipopt", run.TORCH_OPS, "floor"}
     step_contenders = {r["contender"] for r in rows if r["section"] == "step"}
     for optimizer in ("fused AdamW", "foreach SGD"):
         for kind in ("bare", "torch clip + step", "ClippedOptimizer"):

@@ -24,7 +24,16 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import clipopt
-from clipopt import _cpu, _native
+from clipopt import _cpu
+
+if not _cpu.available():
+    pytest.skip(
+        "the C kernel is not in use: clipopt._native was not built, or "
+        f"{_cpu.DISABLE_ENV} is set (tests/test_fallback.py covers that path)",
+        allow_module_level=True,
+    )
+
+from clipopt import _native
 
 CHUNK = 1 << 16
 BLOCK = 1024
