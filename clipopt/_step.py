@@ -183,11 +183,13 @@ def threshold_coefficients(
     return coefficients
 
 
+@torch.no_grad()
 def scale(grads: list[list[Tensor]], coefficients: list[Coefficient], foreach: bool | None) -> None:
     """Multiply each group's grads by its coefficient in place.
 
     Groups that share a 0-dim coefficient are scaled by one kernel call; per-grad
-    coefficients are applied grad by grad.
+    coefficients are applied grad by grad. Without grad: grads made with
+    ``create_graph=True`` must not record the scale (Adahessian differentiates them).
     """
     by_coefficient: dict[int, tuple[Tensor, list[Tensor]]] = {}
     for group_grads, coefficient in zip(grads, coefficients, strict=True):

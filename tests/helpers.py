@@ -9,27 +9,33 @@ import torch
 from torch import Tensor
 
 
-def assert_identical(ours: Any, theirs: Any, where: str = "", nan_equal: bool = False) -> None:
+def assert_identical(
+    ours: Any, theirs: Any, where: str = "", nan_equal: bool = False, rtol: float = 0.0
+) -> None:
     """Bit-exact equality of nested dicts, lists, tuples, tensors and plain values.
 
-    Tensors must agree in dtype, shape, device and every bit; containers in type, keys
-    and length. With ``nan_equal`` a NaN matches a NaN in the same place (a skipped
-    step's recorded norm, say); otherwise NaN fails, as ``==`` does.
+    Tensors must agree in dtype, shape, device and every bit (within ``rtol`` where one is
+    given); containers in type, keys and length. With ``nan_equal`` a NaN matches a NaN in
+    the same place (a skipped step's recorded norm, say); otherwise NaN fails, as ``==``
+    does.
     """
     if isinstance(theirs, Tensor):
         assert isinstance(ours, Tensor), where
         layout = (ours.dtype, ours.shape, ours.device)
         assert layout == (theirs.dtype, theirs.shape, theirs.device), f"{where}: {layout}"
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=nan_equal, msg=where)
+        atol = rtol * 1e-2
+        torch.testing.assert_close(
+            ours, theirs, rtol=rtol, atol=atol, equal_nan=nan_equal, msg=where
+        )
     elif isinstance(theirs, dict):
         assert isinstance(ours, dict), where
         assert ours.keys() == theirs.keys(), f"{where}: {sorted(ours)} != {sorted(theirs)}"
         for key in theirs:
-            assert_identical(ours[key], theirs[key], f"{where}/{key}", nan_equal)
+            assert_identical(ours[key], theirs[key], f"{where}/{key}", nan_equal, rtol)
     elif isinstance(theirs, (list, tuple)):
         assert type(ours) is type(theirs) and len(ours) == len(theirs), where
         for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert_identical(a, b, f"{where}[{i}]", nan_equal)
+            assert_identical(a, b, f"{where}[{i}]", nan_equal, rtol)
     elif nan_equal and isinstance(theirs, float) and math.isnan(theirs):
         assert isinstance(ours, float) and math.isnan(ours), where
     else:
