@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_native.c
-	$(PIP) -e '.[test,dev]'
+	$(PIP) -e '.[test,dev,integrations]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -23,6 +23,7 @@ PAGES_WITH_EXAMPLES = [
     "docs/functional.md",
     "docs/optimizer.md",
     "docs/distributed.md",
+    "docs/integrations.md",
 ]
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```", re.DOTALL | re.MULTILINE)
 
