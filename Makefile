@@ -28,9 +28,10 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
 # The suite again with the C kernel left unused, so that the torch-ops path every install
-# without a compiler takes cannot rot; tests of the C kernel itself skip, saying why.
+# without a compiler takes cannot rot; tests of the C kernel itself skip, saying why. The
+# framework integrations run once, above: they test the frameworks, not the kernels.
 pytest-fallback: $(STAMP)
-	CLIPOPT_DISABLE_NATIVE=1 $(BIN)/python -m pytest tests -q
+	CLIPOPT_DISABLE_NATIVE=1 $(BIN)/python -m pytest tests -q -m "not integrations"
 
 # An sdist and a wheel, each installed into a fresh venv and checked there; the sdist
 # with CC=/bin/false, as on a machine without a C compiler.
