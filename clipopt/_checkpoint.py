@@ -104,12 +104,12 @@ def set_optimizer_state_dict(
 ) -> None:
     """Load what :func:`get_optimizer_state_dict` made (after ``dcp.load``) into ``optimizer``.
 
-    The clip entry and the groups' ``max_norm`` / ``norm_type`` are validated before
+    The clip entry and the groups' ``clip_max_norm`` / ``clip_norm_type`` are validated before
     anything is loaded, as :meth:`clipopt.ClippedOptimizer.load_state_dict` does; then the
     inner optimizer's state goes through torch's ``set_optimizer_state_dict`` and the clip
     state through the wrapper. A dict without ``"clip"`` (a run that started unwrapped)
     loads the inner state and leaves the clip state as it is; groups loaded without
-    ``max_norm`` / ``norm_type`` get the wrapper's defaults.
+    ``clip_max_norm`` / ``clip_norm_type`` get the wrapper's defaults.
 
     Args:
       model: the module the optimizer trains.

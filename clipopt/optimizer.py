@@ -48,7 +48,7 @@ def _check_inner(optimizer: Any) -> None:
     if isinstance(optimizer, ClippedOptimizer):
         raise TypeError(
             "optimizer is already a ClippedOptimizer; wrapping it twice would clip twice. "
-            "Change its param groups' 'max_norm' instead"
+            "Change its param groups' 'clip_max_norm' instead"
         )
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
@@ -406,7 +406,8 @@ class ClippedOptimizer(OptimizerWrapper):
 
         The layout of ``"clip"`` is in :mod:`clipopt._clip_state`: tensors and plain
         Python values only, so ``torch.load(..., weights_only=True)`` reads it.
-        Per-group ``max_norm`` / ``norm_type`` are saved in ``param_groups`` like ``lr``.
+        Per-group ``clip_max_norm`` / ``clip_norm_type`` are saved in ``param_groups``
+        like ``lr``.
         State-dict hooks registered on the wrapper run around the whole dict.
         """
         return super().state_dict()
