@@ -46,7 +46,7 @@ def _encode_clip_state(clip_state: Mapping[str, Any]) -> bytes:
 
 def _to_cpu(value: Any) -> Any:
     if isinstance(value, Tensor):
-        return value.detach().cpu()
+        return value.detach().cpu()  # saving a checkpoint, as the user asked: not a step
     if isinstance(value, Mapping):
         return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -1,7 +1,8 @@
 """Norm and scale kernels over lists of gradients, grouped by device and dtype.
 
-Everything here stays on the tensors' devices: no ``.item()``, no Python branch on a
-tensor's value. The public, validated entry points live in :mod:`clipopt.functional`.
+Everything here stays on the tensors' devices: no value is read on the host, and no
+Python branch depends on one. Callers validate arguments first: the functional API, the
+cross-rank reduction and the wrapper's step.
 
 A total p-norm is the p-norm of partial p-norms, so every path reduces each
 (device, dtype) group to short vectors of partial norms and combines those with one

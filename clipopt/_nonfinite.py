@@ -18,6 +18,7 @@ writes on an ``Optimizer`` instance, but keeps those on the objects it holds.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class LaggedCount:
             return 0
         if self._event is not None:
             self._event.synchronize()
-        return int(self._host.item())  # a copy made a step ago: no wait on the device
+        return int(self._host.item())  # the user asked for the limit; a copy: no wait
 
     def __getstate__(self) -> dict[str, Any]:
         return {"value": self.read()}
@@ -158,12 +159,13 @@ def _nonfinite(norms: Tensor, coefficients: Tensor) -> Tensor:
 
 def _what(norms: Tensor) -> str:
     """What was non-finite, for an error message (read on the host: it is raising)."""
-    if bool(torch.isfinite(norms).all()):
+    values = norms.tolist()  # raising, as the user asked
+    if all(math.isfinite(v) for v in (values if isinstance(values, list) else [values])):
         return (
-            f"the clip coefficient is NaN (norm {norms.tolist()}): a tensor max_norm that "
-            "is not > 0, or a norm past the dtype's range times max_norm"
+            f"the clip coefficient is NaN (norm {values}): a tensor max_norm that is not "
+            "> 0, or a norm past the dtype's range times max_norm"
         )
-    return f"the gradient norm is non-finite ({norms.tolist()})"
+    return f"the gradient norm is non-finite ({values})"
 
 
 def host_verdict(
@@ -184,7 +186,8 @@ def host_verdict(
     """
     nonfinite = _nonfinite(norms, coefficients)
     streak_here = counters.consecutive_skips.to(nonfinite.device)
-    is_bad, streak = (int(v) for v in torch.stack([nonfinite, streak_here]).tolist())
+    flags = torch.stack([nonfinite, streak_here]).tolist()  # the user asked: "skip"/"raise"
+    is_bad, streak = (int(v) for v in flags)
     if not is_bad:
         return None
     if mode == "raise" or not may_skip:

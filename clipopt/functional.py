@@ -93,8 +93,9 @@ def _measures_only(max_norm: MaxNorm) -> bool:
 
 def _raise_if_nonfinite(norm: Tensor, norm_type: float) -> None:
     if not torch.isfinite(norm).item():  # the caller asked for this sync
+        value = norm.item()  # raising, as the caller asked
         raise NonFiniteNormError(
-            f"The total norm of order {norm_type} for gradients is non-finite ({norm.item()}), "
+            f"The total norm of order {norm_type} for gradients is non-finite ({value}), "
             "so it cannot be clipped. To clip anyway, pass error_if_nonfinite=False."
         )
 
@@ -205,9 +206,10 @@ def _coefficient(max_norm: MaxNorm, norm: Tensor, error_if_nonfinite: bool) -> T
     that is not > 0, an absurd ``norm / max_norm``) raises before any grad is written."""
     coef = _kernels.clip_coefficient(max_norm, norm)
     if error_if_nonfinite and not torch.isfinite(coef).item():  # the caller asked for this
+        value = norm.item()  # raising, as the caller asked
         raise NonFiniteNormError(
             f"the clip coefficient for max_norm={max_norm!r} and a total norm of "
-            f"{norm.item()} is NaN: a tensor max_norm must be > 0, and norm / max_norm "
+            f"{value} is NaN: a tensor max_norm must be > 0, and norm / max_norm "
             "within the dtype's range. To clip anyway, pass error_if_nonfinite=False."
         )
     return coef
