@@ -65,7 +65,8 @@ class Progress:
             except ImportError:
                 pass
             else:
-                self.bar = tqdm(range(start, stop), desc=label, unit="step", file=sys.stdout)
+                desc = f"{label} steps {start}-{stop - 1}"
+                self.bar = tqdm(range(start, stop), desc=desc, unit="step", file=sys.stdout)
         self.label, self.norms = label, norms
 
     def update(self, step: int, loss: float) -> None:

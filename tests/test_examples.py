@@ -117,7 +117,8 @@ def test_quickstart_shows_a_progress_bar_on_a_terminal(
     example["main"](["--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert not STEP.search(out)  # no plain step lines: the bar shows them
-    assert "run: 100%" in out and "resumed: 100%" in out
+    assert "run steps 0-29: 100%" in out and "run steps 30-59: 100%" in out
+    assert "resumed steps 30-59: 100%" in out
     assert "clipped=13/60" in out and "clipped=3/30" in out
 
 
