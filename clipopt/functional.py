@@ -351,8 +351,13 @@ def clip_grad_norm(
     convention that a name without a trailing underscore does not mutate.
 
     Args:
-      parameters, max_norm, norm_type, error_if_nonfinite, foreach, process_group,
-        replicated_params: as in :func:`clip_grad_norm_`.
+      parameters: as in :func:`clip_grad_norm_`; their grads are read, not written.
+      max_norm: as in :func:`clip_grad_norm_`.
+      norm_type: as in :func:`clip_grad_norm_`.
+      error_if_nonfinite: as in :func:`clip_grad_norm_`.
+      foreach: as in :func:`clip_grad_norm_`.
+      process_group: as in :func:`clip_grad_norm_`.
+      replicated_params: as in :func:`clip_grad_norm_`.
 
     Returns:
       ``(clipped, total_norm)``: ``clipped[i]`` is a new tensor holding the clipped grad
