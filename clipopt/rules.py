@@ -299,8 +299,8 @@ class AutoClip(ClipRule):
         ordered = padded.sort(dim=1).values
         # torch.quantile's interpolation: rank = q * (n - 1) in the values' dtype, the
         # value below at the truncated rank, above at its ceiling, lerp by the fraction.
-        q = torch.tensor(self.percentile / 100.0, dtype=buffer.dtype, device=buffer.device)
-        ranks = q * (filled - 1).clamp(min=0).to(buffer.dtype)
+        # q is a Python scalar: a tensor made from it on CUDA would be a blocking copy.
+        ranks = (filled - 1).clamp(min=0).to(buffer.dtype) * (self.percentile / 100.0)
         below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
         low = ordered.gather(1, below[:, None])[:, 0]
         high = ordered.gather(1, above[:, None])[:, 0]
