@@ -589,11 +589,17 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         for name, mine, saved in pairs:
             if (mine is None) != (saved is None):
-                had = "no rule" if saved is None else f"{saved.get('type')}({saved.get('config')})"
+                had = (
+                    "no rule (a number or None)"
+                    if saved is None
+                    else f"{saved.get('type')}({saved.get('config')})"
+                )
+                shown = mine
+                if mine is None and name == "max_norm":
+                    shown = self.defaults[MAX_NORM_KEY]
                 raise ValueError(
-                    f"the checkpoint was saved with {name}={had if saved is not None else ''}"
-                    f"{'' if saved is not None else 'a number (no rule)'}, this optimizer has "
-                    f"{name}={mine!r}; construct it as it was saved"
+                    f"the checkpoint was saved with {name}={had}, this optimizer has "
+                    f"{name}={shown!r}; construct it as it was saved"
                 )
             if mine is not None and saved is not None:
                 copy.deepcopy(mine).load_state_dict(saved)

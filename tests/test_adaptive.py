@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from autoclip.torch import QuantileClip
+from helpers import assert_same
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
@@ -507,8 +508,6 @@ def test_another_rules_checkpoint_is_refused_and_changes_nothing(
     before = target.state_dict()
     with pytest.raises(ValueError, match=match):
         target.load_state_dict(checkpoint)
-    from helpers import assert_same
-
     assert_same(target.state_dict(), before)
 
 
@@ -519,8 +518,6 @@ def test_a_malformed_rule_state_is_refused_and_changes_nothing() -> None:
     before = opt.state_dict()
     with pytest.raises(ValueError, match="buffer"):
         opt.load_state_dict(checkpoint)
-    from helpers import assert_same
-
     assert_same(opt.state_dict(), before)
 
 
