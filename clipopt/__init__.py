@@ -10,10 +10,15 @@ from clipopt.functional import (
     get_total_norm,
 )
 from clipopt.optimizer import ClippedOptimizer
+from clipopt.rules import AutoClip, ClipRule, SpikeSkip, ZClip
 
 __all__ = [
+    "AutoClip",
+    "ClipRule",
     "ClippedOptimizer",
     "NonFiniteNormError",
+    "SpikeSkip",
+    "ZClip",
     "clip_grad_norm",
     "clip_grad_norm_",
     "clip_grad_value_",

@@ -15,7 +15,16 @@ does not own the old name. Layout of ``"clip"``::
                 "nonfinite": str, "max_consecutive_skips": int | None},
    "last_norm": 0-dim Tensor | None,
    "last_group_norms": 1-D Tensor | None,   # per_group=True only
-   "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...}
+   "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...,
+   # only when max_norm is a rule / skip_spikes is set (absent in 0.1.0's files):
+   "rule": {"type": str, "config": dict, "state": dict, "last_threshold": Tensor | None,
+            "clipped_count": 0-dim int64 Tensor},
+   "skip_spikes": {"type": "SpikeSkip", "config": dict, "state": dict,
+                   "spike_count": 0-dim int64 Tensor, "steps_seen": int}}
+
+With a rule, ``settings["max_norm"]`` is inf (the rule sets every threshold). The two
+optional entries are checked here only for being dicts: the rule objects check their own
+entries (:meth:`clipopt.ClipRule.load_state_dict`) before anything loads.
 
 Tensors and plain Python values only, so ``torch.load(..., weights_only=True)`` reads it.
 """
@@ -73,6 +82,7 @@ _CLIP_STATE_KEYS = (
     "consecutive_skips",
 )
 _COUNTER_KEYS = ("step_count", "skip_count", "consecutive_skips")
+_OPTIONAL_KEYS = ("rule", "skip_spikes")
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,8 @@ class ClipState:
     last_norm: Tensor | None
     last_group_norms: Tensor | None
     counters: dict[str, Tensor]
+    rule: Mapping[str, Any] | None = None
+    skip_spikes: Mapping[str, Any] | None = None
 
 
 def validated_settings(
@@ -253,11 +265,17 @@ def parse_clip_state(raw: Any, num_groups: int) -> ClipState | None:
         return None
     if not isinstance(raw, Mapping):
         raise TypeError(f"state_dict['clip'] must be a dict, got {type(raw).__name__}")
-    if set(raw) != set(_CLIP_STATE_KEYS):
+    if not set(_CLIP_STATE_KEYS) <= set(raw) <= {*_CLIP_STATE_KEYS, *_OPTIONAL_KEYS}:
         raise ValueError(
-            f"state_dict['clip'] must have the keys {sorted(_CLIP_STATE_KEYS)}, "
-            f"got {sorted(map(str, raw))}"
+            f"state_dict['clip'] must have the keys {sorted(_CLIP_STATE_KEYS)} (and "
+            f"optionally {list(_OPTIONAL_KEYS)}), got {sorted(map(str, raw))}"
         )
+    optional: dict[str, Mapping[str, Any] | None] = {}
+    for key in _OPTIONAL_KEYS:
+        entry = raw.get(key)
+        if entry is not None and not isinstance(entry, Mapping):
+            raise TypeError(f"state_dict['clip'][{key!r}] must be a dict, got {entry!r}")
+        optional[key] = entry
     saved = raw["settings"]
     if not isinstance(saved, Mapping) or set(saved) != set(_SETTINGS_KEYS):
         raise ValueError(
@@ -279,7 +297,9 @@ def parse_clip_state(raw: Any, num_groups: int) -> ClipState | None:
         if counter is None or int(counter) < 0:
             raise ValueError(f"state_dict['clip'][{key!r}] must be a 0-dim int64 tensor >= 0")
         counters[key] = counter
-    return ClipState(settings, last_norm, group_norms, counters)
+    return ClipState(
+        settings, last_norm, group_norms, counters, optional["rule"], optional["skip_spikes"]
+    )
 
 
 def _checked_tensor(name: str, value: Any, dims: int, floating: bool) -> Tensor | None:

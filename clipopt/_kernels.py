@@ -59,6 +59,7 @@ __all__ = [
     "combine_dtype",
     "group_by_device_and_dtype",
     "grouped_total_norm",
+    "per_tensor_norms",
     "result_dtype",
     "scale_",
     "scale_groups_",
@@ -516,6 +517,45 @@ def grouped_total_norm(
         for part in _group_partial_norms(group, p, foreach):
             partials.append(part.to(device=out_device, dtype=wide))
     return _combine(torch.cat(partials), p).to(out_dtype), (dense, sparse)
+
+
+def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
+    """The p-norm of each tensor, in one 1-D tensor in the order given (for per-tensor rules).
+
+    One ``torch._foreach_norm`` per (device, dtype) group (one ``vector_norm`` per
+    tensor with ``foreach=False``, and for sparse ones, by their values), accumulating
+    as :func:`total_norm` does on CUDA; the groups' norms are put back in order on the
+    host (a list, no index tensor) and stacked once on the first tensor's device, in
+    float32 (float64 if any tensor is double). Empty tensors have norm 0.
+    """
+    if not tensors:
+        raise ValueError("per_tensor_norms needs at least one tensor")
+    out_device = tensors[0].device
+    out_dtype = result_dtype([t.dtype for t in tensors])
+    norms: list[Tensor | None] = [None] * len(tensors)
+    grouped: dict[GroupKey, list[int]] = {}
+    for index, t in enumerate(tensors):
+        if t.is_sparse or t.numel() == 0:
+            values = _sparse_values(t) if t.is_sparse else t
+            acc = _range_dtype(t.dtype, p, t.device)
+            norms[index] = (
+                torch.linalg.vector_norm(values, p, dtype=acc)
+                if values.numel()
+                else torch.zeros((), dtype=t.dtype, device=t.device)
+            )
+        else:
+            grouped.setdefault((t.device, t.dtype), []).append(index)
+    for (device, dtype), indices in grouped.items():
+        group = [tensors[i] for i in indices]
+        acc = _range_dtype(dtype, p, device)
+        if foreach is False:
+            found = [torch.linalg.vector_norm(t, p, dtype=acc) for t in group]
+        else:
+            found = list(torch._foreach_norm(group, p, dtype=acc))
+        for i, norm in zip(indices, found, strict=True):
+            norms[i] = norm
+    ready = [cast(Tensor, n).to(device=out_device, dtype=out_dtype) for n in norms]
+    return torch.stack(ready)
 
 
 def combine_dtype(device: torch.device) -> torch.dtype:

@@ -26,7 +26,14 @@ from torch import Tensor
 
 from clipopt._errors import NonFiniteNormError
 
-__all__ = ["COUNTER_NAMES", "LaggedCount", "StepRecord", "device_verdict", "host_verdict"]
+__all__ = [
+    "COUNTER_NAMES",
+    "LaggedCount",
+    "StepRecord",
+    "device_verdict",
+    "host_verdict",
+    "spike_verdict",
+]
 
 COUNTER_NAMES = ("step_count", "skip_count", "consecutive_skips")
 
@@ -175,21 +182,29 @@ def host_verdict(
     mode: str,
     limit: int | None,
     may_skip: bool,
+    spike: Tensor | None = None,
 ) -> int | None:
-    """One host read: None if ``norms`` and ``coefficients`` are finite, else the skips in
-    a row before this step, which is to be skipped.
+    """One host read: None if ``norms`` and ``coefficients`` are finite (and ``spike``,
+    where given, is false), else the skips in a row before this step, which is to be
+    skipped.
+
+    With ``mode == "propagate"`` only a spike skips. A spike (``skip_spikes``) skips
+    whatever ``max_consecutive_skips`` says: that limit is for non-finite norms.
 
     Raises:
-      NonFiniteNormError: ``mode == "raise"``, or a non-finite value that cannot skip
-        (``may_skip`` is False inside a step that has started), or ``limit`` steps were
-        skipped in a row already.
+      NonFiniteNormError: a non-finite value and ``mode == "raise"``, or one that
+        cannot skip (``may_skip`` is False inside a step that has started), or ``limit``
+        steps were skipped in a row already.
     """
     nonfinite = _nonfinite(norms, coefficients)
     streak_here = counters.consecutive_skips.to(nonfinite.device)
-    flags = torch.stack([nonfinite, streak_here]).tolist()  # the user asked: "skip"/"raise"
-    is_bad, streak = (int(v) for v in flags)
+    spiked = torch.zeros_like(nonfinite) if spike is None else spike.to(nonfinite)
+    flags = torch.stack([nonfinite, streak_here, spiked]).tolist()  # the user asked for it
+    is_bad, streak, is_spike = (int(v) for v in flags)
+    if mode == "propagate":
+        is_bad = 0
     if not is_bad:
-        return None
+        return streak if is_spike else None
     if mode == "raise" or not may_skip:
         raise NonFiniteNormError(f"{_what(norms)}; nonfinite={mode!r}, so nothing was changed")
     if limit is not None and streak >= limit:
@@ -217,3 +232,9 @@ def device_verdict(
             f"(max_consecutive_skips={limit}); training is not recovering"
         )
     return _nonfinite(norms, coefficients).to(torch.float32)
+
+
+def spike_verdict(found_inf: Tensor | None, spike: Tensor) -> Tensor:
+    """``found_inf`` that also skips a spike (``skip_spikes``), on the device."""
+    flag = spike.to(torch.float32)
+    return flag if found_inf is None else torch.maximum(found_inf, flag.to(found_inf.device))

@@ -81,6 +81,9 @@ class ClipDecision:
       streak: with ``skip``, the skips in a row before this step.
       found_inf: a skip decided on the device: a 0-dim float32 tensor, 1.0 to skip,
         for a fused kernel's ``found_inf``; None when the host decides.
+      rule_outcome: with a clip rule, the norms it saw and the coefficients and
+        thresholds it chose, for it to commit once the step has run.
+      spike: with ``skip_spikes``, whether the norm is a spike (0-dim bool), if judged.
     """
 
     grads: list[list[Tensor]]
@@ -89,6 +92,8 @@ class ClipDecision:
     skip: bool = False
     streak: int = 0
     found_inf: Tensor | None = None
+    rule_outcome: tuple[Tensor, Tensor, Tensor] | None = None
+    spike: Tensor | None = None
 
 
 def read_group_settings(

@@ -11,6 +11,8 @@ inner optimizer's kernel (:mod:`clipopt._fused`).
 
 from __future__ import annotations
 
+import copy
+import math
 import warnings
 from collections.abc import Callable, Container, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, overload
@@ -19,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _hooks, _step
+from clipopt import _fused, _hooks, _kernels, _mesh, _step
 from clipopt._clip_state import (
     CLIP_KEY,
     MAX_NORM_KEY,
@@ -32,10 +34,17 @@ from clipopt._clip_state import (
     prepare_load,
     validated_settings,
 )
-from clipopt._nonfinite import COUNTER_NAMES, StepRecord, device_verdict, host_verdict
+from clipopt._nonfinite import (
+    COUNTER_NAMES,
+    StepRecord,
+    device_verdict,
+    host_verdict,
+    spike_verdict,
+)
 from clipopt._reduce import NormScope
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
+from clipopt.rules import ClipRule, SpikeSkip
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -80,6 +89,19 @@ def _rename_legacy_keys(
         )
 
 
+def _check_rule_groups(groups: Iterable[Mapping[str, Any]], rule: ClipRule | None) -> None:
+    """With a rule, no group may carry a threshold of its own: the rule sets them all."""
+    if rule is None:
+        return
+    for index, group in enumerate(groups):
+        value = group.get(MAX_NORM_KEY, math.inf)
+        if not (isinstance(value, (int, float)) and value == math.inf):
+            raise ValueError(
+                f"param_groups[{index}][{MAX_NORM_KEY!r}] is {value!r}, but max_norm is "
+                f"{rule!r}, which sets the threshold of every group; remove the group's own"
+            )
+
+
 def _upgrade_0_1_0_pickle(state: dict[str, Any]) -> None:
     """A 0.1.0 pickle's attributes in today's layout, in place: its norms, counters and
     lagged count become one record, and its group keys get today's names."""
@@ -110,6 +132,11 @@ class ClippedOptimizer(OptimizerWrapper):
       optimizer: the optimizer to wrap; it keeps its param groups and state.
       max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
         param group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor).
+        Or a clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`, any
+        :class:`clipopt.ClipRule`), which chooses the threshold each step from the norms
+        it has seen: it sets every group's threshold (a group's own ``clip_max_norm``
+        is refused), needs ``per_group=False``, and a global rule folds into a fused
+        kernel like a number does. See ``docs/adaptive.md``.
       norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
         Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
       per_group: clip each param group by its own norm instead of one global norm over
@@ -131,6 +158,10 @@ class ClippedOptimizer(OptimizerWrapper):
         DDP needs nothing. See :mod:`clipopt.distributed`.
       replicated_params: parameters identical on every rank of ``process_group`` (tied
         embeddings, layer norms under tensor parallel); they count once.
+      skip_spikes: a :class:`clipopt.SpikeSkip`: skip the whole step when the pre-clip
+        norm is an outlier of the recent ones. On a fused torch optimizer the skip rides
+        on ``found_inf``; otherwise it costs one host read per step once the rule can
+        fire (as ``nonfinite="skip"`` does, and in the same read).
 
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
@@ -157,7 +188,7 @@ class ClippedOptimizer(OptimizerWrapper):
     def __init__(
         self,
         optimizer: Optimizer,
-        max_norm: float,
+        max_norm: float | ClipRule,
         norm_type: float | str = 2.0,
         *,
         per_group: bool = False,
@@ -166,14 +197,34 @@ class ClippedOptimizer(OptimizerWrapper):
         max_consecutive_skips: int | None = 10,
         process_group: ProcessGroup | None = None,
         replicated_params: Iterable[Tensor] | None = None,
+        skip_spikes: SpikeSkip | None = None,
     ) -> None:
         _check_inner(optimizer)
+        rule = max_norm if isinstance(max_norm, ClipRule) else None
         settings = validated_settings(
-            max_norm, norm_type, per_group, nonfinite, max_consecutive_skips
+            math.inf if rule is not None else max_norm,
+            norm_type,
+            per_group,
+            nonfinite,
+            max_consecutive_skips,
         )
+        if rule is not None and per_group:
+            raise ValueError(
+                f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one "
+                "history of one norm; use per_group=False, or per_tensor=True where the "
+                "rule has it"
+            )
+        if rule is not None and rule.per_tensor and process_group is not None:
+            raise ValueError(
+                f"{rule!r} measures each grad on its own, which a process_group splits "
+                "across ranks; per-tensor rules need unsplit parameters"
+            )
+        if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
+            raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
         migrated = [_migrated(group, optimizer.defaults) for group in optimizer.param_groups]
         check_groups(migrated, settings)
+        _check_rule_groups(migrated, rule)
         scope = NormScope(
             process_group,
             replicated_params,
@@ -184,6 +235,8 @@ class ClippedOptimizer(OptimizerWrapper):
         super().__init__(optimizer)
         self._foreach = foreach
         self._norm_scope = scope
+        self._rule = rule
+        self._skip_spikes = skip_spikes
         self._apply_settings(settings)
         self._fill_group_defaults()
         self._record = StepRecord()
@@ -233,6 +286,18 @@ class ClippedOptimizer(OptimizerWrapper):
         return self._max_consecutive_skips
 
     @property
+    def rule(self) -> ClipRule | None:
+        """The clip rule passed as ``max_norm``, None for a number. Its
+        :attr:`~clipopt.ClipRule.last_threshold` and
+        :attr:`~clipopt.ClipRule.clipped_count` are the rule's monitoring."""
+        return self._rule
+
+    @property
+    def skip_spikes(self) -> SpikeSkip | None:
+        """The :class:`clipopt.SpikeSkip` that skips spikes, or None."""
+        return self._skip_spikes
+
+    @property
     def last_norm(self) -> Tensor | None:
         """The pre-clip total norm of the most recent step, None before the first.
 
@@ -276,16 +341,24 @@ class ClippedOptimizer(OptimizerWrapper):
         if isinstance(param_group, dict):
             migrated = _migrated(param_group, self.defaults)
             check_groups([*self.param_groups, migrated], self._settings())
+            _check_rule_groups([migrated], self._rule)
             _rename_legacy_keys([param_group], self.defaults)
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
-        settings = ", ".join(f"{k}={v!r}" for k, v in self._settings().as_dict().items())
+        shown = self._settings().as_dict()
+        if self._rule is not None:
+            shown["max_norm"] = self._rule
+        if self._skip_spikes is not None:
+            shown["skip_spikes"] = self._skip_spikes
+        settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return f"{type(self).__name__}({settings}) wrapping\n{self.optimizer!r}"
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_record" not in state:
             _upgrade_0_1_0_pickle(state)
+        state.setdefault("_rule", None)
+        state.setdefault("_skip_spikes", None)
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ the step
@@ -325,6 +398,10 @@ class ClippedOptimizer(OptimizerWrapper):
             result, latest = apply(decision, closure, loss)
         skipped = decision.skip if decision.found_inf is None else decision.found_inf
         self._record.record(latest.norm, latest.stacked, skipped, decision.streak)
+        if self._rule is not None and decision.rule_outcome is not None:
+            self._rule.commit(*decision.rule_outcome)
+        if self._skip_spikes is not None:
+            self._skip_spikes.commit(decision.measurement.norm, decision.spike)
         return result
 
     @torch.no_grad()
@@ -349,19 +426,70 @@ class ClippedOptimizer(OptimizerWrapper):
             self._foreach,
             [p for group in self.param_groups for p in group["params"]],
         )
-        coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
+        outcome = None
+        if self._rule is None:
+            coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
+        else:
+            _check_rule_groups(self.param_groups, self._rule)
+            coefficients, outcome = self._rule_coefficients(grads, measured, settings.norm_types[0])
+        spike = None
+        spikes = self._skip_spikes
+        if may_skip and spikes is not None and spikes.may_trigger():
+            spike = spikes.verdict(measured.norm)
         fold = may_fold and _fused.can_fold(self.optimizer, grads, coefficients)
-        if self._nonfinite == "propagate":
-            return _step.ClipDecision(grads, measured, coefficients), fold
+        if self._nonfinite == "propagate" and spike is None:
+            return _step.ClipDecision(grads, measured, coefficients, rule_outcome=outcome), fold
         norms = measured.norm if measured.stacked is None else measured.stacked
         values = _step.coefficient_values(coefficients, norms)
         limit = self._max_consecutive_skips
-        if fold and self._nonfinite == "skip" and _fused.skips_cleanly(self.optimizer):
-            found_inf = device_verdict(norms, values, self._record, limit)
-            return _step.ClipDecision(grads, measured, coefficients, found_inf=found_inf), fold
-        streak = host_verdict(norms, values, self._record, self._nonfinite, limit, may_skip)
+        if fold and self._nonfinite != "raise" and _fused.skips_cleanly(self.optimizer):
+            found_inf = None
+            if self._nonfinite == "skip":
+                found_inf = device_verdict(norms, values, self._record, limit)
+            if spike is not None:
+                found_inf = spike_verdict(found_inf, spike)
+            return _step.ClipDecision(
+                grads,
+                measured,
+                coefficients,
+                found_inf=found_inf,
+                rule_outcome=outcome,
+                spike=spike,
+            ), fold
+        streak = host_verdict(norms, values, self._record, self._nonfinite, limit, may_skip, spike)
         skip = streak is not None
-        return _step.ClipDecision(grads, measured, coefficients, skip, streak or 0), fold
+        return _step.ClipDecision(
+            grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
+        ), fold
+
+    def _rule_coefficients(
+        self, grads: list[list[Tensor]], measured: _step.Measurement, norm_type: float
+    ) -> tuple[list[_step.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
+        """The rule's coefficient per group and what it decided (to commit after the step).
+
+        A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
+        rule one per grad, from norms measured in one batched pass.
+        """
+        rule = self._rule
+        assert rule is not None
+        if not rule.per_tensor:
+            coefficient, threshold = rule.decide(measured.norm)
+            shared: list[_step.Coefficient] = [coefficient] * len(grads)
+            return shared, (measured.norm, coefficient, threshold)
+        flat = [g for group in grads for g in group]
+        if not flat:
+            return [None] * len(grads), None
+        if not _mesh.all_plain(flat):
+            raise ValueError(f"{rule!r} measures each grad on its own; DTensor grads are sharded")
+        norms = _kernels.per_tensor_norms(flat, norm_type, self._foreach)
+        coefficients, thresholds = rule.decide(norms)
+        parts = coefficients.unbind()
+        per_group: list[_step.Coefficient] = []
+        start = 0
+        for group in grads:
+            per_group.append(tuple(parts[start : start + len(group)]) if group else None)
+            start += len(group)
+        return per_group, (norms, coefficients, thresholds)
 
     def _apply_folded(
         self, decision: _step.ClipDecision, closure: Closure | None, loss: Any
@@ -416,12 +544,17 @@ class ClippedOptimizer(OptimizerWrapper):
         def copy(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().clone()
 
-        return {
+        entry = {
             "settings": self._settings().as_dict(),
             "last_norm": copy(self._record.last_norm),
             "last_group_norms": copy(self._record.last_group_norms),
             **self._record.state(),
         }
+        if self._rule is not None:
+            entry["rule"] = self._rule.state_dict()
+        if self._skip_spikes is not None:
+            entry["skip_spikes"] = self._skip_spikes.state_dict()
+        return entry
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
@@ -441,9 +574,43 @@ class ClippedOptimizer(OptimizerWrapper):
     def _check_load(
         self, inner_state: Mapping[str, Any], extra: Any
     ) -> tuple[dict[str, Any], ClipState | None]:
-        return prepare_load(
+        inner, prepared = prepare_load(
             extra, inner_state, len(self.param_groups), self._settings(), self.defaults
         )
+        if prepared is not None:
+            self._check_loaded_rules(prepared)
+        return inner, prepared
+
+    def _check_loaded_rules(self, prepared: ClipState) -> None:
+        """The saved rule and spike skip are this wrapper's, with their settings; trial
+        loads into copies check their state. Nothing here changes."""
+        pairs = (
+            ("max_norm", self._rule, prepared.rule),
+            ("skip_spikes", self._skip_spikes, prepared.skip_spikes),
+        )
+        for name, mine, saved in pairs:
+            if (mine is None) != (saved is None):
+                had = (
+                    "no rule (a number or None)"
+                    if saved is None
+                    else f"{saved.get('type')}({saved.get('config')})"
+                )
+                shown = mine
+                if mine is None and name == "max_norm":
+                    shown = self.defaults[MAX_NORM_KEY]
+                raise ValueError(
+                    f"the checkpoint was saved with {name}={had}, this optimizer has "
+                    f"{name}={shown!r}; construct it as it was saved"
+                )
+            if mine is not None and saved is not None:
+                copy.deepcopy(mine).load_state_dict(saved)
+        if self._rule is not None and (
+            prepared.settings.per_group or prepared.settings.max_norm != math.inf
+        ):
+            raise ValueError(
+                "state_dict['clip']['settings'] of a rule must have per_group=False and "
+                f"max_norm=inf, got {prepared.settings.as_dict()}"
+            )
 
     def _finish_load(self, prepared: ClipState | None) -> None:
         # An inner optimizer with a layout of its own loads groups that only now can be read.
@@ -462,6 +629,12 @@ class ClippedOptimizer(OptimizerWrapper):
             return None if t is None else t.to(device=device, copy=True)
 
         self._apply_settings(clip_state.settings)
+        if self._rule is not None and clip_state.rule is not None:
+            self._rule.load_state_dict(clip_state.rule)
+            self._rule.to(device)
+        if self._skip_spikes is not None and clip_state.skip_spikes is not None:
+            self._skip_spikes.load_state_dict(clip_state.skip_spikes)
+            self._skip_spikes.to(device)
         counters = {k: v.to(device=device, copy=True) for k, v in clip_state.counters.items()}
         self._record.load(counters, here(clip_state.last_norm), here(clip_state.last_group_norms))
 

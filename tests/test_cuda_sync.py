@@ -2,7 +2,8 @@
 
 For each path ``ClippedOptimizer`` can take on CUDA (the explicit foreach scale,
 ``foreach=False``, the clip folded into fused AdamW, Adam and SGD through
-``grad_scale``/``found_inf``, ``per_group``, a tensor ``max_norm``, bfloat16 grads) and
+``grad_scale``/``found_inf``, ``per_group``, a tensor ``max_norm``, bfloat16 grads, the
+adaptive clip rules, SpikeSkip on a fused optimizer) and
 each ``nonfinite`` policy that should not wait for the device (``"propagate"``; and
 ``"skip"`` where a fused kernel takes ``found_inf``), the second step runs with any
 synchronizing CUDA call turned into an error. The first step is a warm-up: it moves the
@@ -370,3 +371,43 @@ def test_the_sync_detector_is_live() -> None:
     norm = clipopt.get_total_norm([torch.ones(3, device="cuda")])
     with sync_is_an_error(), pytest.raises(RuntimeError, match=SYNC_ERROR):
         norm.item()
+
+
+# ---------------------------------------------------------------- adaptive clip rules
+
+RULES: dict[str, Callable[[], clipopt.ClipRule]] = {
+    "AutoClip": lambda: clipopt.AutoClip(percentile=50.0, history=16),
+    "AutoClip per tensor": lambda: clipopt.AutoClip(50.0, 16, per_tensor=True),
+    "ZClip": lambda: clipopt.ZClip(warmup_steps=3),
+}
+
+
+@pytest.mark.parametrize("make", [foreach_sgd, fused_adamw], ids=["foreach SGD", "fused AdamW"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rule_steps_never_sync(rule: str, make: MakeInner) -> None:
+    """Every step after the first (which makes the rule's state) runs in the error mode,
+    past AutoClip's ring wrapping and ZClip's warm-up."""
+    params = make_params()
+    opt = clipopt.ClippedOptimizer(make(params), max_norm=RULES[rule]())
+    set_grads(params, seed=1)
+    opt.step()
+    for seed in range(2, 30):
+        set_grads(params, seed=seed, scale=10.0 * (1 + seed % 5))
+        with sync_is_an_error():
+            opt.step()
+    assert opt.rule is not None and opt.rule.last_threshold is not None
+    assert opt.rule.last_threshold.device.type == "cuda"
+    assert int(opt.rule.clipped_count) > 0
+
+
+def test_spike_skip_on_a_fused_optimizer_never_syncs() -> None:
+    params = make_params()
+    spikes = clipopt.SpikeSkip(window=8, sigma=3.0, min_history=4)
+    opt = clipopt.ClippedOptimizer(fused_adamw(params), max_norm=MAX_NORM, skip_spikes=spikes)
+    set_grads(params, seed=1)
+    opt.step()
+    for seed in range(2, 20):
+        set_grads(params, seed=seed, scale=1000.0 if seed == 15 else 10.0)
+        with sync_is_an_error():
+            opt.step()
+    assert int(opt.skip_count) >= 1 and int(spikes.spike_count) == int(opt.skip_count)

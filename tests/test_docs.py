@@ -30,6 +30,7 @@ PAGES_WITH_EXAMPLES = [
     "docs/optimizer.md",
     "docs/distributed.md",
     "docs/integrations.md",
+    "docs/adaptive.md",
 ]
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```", re.DOTALL | re.MULTILINE)
 

@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"_errors", "_validation", "_native", "_torch_dcp", "_hooks"},  # no clipopt imports
     {"_cpu"},  # the C kernels' Python side
     {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
-    {"_reduce", "_clip_state", "_nonfinite"},  # norms across ranks; settings; the skip policy
+    {"_reduce", "_clip_state", "_nonfinite", "rules"},  # across ranks; settings; skips; rules
     {"functional", "_step", "_fused"},  # the functional API; the step's parts; the fold
     {"_wrapper"},  # the transparent wrapper, which knows nothing of clipping
     {"optimizer"},  # ClippedOptimizer
