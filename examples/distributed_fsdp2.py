@@ -73,6 +73,9 @@ def main() -> None:
         print(f"rank {dist.get_rank()}: last_norm={norm.item():.6f}\n", end="", flush=True)
     finally:
         if launched_here:
+            # Every rank done communicating before any closes its connections: under load,
+            # gloo aborted a rank whose peer had torn down first.
+            dist.barrier()
             dist.destroy_process_group()
 
 
