@@ -86,7 +86,30 @@ def _checked(name: str, value: Any, shape: tuple[int, ...] | None, floating: boo
     return tensor
 
 
-class ClipRule:
+def _count(counter: Tensor | None) -> Tensor:
+    """A counter made on the grads' device at its first step; a zero before it."""
+    return torch.zeros((), dtype=torch.int64) if counter is None else counter
+
+
+class _OnDevice:
+    """What a rule and SpikeSkip share: tensor state moved after a load, and a repr of
+    the config."""
+
+    def config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to(self, device: torch.device) -> None:
+        """Move the state (and counters) to ``device``, after a load."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, Tensor):
+                setattr(self, name, value.to(device))
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({settings})"
+
+
+class ClipRule(_OnDevice):
     """The protocol of an adaptive clip rule; subclass it and pass an instance as
     ``max_norm``.
 
@@ -166,9 +189,7 @@ class ClipRule:
     @property
     def clipped_count(self) -> Tensor:
         """Steps in which the rule scaled some grad, a 0-dim int64 tensor."""
-        if self._clipped_count is None:
-            return torch.zeros((), dtype=torch.int64)
-        return self._clipped_count
+        return _count(self._clipped_count)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -216,16 +237,6 @@ class ClipRule:
         self.load_rule_state(state_dict["state"])
         self._last_threshold = None if last is None else last.clone()
         self._clipped_count = count.clone()
-
-    def to(self, device: torch.device) -> None:
-        """Move the state (and counters) to ``device``, after a load."""
-        for name, value in list(vars(self).items()):
-            if isinstance(value, Tensor):
-                setattr(self, name, value.to(device))
-
-    def __repr__(self) -> str:
-        settings = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"{type(self).__name__}({settings})"
 
 
 class AutoClip(ClipRule):
@@ -532,7 +543,7 @@ class ZClip(ClipRule):
         self._mean, self._var = mean.clone(), var.clone()
 
 
-class SpikeSkip:
+class SpikeSkip(_OnDevice):
     """Skip a step whose pre-clip norm is a spike: ``skip_spikes=`` of ClippedOptimizer.
 
     A step is skipped (parameters, optimizer state and grads untouched; ``skip_count``
@@ -613,9 +624,7 @@ class SpikeSkip:
     @property
     def spike_count(self) -> Tensor:
         """Steps skipped as spikes, a 0-dim int64 tensor."""
-        if self._spikes is None:
-            return torch.zeros((), dtype=torch.int64)
-        return self._spikes
+        return _count(self._spikes)
 
     def state_dict(self) -> dict[str, Any]:
         """Config, history and counters: tensors and plain values."""
@@ -653,13 +662,3 @@ class SpikeSkip:
             raise ValueError(f"SpikeSkip steps_seen must be an int >= 0, got {seen!r}")
         self._buffer, self._count, self._spikes = buffer, count, spikes.clone()
         self.steps_seen = seen
-
-    def to(self, device: torch.device) -> None:
-        """Move the state to ``device``, after a load."""
-        for name, value in list(vars(self).items()):
-            if isinstance(value, Tensor):
-                setattr(self, name, value.to(device))
-
-    def __repr__(self) -> str:
-        settings = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"SpikeSkip({settings})"
