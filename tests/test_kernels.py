@@ -19,7 +19,10 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from clipopt import _kernels
-from clipopt._kernels import _CHUNK, _PACK_BELOW, _PACK_RUN, _ROW
+from clipopt._torch_norms import CHUNK as _CHUNK
+from clipopt._torch_norms import PACK_BELOW as _PACK_BELOW
+from clipopt._torch_norms import PACK_RUN as _PACK_RUN
+from clipopt._torch_norms import ROW as _ROW
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf]
 HALF = [torch.float16, torch.bfloat16]

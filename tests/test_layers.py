@@ -18,6 +18,7 @@ PACKAGE = Path(clipopt.__file__).parent
 LAYERS: list[set[str]] = [
     {"_errors", "_validation", "_native", "_torch_dcp", "_hooks"},  # no clipopt imports
     {"_cpu"},  # the C kernels' Python side
+    {"_torch_norms"},  # partial norms of CPU grads by torch ops
     {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
     {"_reduce", "_clip_state", "_nonfinite", "rules"},  # across ranks; settings; skips; rules
     {"functional", "_step", "_fused"},  # the functional API; the step's parts; the fold

@@ -21,7 +21,8 @@ from torch import Tensor
 
 import clipopt
 from clipopt import _cpu
-from clipopt._kernels import _CHUNK, _PACK_BELOW
+from clipopt._torch_norms import CHUNK as _CHUNK
+from clipopt._torch_norms import PACK_BELOW as _PACK_BELOW
 
 Float64Norm = Callable[[Sequence[Tensor | None], float | str], float]
 
