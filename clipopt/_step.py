@@ -29,6 +29,7 @@ from clipopt._clip_state import (
     check_one_norm_type,
     group_max_norm,
 )
+from clipopt.rules import ClipRule
 
 __all__ = [
     "ClipDecision",
@@ -39,6 +40,7 @@ __all__ = [
     "collect_grads",
     "measure",
     "read_group_settings",
+    "rule_coefficients",
     "scale",
     "threshold_coefficients",
 ]
@@ -217,3 +219,35 @@ def coefficient_values(coefficients: list[Coefficient], like: Tensor) -> Tensor:
     if not seen:
         return like.new_zeros(0)
     return torch.cat(list(seen.values()))
+
+
+def rule_coefficients(
+    rule: ClipRule,
+    grads: list[list[Tensor]],
+    measured: Measurement,
+    norm_type: float,
+    foreach: bool | None,
+) -> tuple[list[Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
+    """The rule's coefficient per group and what it decided (to commit after the step).
+
+    A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
+    rule one per grad, from norms measured in one batched pass.
+    """
+    if not rule.per_tensor:
+        coefficient, threshold = rule.decide(measured.norm)
+        shared: list[Coefficient] = [coefficient] * len(grads)
+        return shared, (measured.norm, coefficient, threshold)
+    flat = [g for group in grads for g in group]
+    if not flat:
+        return [None] * len(grads), None
+    if not _mesh.all_plain(flat):
+        raise ValueError(f"{rule!r} measures each grad on its own; DTensor grads are sharded")
+    norms = _kernels.per_tensor_norms(flat, norm_type, foreach)
+    coefficients, thresholds = rule.decide(norms)
+    parts = coefficients.unbind()
+    per_group: list[Coefficient] = []
+    start = 0
+    for group in grads:
+        per_group.append(tuple(parts[start : start + len(group)]) if group else None)
+        start += len(group)
+    return per_group, (norms, coefficients, thresholds)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _hooks, _kernels, _mesh, _step
+from clipopt import _fused, _hooks, _step
 from clipopt._clip_state import (
     CLIP_KEY,
     MAX_NORM_KEY,
@@ -116,6 +116,37 @@ def _upgrade_0_1_0_pickle(state: dict[str, Any]) -> None:
     migrate_legacy_keys(inner.defaults, owned=())  # 0.1.0 wrote them there: they are ours
     for group in inner.param_groups:
         migrate_legacy_keys(group, inner.defaults)
+
+
+def _check_saved_rules(
+    prepared: ClipState, rule: ClipRule | None, skip_spikes: SpikeSkip | None, max_norm: float
+) -> None:
+    """The saved rule and spike skip are this wrapper's (``rule``, ``skip_spikes``; a
+    ``max_norm`` number otherwise), with their settings; trial loads into copies check
+    their state. Nothing here changes."""
+    pairs = (
+        ("max_norm", rule, prepared.rule),
+        ("skip_spikes", skip_spikes, prepared.skip_spikes),
+    )
+    for name, mine, saved in pairs:
+        if (mine is None) != (saved is None):
+            had = (
+                "no rule (a number or None)"
+                if saved is None
+                else f"{saved.get('type')}({saved.get('config')})"
+            )
+            shown: object = max_norm if mine is None and name == "max_norm" else mine
+            raise ValueError(
+                f"the checkpoint was saved with {name}={had}, this optimizer has "
+                f"{name}={shown!r}; construct it as it was saved"
+            )
+        if mine is not None and saved is not None:
+            copy.deepcopy(mine).load_state_dict(saved)
+    if rule is not None and (prepared.settings.per_group or prepared.settings.max_norm != math.inf):
+        raise ValueError(
+            "state_dict['clip']['settings'] of a rule must have per_group=False and "
+            f"max_norm=inf, got {prepared.settings.as_dict()}"
+        )
 
 
 class ClippedOptimizer(OptimizerWrapper):
@@ -431,7 +462,9 @@ class ClippedOptimizer(OptimizerWrapper):
             coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
         else:
             _check_rule_groups(self.param_groups, self._rule)
-            coefficients, outcome = self._rule_coefficients(grads, measured, settings.norm_types[0])
+            coefficients, outcome = _step.rule_coefficients(
+                self._rule, grads, measured, settings.norm_types[0], self._foreach
+            )
         spike = None
         spikes = self._skip_spikes
         if may_skip and spikes is not None and spikes.may_trigger():
@@ -461,35 +494,6 @@ class ClippedOptimizer(OptimizerWrapper):
         return _step.ClipDecision(
             grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
         ), fold
-
-    def _rule_coefficients(
-        self, grads: list[list[Tensor]], measured: _step.Measurement, norm_type: float
-    ) -> tuple[list[_step.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
-        """The rule's coefficient per group and what it decided (to commit after the step).
-
-        A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
-        rule one per grad, from norms measured in one batched pass.
-        """
-        rule = self._rule
-        assert rule is not None
-        if not rule.per_tensor:
-            coefficient, threshold = rule.decide(measured.norm)
-            shared: list[_step.Coefficient] = [coefficient] * len(grads)
-            return shared, (measured.norm, coefficient, threshold)
-        flat = [g for group in grads for g in group]
-        if not flat:
-            return [None] * len(grads), None
-        if not _mesh.all_plain(flat):
-            raise ValueError(f"{rule!r} measures each grad on its own; DTensor grads are sharded")
-        norms = _kernels.per_tensor_norms(flat, norm_type, self._foreach)
-        coefficients, thresholds = rule.decide(norms)
-        parts = coefficients.unbind()
-        per_group: list[_step.Coefficient] = []
-        start = 0
-        for group in grads:
-            per_group.append(tuple(parts[start : start + len(group)]) if group else None)
-            start += len(group)
-        return per_group, (norms, coefficients, thresholds)
 
     def _apply_folded(
         self, decision: _step.ClipDecision, closure: Closure | None, loss: Any
@@ -578,39 +582,8 @@ class ClippedOptimizer(OptimizerWrapper):
             extra, inner_state, len(self.param_groups), self._settings(), self.defaults
         )
         if prepared is not None:
-            self._check_loaded_rules(prepared)
+            _check_saved_rules(prepared, self._rule, self._skip_spikes, self.defaults[MAX_NORM_KEY])
         return inner, prepared
-
-    def _check_loaded_rules(self, prepared: ClipState) -> None:
-        """The saved rule and spike skip are this wrapper's, with their settings; trial
-        loads into copies check their state. Nothing here changes."""
-        pairs = (
-            ("max_norm", self._rule, prepared.rule),
-            ("skip_spikes", self._skip_spikes, prepared.skip_spikes),
-        )
-        for name, mine, saved in pairs:
-            if (mine is None) != (saved is None):
-                had = (
-                    "no rule (a number or None)"
-                    if saved is None
-                    else f"{saved.get('type')}({saved.get('config')})"
-                )
-                shown = mine
-                if mine is None and name == "max_norm":
-                    shown = self.defaults[MAX_NORM_KEY]
-                raise ValueError(
-                    f"the checkpoint was saved with {name}={had}, this optimizer has "
-                    f"{name}={shown!r}; construct it as it was saved"
-                )
-            if mine is not None and saved is not None:
-                copy.deepcopy(mine).load_state_dict(saved)
-        if self._rule is not None and (
-            prepared.settings.per_group or prepared.settings.max_norm != math.inf
-        ):
-            raise ValueError(
-                "state_dict['clip']['settings'] of a rule must have per_group=False and "
-                f"max_norm=inf, got {prepared.settings.as_dict()}"
-            )
 
     def _finish_load(self, prepared: ClipState | None) -> None:
         # An inner optimizer with a layout of its own loads groups that only now can be read.
