@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -45,3 +47,15 @@ def assert_identical(
 def assert_same(ours: Any, theirs: Any, where: str = "") -> None:
     """:func:`assert_identical` where a NaN matches a NaN in the same place."""
     assert_identical(ours, theirs, where, nan_equal=True)
+
+
+@contextlib.contextmanager
+def sync_is_an_error() -> Iterator[None]:
+    """Make any operation that waits for the GPU raise inside the block (torch's sync
+    debug mode); the work queued before it is waited for first."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

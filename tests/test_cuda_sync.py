@@ -22,13 +22,13 @@ Only the public API is used. Skipped where no GPU is present; ``make gpu-check``
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
+from helpers import sync_is_an_error
 from torch import Tensor, nn
 
 import clipopt
@@ -40,17 +40,6 @@ MAX_NORM = 1.0
 EPS = 1e-6  # the clip's epsilon: min(1, max_norm / (norm + 1e-6))
 SYNC_ERROR = "synchronizing CUDA operation"
 MakeInner = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-@contextlib.contextmanager
-def sync_is_an_error() -> Iterator[None]:
-    """Any synchronizing CUDA call inside the block raises a RuntimeError."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[nn.Parameter]:
@@ -83,6 +72,26 @@ def set_grads(
 def copy_grads(source: Sequence[nn.Parameter], target: Sequence[nn.Parameter]) -> None:
     for s, t in zip(source, target, strict=True):
         t.grad = None if s.grad is None else s.grad.clone()
+
+
+def step_beside(
+    opt: torch.optim.Optimizer,
+    params: Sequence[nn.Parameter],
+    ref: torch.optim.Optimizer,
+    others: Sequence[nn.Parameter],
+) -> list[Tensor]:
+    """Two steps of ``opt`` beside ``ref`` on the same grads, the second with any sync an
+    error (the first makes the optimizers' state); the float64 copy of its grads."""
+    set_grads(params, seed=1)
+    copy_grads(params, others)
+    opt.step()
+    ref.step()
+    grads = set_grads(params, seed=2)
+    copy_grads(params, others)
+    with sync_is_an_error():
+        opt.step()
+    ref.step()
+    return grads
 
 
 def reference_norm(grads: Sequence[Tensor]) -> float:
@@ -239,15 +248,7 @@ def test_folded_step_never_syncs_and_matches_the_explicit_path(name: str, nonfin
     others = twin(params)
     opt = clipopt.ClippedOptimizer(fused(params), max_norm=MAX_NORM, nonfinite=nonfinite)
     ref = clipopt.ClippedOptimizer(explicit(others), max_norm=MAX_NORM, nonfinite="propagate")
-    set_grads(params, seed=1)
-    copy_grads(params, others)
-    opt.step()
-    ref.step()
-    grads = set_grads(params, seed=2)
-    copy_grads(params, others)
-    with sync_is_an_error():
-        opt.step()
-    ref.step()
+    grads = step_beside(opt, params, ref, others)
     assert_clipped(params, reference_clip(grads))  # the kernel wrote the clipped grads back
     assert_norm(opt, grads)
     for p, q in zip(params, others, strict=True):
@@ -286,15 +287,7 @@ def test_folded_bf16_step_never_syncs() -> None:
     others = twin(params)
     opt = clipopt.ClippedOptimizer(fused_sgd(params), max_norm=MAX_NORM, nonfinite="skip")
     ref = clipopt.ClippedOptimizer(foreach_sgd(others), max_norm=MAX_NORM)
-    set_grads(params, seed=1)
-    copy_grads(params, others)
-    opt.step()
-    ref.step()
-    grads = set_grads(params, seed=2)
-    copy_grads(params, others)
-    with sync_is_an_error():
-        opt.step()
-    ref.step()
+    grads = step_beside(opt, params, ref, others)
     assert_clipped(params, reference_clip(grads))
     assert_norm(opt, grads)
     # The explicit path rounds the clipped grad to bfloat16 before the update (and

@@ -6,12 +6,12 @@ through ``tests/test_properties.py``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from helpers import sync_is_an_error
 from torch import Tensor
 
 import clipopt
@@ -21,17 +21,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 Float64Norm = Callable[[Sequence[Tensor | None], float | str], float]
 NORM_TYPES = [1, 2.0, 3.5, math.inf, "inf"]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-
-@contextlib.contextmanager
-def sync_is_an_error() -> Iterator[None]:
-    """Make any operation that waits for the GPU raise (torch's sync debug mode)."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def cuda_params(seed: int = 0, dtypes: Sequence[torch.dtype] = DTYPES) -> list[torch.nn.Parameter]:

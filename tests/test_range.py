@@ -89,6 +89,15 @@ def check_norm_and_clip(
         assert math.isclose(clipped, 1.0, rel_tol=2**-7)
 
 
+def drawn_grads(
+    sizes: list[int], layout: str, dtype: torch.dtype, data: st.DataObject, seed: int
+) -> list[Tensor]:
+    """Grads of ``sizes`` whose magnitudes sit at one drawn power of two of ``dtype``'s range."""
+    low, high = EXPONENTS.get(dtype, (-100, 100))
+    exponent = data.draw(st.integers(low, high), label="exponent")
+    return [make_grad(n, layout, dtype, exponent, seed + i) for i, n in enumerate(sizes)]
+
+
 @given(
     sizes=st.lists(st.sampled_from(SIZES), min_size=1, max_size=3),
     layout=st.sampled_from(LAYOUTS),
@@ -109,9 +118,7 @@ def test_every_cpu_path_gives_the_true_norm_across_the_float32_range(
     float64_norm: Float64Norm,
 ) -> None:
     """The C kernel (``native``, dense layouts) or the fallback, against float64."""
-    low, high = EXPONENTS.get(dtype, (-100, 100))
-    exponent = data.draw(st.integers(low, high), label="exponent")
-    grads = [make_grad(n, layout, dtype, exponent, seed + i) for i, n in enumerate(sizes)]
+    grads = drawn_grads(sizes, layout, dtype, data, seed)
     with kernel(native):
         check_norm_and_clip(grads, p, float64_norm)
 
@@ -170,7 +177,5 @@ def test_cuda_paths_give_the_true_norm_across_the_float32_range(
     float64_norm: Float64Norm,
 ) -> None:
     """``_foreach_norm`` (foreach None or True) and per-tensor ``vector_norm`` (False)."""
-    low, high = EXPONENTS.get(dtype, (-100, 100))
-    exponent = data.draw(st.integers(low, high), label="exponent")
-    grads = [make_grad(n, layout, dtype, exponent, seed + i) for i, n in enumerate(sizes)]
+    grads = drawn_grads(sizes, layout, dtype, data, seed)
     check_norm_and_clip(on("cuda", grads), p, float64_norm, foreach)
