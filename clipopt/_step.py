@@ -29,7 +29,7 @@ from clipopt._clip_state import (
     check_one_norm_type,
     group_max_norm,
 )
-from clipopt.rules import ClipRule
+from clipopt._rule import ClipRule
 
 __all__ = [
     "ClipDecision",

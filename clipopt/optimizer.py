@@ -42,9 +42,10 @@ from clipopt._nonfinite import (
     spike_verdict,
 )
 from clipopt._reduce import NormScope
+from clipopt._rule import ClipRule
+from clipopt._spike_skip import SpikeSkip
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
-from clipopt.rules import ClipRule, SpikeSkip
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -20,9 +20,9 @@ LAYERS: list[set[str]] = [
     {"_cpu"},  # the C kernels' Python side
     {"_torch_norms"},  # partial norms of CPU grads by torch ops
     {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
-    {"_reduce", "_clip_state", "_nonfinite", "rules"},  # across ranks; settings; skips; rules
-    {"functional", "_step", "_fused"},  # the functional API; the step's parts; the fold
-    {"_wrapper"},  # the transparent wrapper, which knows nothing of clipping
+    {"_reduce", "_clip_state", "_nonfinite", "_rule"},  # across ranks; settings; skips; the rule protocol
+    {"functional", "_step", "_fused", "_autoclip", "_zclip", "_spike_skip"},  # the API; the step; rules
+    {"_wrapper", "rules"},  # the transparent wrapper; the rules' facade
     {"optimizer"},  # ClippedOptimizer
     {"_checkpoint"},  # DCP helpers on the wrapper
     {"distributed"},  # the facade of the distributed names

@@ -1,0 +1,125 @@
+"""AutoClip (Seetharaman et al., 2020): clip at a percentile of the past norms."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from clipopt._rule import ClipRule, checked, integer, number
+
+__all__ = ["AutoClip"]
+
+
+class AutoClip(ClipRule):
+    """AutoClip (Seetharaman et al., 2020): clip at a percentile of the norms seen so far.
+
+    Each step's threshold is the ``percentile`` (linear interpolation, as
+    ``torch.quantile``) of the pre-clip norms of the previous steps, at most the last
+    ``history`` of them, kept in a ring buffer on the grads' device; the step's own norm
+    enters the history after the threshold is taken, so the first step does not clip.
+    This is ``autoclip.torch.QuantileClip(quantile=percentile / 100,
+    history_length=history, global_threshold=not per_tensor)``, step for step.
+
+    Args:
+      percentile: in [0, 100].
+      history: how many past norms count, >= 1.
+      per_tensor: one history and threshold per grad, each clipped by its own norm
+        (QuantileClip's default mode); every step must then have the same grads.
+
+    Example:
+      >>> import torch, clipopt
+      >>> w = torch.nn.Parameter(torch.zeros(2))
+      >>> rule = clipopt.AutoClip(percentile=50.0)
+      >>> opt = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.0), max_norm=rule)
+      >>> for g in ([3.0, 4.0], [6.0, 8.0], [0.6, 0.8]):
+      ...     w.grad = torch.tensor(g)
+      ...     opt.step()
+      >>> rule.last_threshold, rule.clipped_count, w.grad
+      (tensor(7.5000), tensor(1), tensor([0.6000, 0.8000]))
+    """
+
+    def __init__(
+        self, percentile: float = 10.0, history: int = 10_000, per_tensor: bool = False
+    ) -> None:
+        super().__init__()
+        self.percentile = number("percentile", percentile, 0.0, 100.0)
+        self.history = integer("history", history, 1)
+        if not isinstance(per_tensor, bool):
+            raise TypeError(f"per_tensor must be a bool, got {per_tensor!r}")
+        self.per_tensor = per_tensor
+        self._buffer: Tensor | None = None  # [rows, history]: the norms seen, as a ring
+        self._count: Tensor | None = None  # [rows] int64: finite norms seen per row
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "percentile": self.percentile,
+            "history": self.history,
+            "per_tensor": self.per_tensor,
+        }
+
+    def _rows(self, norms: Tensor) -> Tensor:
+        return norms.reshape(-1, 1) if self.per_tensor else norms.reshape(1, 1)
+
+    def _ensure(self, norms: Tensor) -> tuple[Tensor, Tensor]:
+        rows = self._rows(norms).shape[0]
+        if self._buffer is None or self._count is None:
+            buffer = norms.new_zeros((rows, self.history))
+            count = torch.zeros(rows, dtype=torch.int64, device=norms.device)
+            return buffer, count
+        if self._buffer.shape[0] != rows:
+            raise ValueError(
+                f"AutoClip(per_tensor=True) has a history for {self._buffer.shape[0]} grads "
+                f"but this step has {rows}: a per-tensor rule needs the same grads every step"
+            )
+        return self._buffer, self._count
+
+    def threshold(self, norms: Tensor) -> Tensor:
+        buffer, count = self._ensure(norms)
+        filled = torch.clamp(count, max=self.history)  # [rows]
+        columns = torch.arange(self.history, device=buffer.device)
+        padded = torch.where(columns < filled[:, None], buffer, math.inf)
+        ordered = padded.sort(dim=1).values
+        # torch.quantile's interpolation: rank = q * (n - 1) in the values' dtype, the
+        # value below at the truncated rank, above at its ceiling, lerp by the fraction.
+        # q is a Python scalar: a tensor made from it on CUDA would be a blocking copy.
+        ranks = (filled - 1).clamp(min=0).to(buffer.dtype) * (self.percentile / 100.0)
+        below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
+        low = ordered.gather(1, below[:, None])[:, 0]
+        high = ordered.gather(1, above[:, None])[:, 0]
+        value = torch.lerp(low, high, ranks - below.to(buffer.dtype))
+        value = torch.where(filled > 0, value, math.inf)
+        return value.reshape(norms.shape)
+
+    def update(self, norms: Tensor) -> None:
+        buffer, count = self._ensure(norms)
+        rows = self._rows(norms).to(buffer.dtype)
+        finite = torch.isfinite(rows[:, 0])
+        position = (count % self.history)[:, None]
+        old = buffer.gather(1, position)
+        self._buffer = buffer.scatter(1, position, torch.where(finite[:, None], rows, old))
+        self._count = count + finite.to(torch.int64)
+
+    def rule_state(self) -> dict[str, Any]:
+        if self._buffer is None or self._count is None:
+            return {}
+        return {"buffer": self._buffer.clone(), "count": self._count.clone()}
+
+    def load_rule_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or set(state) not in (set(), {"buffer", "count"}):
+            raise ValueError(f"AutoClip state must have the keys buffer and count, got {state!r}")
+        if not state:
+            self._buffer = self._count = None
+            return
+        buffer = checked("buffer", state["buffer"], None, floating=True)
+        if buffer.dim() != 2 or buffer.shape[1] != self.history:
+            raise ValueError(
+                f"AutoClip buffer must be [rows, {self.history}], got {tuple(buffer.shape)}"
+            )
+        if not self.per_tensor and buffer.shape[0] != 1:
+            raise ValueError(f"a global AutoClip buffer has one row, got {buffer.shape[0]}")
+        count = checked("count", state["count"], (buffer.shape[0],), floating=False)
+        self._buffer, self._count = buffer.clone(), count.clone()
