@@ -63,12 +63,16 @@ class Measurement:
     ``norm`` is what ``last_norm`` records. Without ``per_group`` every entry of
     ``group_norms`` is ``norm`` itself and ``stacked`` is None; with it they are the
     groups' own norms on one device and dtype, ``stacked`` is them in one 1-D tensor and
-    ``norm`` is its norm with the default order.
+    ``norm`` is its norm with the default order. ``tensor_norms`` is each grad's own norm
+    (1-D, in :func:`collect_grads`' order) where the step measured them
+    (:mod:`clipopt._monitor`), ``tensor_names`` their names where asked for.
     """
 
     norm: Tensor
     group_norms: list[Tensor]
     stacked: Tensor | None
+    tensor_norms: Tensor | None = None
+    tensor_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -231,7 +235,8 @@ def rule_coefficients(
     """The rule's coefficient per group and what it decided (to commit after the step).
 
     A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
-    rule one per grad, from norms measured in one batched pass.
+    rule one per grad, from norms measured in one batched pass (``measured``'s own
+    ``tensor_norms`` where the step has them, so that no grad is read twice).
     """
     if not rule.per_tensor:
         coefficient, threshold = rule.decide(measured.norm)
@@ -242,7 +247,9 @@ def rule_coefficients(
         return [None] * len(grads), None
     if not _mesh.all_plain(flat):
         raise ValueError(f"{rule!r} measures each grad on its own; DTensor grads are sharded")
-    norms = _kernels.per_tensor_norms(flat, norm_type, foreach)
+    norms = measured.tensor_norms
+    if norms is None:
+        norms = _kernels.per_tensor_norms(flat, norm_type, foreach)
     coefficients, thresholds = rule.decide(norms)
     parts = coefficients.unbind()
     per_group: list[Coefficient] = []

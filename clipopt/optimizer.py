@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _hooks, _step
+from clipopt import _fused, _hooks, _monitor, _step
 from clipopt._clip_state import (
     CLIP_KEY,
     MAX_NORM_KEY,
@@ -194,6 +194,10 @@ class ClippedOptimizer(OptimizerWrapper):
         norm is an outlier of the recent ones. On a fused torch optimizer the skip rides
         on ``found_inf``; otherwise it costs one host read per step once the rule can
         fire (as ``nonfinite="skip"`` does, and in the same read).
+      track_tensor_norms: keep each grad's pre-clip norm of the last step, by name, in
+        :attr:`last_tensor_norms`. They are measured in the step's one read of the grads
+        (the global norm is derived from them), not by a second pass. Not with a
+        ``process_group`` or DTensor grads (a shard's norm is not the tensor's).
 
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
@@ -230,6 +234,7 @@ class ClippedOptimizer(OptimizerWrapper):
         process_group: ProcessGroup | None = None,
         replicated_params: Iterable[Tensor] | None = None,
         skip_spikes: SpikeSkip | None = None,
+        track_tensor_norms: bool = False,
     ) -> None:
         _check_inner(optimizer)
         rule = max_norm if isinstance(max_norm, ClipRule) else None
@@ -251,6 +256,13 @@ class ClippedOptimizer(OptimizerWrapper):
                 f"{rule!r} measures each grad on its own, which a process_group splits "
                 "across ranks; per-tensor rules need unsplit parameters"
             )
+        if not isinstance(track_tensor_norms, bool):
+            raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
+        if track_tensor_norms and process_group is not None:
+            raise ValueError(
+                "track_tensor_norms=True measures each grad on its own, which a process_group "
+                "splits across ranks; it needs unsplit parameters"
+            )
         if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
             raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
@@ -269,6 +281,8 @@ class ClippedOptimizer(OptimizerWrapper):
         self._norm_scope = scope
         self._rule = rule
         self._skip_spikes = skip_spikes
+        self._track_tensor_norms = track_tensor_norms
+        self._tensor_norms = _monitor.TensorNorms()
         self._apply_settings(settings)
         self._fill_group_defaults()
         self._record = StepRecord()
@@ -345,6 +359,25 @@ class ClippedOptimizer(OptimizerWrapper):
         return self._record.last_group_norms
 
     @property
+    def track_tensor_norms(self) -> bool:
+        """Whether each step keeps its per-tensor norms in :attr:`last_tensor_norms`."""
+        return self._track_tensor_norms
+
+    @property
+    def last_tensor_norms(self) -> dict[str, Tensor] | None:
+        """With ``track_tensor_norms=True``, each grad's pre-clip norm in the last step.
+
+        ``{name: 0-dim tensor}`` on the grads' device (float32, float64 for double
+        grads), in the order of the param groups, parameters without a grad left out.
+        A name is the one torch keeps in each group's ``param_names`` when the inner
+        optimizer was given ``model.named_parameters()``, else the parameter's index
+        over all groups as a string (its key in ``state_dict()["state"]``). None before
+        the first step, after a load, and without ``track_tensor_norms``. Not saved in
+        :meth:`state_dict`: nothing in a step reads it.
+        """
+        return self._tensor_norms.as_dict()
+
+    @property
     def step_count(self) -> Tensor:
         """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
         return self._record.step_count
@@ -391,6 +424,8 @@ class ClippedOptimizer(OptimizerWrapper):
             _upgrade_0_1_0_pickle(state)
         state.setdefault("_rule", None)
         state.setdefault("_skip_spikes", None)
+        state.setdefault("_track_tensor_norms", False)
+        state.setdefault("_tensor_norms", _monitor.TensorNorms())
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ the step
@@ -430,6 +465,8 @@ class ClippedOptimizer(OptimizerWrapper):
             result, latest = apply(decision, closure, loss)
         skipped = decision.skip if decision.found_inf is None else decision.found_inf
         self._record.record(latest.norm, latest.stacked, skipped, decision.streak)
+        if self._track_tensor_norms:
+            self._tensor_norms.record(latest)
         if self._rule is not None and decision.rule_outcome is not None:
             self._rule.commit(*decision.rule_outcome)
         if self._skip_spikes is not None:
@@ -449,15 +486,7 @@ class ClippedOptimizer(OptimizerWrapper):
         _rename_legacy_keys(self.param_groups, self.defaults)  # "max_norm" set on a group
         settings = _step.read_group_settings(self.param_groups, self.defaults, self._per_group)
         grads = _step.collect_grads(self.param_groups)
-        measured = _step.measure(
-            grads,
-            settings.norm_types,
-            float(self.defaults[NORM_TYPE_KEY]),
-            self._per_group,
-            self._norm_scope,
-            self._foreach,
-            [p for group in self.param_groups for p in group["params"]],
-        )
+        measured = self._measure(grads, settings.norm_types)
         outcome = None
         if self._rule is None:
             coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
@@ -495,6 +524,21 @@ class ClippedOptimizer(OptimizerWrapper):
         return _step.ClipDecision(
             grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
         ), fold
+
+    def _measure(self, grads: list[list[Tensor]], norm_types: list[float]) -> _step.Measurement:
+        """The step's norms: with per-tensor norms wanted (tracked, or for a per-tensor
+        rule), all of them from one per-tensor pass."""
+        default = float(self.defaults[NORM_TYPE_KEY])
+        per_rule = self._rule is not None and self._rule.per_tensor
+        if self._track_tensor_norms or per_rule:
+            names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
+            return _monitor.measure_per_tensor(
+                grads, names, norm_types, default, self._per_group, self._foreach
+            )
+        params = [p for group in self.param_groups for p in group["params"]]
+        return _step.measure(
+            grads, norm_types, default, self._per_group, self._norm_scope, self._foreach, params
+        )
 
     def _apply_folded(
         self, decision: _step.ClipDecision, closure: Closure | None, loss: Any
@@ -603,6 +647,7 @@ class ClippedOptimizer(OptimizerWrapper):
             return None if t is None else t.to(device=device, copy=True)
 
         self._apply_settings(clip_state.settings)
+        self._tensor_norms.clear()
         if self._rule is not None and clip_state.rule is not None:
             self._rule.load_state_dict(clip_state.rule)
             self._rule.to(device)

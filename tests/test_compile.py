@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from helpers import assert_same
 from torch import Tensor
 
 import clipopt
@@ -182,3 +183,134 @@ def test_a_compiled_step_records_and_steps_as_the_eager_one(
         assert eager[POISONED][2][1] == 1  # the poisoned step was skipped
     for ours, theirs in zip(compiled_params, eager_params, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+# --- clip rules under torch.compile(opt.step, fullgraph=True) -------------------------------
+
+# One line per rule: a new rule (AdaGC, AGC) is covered by adding its factory here.
+RULES: dict[str, Callable[[], float | clipopt.ClipRule]] = {
+    "fixed": lambda: 0.5,
+    "autoclip": lambda: clipopt.AutoClip(percentile=50.0, history=4),
+    "autoclip-per-tensor": lambda: clipopt.AutoClip(50.0, 4, per_tensor=True),
+    "zclip": lambda: clipopt.ZClip(warmup_steps=2, max_grad_norm=None),
+}
+RULE_STEPS = 6
+SPIKE_AT = 4  # this step's grads are 30 times larger
+
+
+class Momentum(torch.optim.Optimizer):
+    """Heavy-ball SGD written to trace: torch's own optimizers break the graph on purpose
+    around their step (``_use_grad_for_differentiable``), so with them only the clip
+    could be one graph, never ``opt.step``."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                    p.add_(buf.mul_(0.9).add_(p.grad), alpha=-group["lr"])
+
+
+def _ruled_run(
+    make: Callable[[], float | clipopt.ClipRule], compiled: bool, track: bool = False
+) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """A few steps, eager or fullgraph-compiled after one eager step (torch's DCP check,
+    a frame inspection, runs while the inner state is empty); the grads are written in
+    place, as backward does into kept grads, so no step invalidates the graph's guards.
+    Returns the parameters and, per step, what the wrapper and its rule recorded."""
+    generator = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in ((6, 5), (5,))]
+    opt = clipopt.ClippedOptimizer(Momentum(params), make(), track_tensor_norms=track)
+    step = opt.step
+    records = []
+    for i in range(RULE_STEPS):
+        for p in params:
+            grad = torch.randn(p.shape, generator=generator) * (30.0 if i == SPIKE_AT else 1.0)
+            p.grad = grad if p.grad is None else p.grad.copy_(grad)
+        step()
+        if i == 0 and compiled:
+            step = torch.compile(opt.step, fullgraph=True, backend=BACKEND)
+        seen = [opt.last_norm, opt.step_count]
+        if opt.rule is not None:
+            seen += [opt.rule.last_threshold, opt.rule.clipped_count]
+        if track:
+            seen += list(opt.last_tensor_norms.values())
+        records.append([t.clone() for t in seen])
+    return [p.detach().clone() for p in params], records
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_a_ruled_step_is_one_graph_and_steps_as_the_eager_one(name: str) -> None:
+    """Each rule traces inside ``opt.step`` with ``fullgraph=True`` (no graph break, no
+    host read), one graph for every step (no guard on a value that changes per step),
+    and clips, records and steps as eager does."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled_params, compiled = _ruled_run(RULES[name], compiled=True)
+    assert counters["stats"]["unique_graphs"] == 1
+    eager_params, eager = _ruled_run(RULES[name], compiled=False)
+    for step, (ours, theirs) in enumerate(zip(compiled, eager, strict=True)):
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=f"step {step}")
+    for ours_p, theirs_p in zip(compiled_params, eager_params, strict=True):
+        torch.testing.assert_close(ours_p, theirs_p, rtol=1e-5, atol=1e-6)
+
+
+def test_tracked_tensor_norms_compile_into_the_same_graph() -> None:
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    _, compiled = _ruled_run(RULES["autoclip-per-tensor"], compiled=True, track=True)
+    assert counters["stats"]["unique_graphs"] == 1
+    _, eager = _ruled_run(RULES["autoclip-per-tensor"], compiled=False, track=True)
+    for ours, theirs in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+def test_spike_skip_judges_and_commits_without_a_graph_per_step() -> None:
+    """SpikeSkip's verdict and history update trace whole, as the wrapper calls them;
+    over 14 steps a few graphs at most: its host count of the norms seen changes each
+    step, which dynamo makes symbolic after one recompile rather than guard on."""
+    norms = [1.0, 1.1, 0.9, 1.05, 0.95, 40.0, 1.0, 1.02, 0.98, 1.01, 1.03, 0.97, 1.0, 0.99]
+
+    def judge(spikes: clipopt.SpikeSkip, norm: Tensor) -> Tensor | None:
+        spike = spikes.verdict(norm) if spikes.may_trigger() else None
+        spikes.commit(norm, spike)
+        return spike
+
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    traced = torch.compile(judge, fullgraph=True, backend=BACKEND)
+    ours, theirs = clipopt.SpikeSkip(8, 3.0, 4), clipopt.SpikeSkip(8, 3.0, 4)
+    verdicts = [(traced(ours, torch.tensor(n)), judge(theirs, torch.tensor(n))) for n in norms]
+    assert counters["stats"]["unique_graphs"] <= 3
+    judged = [[None if v is None else bool(v) for v in pair] for pair in verdicts]
+    assert all(a == b for a, b in judged)
+    assert torch.equal(ours.spike_count, theirs.spike_count)
+    assert int(theirs.spike_count) == 1  # the check can fail: one spike was judged
+    assert_same(ours.state_dict(), theirs.state_dict())
+
+
+def test_a_compiled_fused_step_skips_spikes_as_the_eager_one() -> None:
+    """On fused AdamW the skip rides on ``found_inf`` inside the compiled step."""
+
+    def run(compiled: bool) -> tuple[list[Tensor], int]:
+        generator = torch.Generator().manual_seed(2)
+        params = [torch.nn.Parameter(torch.randn(4, 3, generator=generator))]
+        opt = clipopt.ClippedOptimizer(
+            torch.optim.AdamW(params, lr=0.1, fused=True),
+            clipopt.AutoClip(50.0, 8),
+            skip_spikes=clipopt.SpikeSkip(4, 3.0, 3),
+        )
+        step = torch.compile(opt.step, backend=BACKEND) if compiled else opt.step
+        for i in range(7):
+            params[0].grad = torch.randn(4, 3, generator=generator) * (50.0 if i == 5 else 1.0)
+            step()
+        return [p.detach().clone() for p in params], int(opt.skip_count)
+
+    (ours, our_skips), (theirs, their_skips) = run(True), run(False)
+    assert our_skips == their_skips == 1
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
