@@ -30,6 +30,8 @@ Sections:
   memory rises).
 - ``host_syncs`` (CUDA only): how many synchronizing CUDA calls one clipped step makes,
   counted by ``torch.cuda.set_sync_debug_mode("warn")``.
+- ``rules``: the clip rules' rows, targets and memory record, from :mod:`benchmarks.rules`
+  (``python -m benchmarks.rules`` runs them alone), kept apart under ``"rules"``.
 
 With ``--device cuda`` (and not ``--quick``) the transformer layout is
 ``transformer_1b``: 18 blocks of width 2048 and a 50304-token embedding, 219 tensors,
@@ -937,6 +939,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for t in targets:
         sign = "<=" if t.at_most else ">="
         print(f"  {'held' if t.held else 'MISSED':<7} {t.name:<62} {t.value:7.2f} {sign} {t.limit}")
+    from benchmarks import rules  # deferred: rules imports this module's helpers
+
+    results["rules"] = rules.run_section(config)
     RESULTS_DIR.mkdir(exist_ok=True)
     own = RESULTS_DIR / results_name(config.quick, config.device)
     for path in (own, args.json):

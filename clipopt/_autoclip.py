@@ -100,7 +100,9 @@ class AutoClip(ClipRule):
         finite = torch.isfinite(rows[:, 0])
         position = (count % self.history)[:, None]
         old = buffer.gather(1, position)
-        self._buffer = buffer.scatter(1, position, torch.where(finite[:, None], rows, old))
+        # In place: the history is the rule's own (its state dict holds copies), and an
+        # out-of-place scatter copied all rows x history values every step.
+        self._buffer = buffer.scatter_(1, position, torch.where(finite[:, None], rows, old))
         self._count = count + finite.to(torch.int64)
 
     def rule_state(self) -> dict[str, Any]:
