@@ -132,13 +132,15 @@ def bench_rule_steps(config: Config) -> list[Row]:
 
 
 def _history(grad: Tensor, generator: torch.Generator) -> Tensor:
-    """1,000 past norms of one grad: its norm times factors in [0.5, 1.5)."""
-    scale = torch.rand(AUTOCLIP_HISTORY, generator=generator, dtype=torch.float64) + 0.5
+    """1,000 past norms of one grad: its norm times factors in [0.2, 1), so that the 90th
+    percentile is below it and the timed clips scale every grad."""
+    scale = torch.rand(AUTOCLIP_HISTORY, generator=generator, dtype=torch.float64) * 0.8 + 0.2
     return (torch.linalg.vector_norm(grad.double()) * scale).to(grad.dtype)
 
 
-def autoclip_contenders(config: Config) -> Contenders:
-    """Both clips on their own copies of the same grads, histories prefilled alike."""
+def autoclip_pair(config: Config) -> tuple[Contenders, list[Tensor], list[Tensor]]:
+    """Both clips on their own copies of the same grads, histories prefilled alike;
+    and those two lists of parameters (ours, theirs)."""
     from autoclip.torch import QuantileClip
 
     shapes = transformer_shapes(config.quick)
@@ -155,11 +157,11 @@ def autoclip_contenders(config: Config) -> Contenders:
     theirs = QuantileClip(their_params)  # quantile=0.9, history_length=1000, per parameter
     for param, history in zip(their_params, histories, strict=True):
         theirs.state[param]["history"] = history.clone()
-    return {OURS_VS_AUTOCLIP: ours.step, THEIRS: theirs.step}
+    return {OURS_VS_AUTOCLIP: ours.step, THEIRS: theirs.step}, ours_params, their_params
 
 
 def bench_autoclip(config: Config) -> list[Row]:
-    samples = time_interleaved(autoclip_contenders(config), config)
+    samples = time_interleaved(autoclip_pair(config)[0], config)
     case = f"transformer float32, clip only, at step {AUTOCLIP_STEP:,}"
     return summarize("rule vs autoclip", case, samples, THEIRS)
 

@@ -219,9 +219,11 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
 
     One ``torch._foreach_norm`` per (device, dtype) group (one ``vector_norm`` per
     tensor with ``foreach=False``, and for sparse ones, by their values), accumulating
-    as :func:`total_norm` does on CUDA; the groups' norms are put back in order on the
-    host (a list, no index tensor) and stacked once on the first tensor's device, in
-    float32 (float64 if any tensor is double). Empty tensors have norm 0.
+    as :func:`total_norm` does on CUDA; on the CPU, where the C reduction applies, one
+    call into it per tensor, whatever ``foreach`` says (as :func:`total_norm`). The
+    groups' norms are put back in order on the host (a list, no index tensor) and
+    stacked once on the first tensor's device, in float32 (float64 if any tensor is
+    double). Empty tensors have norm 0.
     """
     if not tensors:
         raise ValueError("per_tensor_norms needs at least one tensor")
@@ -243,7 +245,9 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
     for (device, dtype), indices in grouped.items():
         group = [tensors[i] for i in indices]
         acc = range_dtype(dtype, p, device)
-        if foreach is False:
+        if device.type == "cpu" and _cpu.supports(p, dtype):
+            found = _cpu_tensor_norms(group, p, acc)
+        elif foreach is False:
             found = [torch.linalg.vector_norm(t, p, dtype=acc) for t in group]
         else:
             found = list(torch._foreach_norm(group, p, dtype=acc))
@@ -251,6 +255,19 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
             norms[i] = norm
     ready = [cast(Tensor, n).to(device=out_device, dtype=out_dtype) for n in norms]
     return torch.stack(ready)
+
+
+def _cpu_tensor_norms(group: list[Tensor], p: float, acc: torch.dtype | None) -> list[Tensor]:
+    """Each CPU tensor's norm by one call into the C reduction, at ``torch.sum``'s speed
+    (``_foreach_norm`` on CPU is a loop of ``vector_norm`` calls, each copying a float32
+    tensor to float64 first); a tensor with gaps in memory by ``vector_norm``."""
+    dense = {id(t) for t in _cpu.split_dense(group)[0]}
+    return [
+        _cpu.norm_partial([t], p).reshape(())
+        if id(t) in dense
+        else torch.linalg.vector_norm(t, p, dtype=acc)
+        for t in group
+    ]
 
 
 def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:

@@ -595,19 +595,30 @@ def test_a_per_tensor_rule_needs_the_same_grads_every_step() -> None:
 # ---------------------------------------------------------------- kernels and fold
 
 
-def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    original = torch._foreach_norm
+@pytest.mark.parametrize("p", [2.0, 3.0])
+def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch, p: float) -> None:
+    """One ``_foreach_norm`` over the group; on the CPU, where the C reduction has the
+    order, one call into it per tensor instead (torch's CPU foreach is a loop anyway)."""
+    from clipopt import _cpu
+
+    calls: list[tuple[str, int]] = []
+    original, original_partial = torch._foreach_norm, _cpu.norm_partial
 
     def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(len(args[0]))
+        calls.append(("foreach", len(args[0])))
         return original(*args, **kwargs)
 
+    def counting_partial(tensors: list[Tensor], order: float) -> Tensor:
+        calls.append(("C", len(tensors)))
+        return original_partial(tensors, order)
+
     monkeypatch.setattr(torch, "_foreach_norm", counting)
+    monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
     tensors = [torch.randn(s) for s in [(5,), (3, 3), (7,), (2, 2, 2)]]
-    norms = _kernels.per_tensor_norms(tensors, 2.0)
-    assert calls == [4]
-    torch.testing.assert_close(norms, torch.stack([t.norm() for t in tensors]))
+    norms = _kernels.per_tensor_norms(tensors, p)
+    expected = [("C", 1)] * 4 if _cpu.supports(p, torch.float32) else [("foreach", 4)]
+    assert calls == expected
+    torch.testing.assert_close(norms, torch.stack([t.norm(p) for t in tensors]))
 
 
 def test_a_global_rule_folds_into_the_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

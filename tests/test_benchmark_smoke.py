@@ -145,3 +145,34 @@ def test_the_scaler_kernels_keep_the_grads_size() -> None:
     for name in list(kernels) * 4:
         kernels[name]()
     assert _total_norm(params, 2.0) == before
+
+
+def test_the_rule_rows_targets_and_memory_are_reported(
+    quick_results: tuple[dict[str, Any], Path],
+) -> None:
+    from benchmarks import rules
+
+    results, _ = quick_results
+    section = results["rules"]
+    one = run.make_params([(3,)], torch.float32, torch.device("cpu"))
+    reported = {r["contender"] for r in section["rows"]}
+    assert set(rules.rule_step_contenders(one)) | {rules.OURS_VS_AUTOCLIP, rules.THEIRS} == reported
+    assert set(section["memory"]) == set(rules.MEMORY_RULES)
+    for seen in section["memory"].values():
+        assert [m["steps"] for m in seen] == [500, 2_000] and seen[0]["state_bytes"] > 0
+    assert all(isinstance(t["held"], bool) for t in section["targets"])
+
+
+def test_the_autoclip_race_starts_both_from_the_same_history() -> None:
+    """Prefilled alike, one step of each clips the same grads the same way: the timed
+    clips do the same work."""
+    from benchmarks import rules
+
+    config = run.Config(quick=True, repeats=1, warmup=0, device=torch.device("cpu"))
+    contenders, ours, theirs = rules.autoclip_pair(config)
+    original = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    for step in contenders.values():
+        step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=0)
+    assert any(not torch.equal(a.grad, o.grad) for a, o in zip(ours, original, strict=True))

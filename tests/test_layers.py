@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
     {"_reduce", "_clip_state", "_nonfinite", "_rule"},  # across ranks; settings; skips; the rule protocol
     {"functional", "_step", "_fused", "_autoclip", "_zclip", "_spike_skip"},  # the API; the step; rules
-    {"_wrapper", "rules", "_monitor"},  # the transparent wrapper; the rules' facade; per-tensor norms
+    {"_wrapper", "rules", "_monitor"},  # the wrapper; the rules facade; per-tensor norms
     {"optimizer"},  # ClippedOptimizer
     {"_checkpoint"},  # DCP helpers on the wrapper
     {"distributed"},  # the facade of the distributed names

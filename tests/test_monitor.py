@@ -3,8 +3,8 @@
 - the norms against ``torch.linalg.vector_norm`` of each grad in float64, the global
   norm derived from them against ``torch.nn.utils.get_total_norm`` and a float64 sum;
 - names from ``named_parameters()`` (torch's ``param_names``), else positional;
-- every grad is read once per step: one ``_foreach_norm`` over all of them and no other
-  norm kernel, also for a per-tensor rule (which used to measure twice);
+- every grad is read once per step, by one batched norm pass and no other norm kernel,
+  also for a per-tensor rule (which used to measure twice);
 - no host read; nothing new in the checkpoint; bad settings refused.
 """
 
@@ -146,21 +146,26 @@ def test_groups_with_their_own_norm_types() -> None:
 
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
-    """The ids of the tensors each ``_foreach_norm`` call reads; any other norm kernel
-    over the grads (the global norm's own pass) fails the test."""
+    """The ids of the grads each norm-kernel call reads (``_foreach_norm``, or on the CPU
+    the C reduction, one call per tensor), gathered per step by the test; the global
+    norm's own pass over the grads fails the test."""
     calls: list[list[int]] = []
-    original = torch._foreach_norm
+    original_foreach, original_partial = torch._foreach_norm, _cpu.norm_partial
 
     def counting(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Any:
         calls.append([id(t) for t in tensors])
-        return original(tensors, *args, **kwargs)
+        return original_foreach(tensors, *args, **kwargs)
+
+    def counting_partial(tensors: list[Tensor], p: float) -> Tensor:
+        calls.append([id(t) for t in tensors])
+        return original_partial(tensors, p)
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a second pass over the grads")
 
     monkeypatch.setattr(torch, "_foreach_norm", counting)
+    monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
     monkeypatch.setattr(_kernels, "grouped_total_norm", forbidden)
-    monkeypatch.setattr(_cpu, "norm_partial", forbidden)
     yield calls
 
 
@@ -192,7 +197,7 @@ def test_every_grad_is_read_once_per_step(
             opt.step()
             tracked = opt.last_tensor_norms
         grads = [id(p.grad) for p in net.parameters()]
-        assert reads == [grads], f"step {step}"
+        assert [i for call in reads for i in call] == grads, f"step {step}"
         assert tracked is not None and len(tracked) == len(grads)
 
 
@@ -204,7 +209,7 @@ def test_a_per_tensor_rule_reuses_its_norms_without_tracking(reads: list[list[in
         grads = backward(net)
         reads.clear()
         opt.step()
-        assert len(reads) == 1
+        assert [i for call in reads for i in call] == [id(p.grad) for p in net.parameters()]
     assert opt.last_tensor_norms is None  # not asked for
     assert opt.last_norm is not None
     torch.testing.assert_close(
