@@ -10,14 +10,17 @@ from clipopt.functional import (
     get_total_norm,
 )
 from clipopt.optimizer import ClippedOptimizer
-from clipopt.rules import AutoClip, ClipRule, SpikeSkip, ZClip
+from clipopt.rules import AGC, AutoClip, ClipRule, SpikeSkip, UnitDecision, UnitWiseRule, ZClip
 
 __all__ = [
+    "AGC",
     "AutoClip",
     "ClipRule",
     "ClippedOptimizer",
     "NonFiniteNormError",
     "SpikeSkip",
+    "UnitDecision",
+    "UnitWiseRule",
     "ZClip",
     "clip_grad_norm",
     "clip_grad_norm_",

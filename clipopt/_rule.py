@@ -18,6 +18,11 @@ The wrapper calls, once per ``step()``:
    and the monitoring counters (:attr:`ClipRule.last_threshold`,
    :attr:`ClipRule.clipped_count`).
 
+A unit-wise rule (:class:`UnitWiseRule`, AGC) takes step 1 differently: it gets each
+grad beside its parameter, ``decision = rule.decide_units(params, grads, norm_type)``,
+and clips parts ("units") of each grad by their own coefficients; ``norms``,
+``coefficients`` and ``thresholds`` are then 1-D with one entry per unit.
+
 Non-finite norms never enter a rule's history (the reference packages would keep a NaN
 in theirs for good); what such a step does is the wrapper's ``nonfinite`` policy.
 """
@@ -27,15 +32,28 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from clipopt._kernels import EPS
 
-__all__ = ["ClipRule", "OnDevice", "checked", "count_or_zero", "integer", "number", "state_dtype"]
+__all__ = [
+    "ClipRule",
+    "OnDevice",
+    "UnitDecision",
+    "UnitWiseRule",
+    "checked",
+    "count_or_zero",
+    "integer",
+    "number",
+    "state_dtype",
+]
+
+_Self = TypeVar("_Self", bound="OnDevice")
 
 
 def state_dtype(device: torch.device) -> torch.dtype:
@@ -103,6 +121,15 @@ class OnDevice:
         for name, value in list(vars(self).items()):
             if isinstance(value, Tensor):
                 setattr(self, name, value.to(device))
+
+    def borrowed(self) -> tuple[object, ...]:
+        """Objects this one refers to but does not own (AGC's excluded parameters)."""
+        return ()
+
+    def trial_copy(self: _Self) -> _Self:
+        """A deep copy to try a load on: the state is copied, :meth:`borrowed` shared (a
+        model's weights are not copied to check a checkpoint)."""
+        return copy.deepcopy(self, {id(x): x for x in self.borrowed()})
 
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
@@ -232,8 +259,64 @@ class ClipRule(OnDevice):
         if last is not None:
             checked("last_threshold", last, None, floating=True)
         count = checked("clipped_count", state_dict["clipped_count"], (), floating=False)
-        trial = copy.deepcopy(self)
+        trial = self.trial_copy()
         trial.load_rule_state(state_dict["state"])  # raises before self changes
         self.load_rule_state(state_dict["state"])
         self._last_threshold = None if last is None else last.clone()
         self._clipped_count = count.clone()
+
+
+@dataclass(frozen=True)
+class UnitDecision:
+    """What a :class:`UnitWiseRule` decides for one step; nothing has changed yet.
+
+    Attributes:
+      per_grad: one coefficient per grad given, broadcastable to it, or None to leave
+        that grad as it is (at no cost).
+      norms: every unit's pre-clip grad norm in one 1-D tensor, in the grads' order (a
+        grad left as it is has no units here).
+      coefficients: each unit's coefficient, at most 1, shaped as ``norms``.
+      thresholds: each unit's threshold, shaped as ``norms``.
+    """
+
+    per_grad: list[Tensor | None]
+    norms: Tensor
+    coefficients: Tensor
+    thresholds: Tensor
+
+
+class UnitWiseRule(ClipRule):
+    """The protocol of a rule that clips parts of each grad against its parameter.
+
+    AGC (Brock et al., 2021) clips each row of a weight's grad by that row's norm in the
+    weight. Such a rule needs the parameters and cannot be told one norm per grad, so the
+    wrapper calls :meth:`decide_units` instead of :meth:`~ClipRule.decide`, and
+    :meth:`~ClipRule.commit` with the units' norms, coefficients and thresholds (1-D);
+    :meth:`~ClipRule.threshold` and :meth:`~ClipRule.coefficient` are not called. A
+    subclass implements :meth:`decide_units`, :meth:`~ClipRule.config`,
+    :meth:`~ClipRule.update`, :meth:`~ClipRule.rule_state` and
+    :meth:`~ClipRule.load_rule_state`, and may refuse a norm order in
+    :meth:`check_norm_type`.
+
+    Its coefficients are one per grad, not one for all, so it never folds into a fused
+    kernel's single ``grad_scale``: the grads are scaled before the fused step.
+    """
+
+    def check_norm_type(self, norm_type: float) -> None:
+        """Raise ``ValueError`` if the rule cannot measure in this order; the wrapper
+        calls it at construction and before each decision. The default takes any."""
+
+    def decide_units(
+        self, params: Sequence[Tensor], grads: Sequence[Tensor], norm_type: float
+    ) -> UnitDecision:
+        """This step's coefficients, from each grad and its parameter; changes nothing.
+
+        Args:
+          params: the parameters that have a grad, in the order of the param groups and
+            their params.
+          grads: their grads, in the same order (plain tensors, not DTensors).
+          norm_type: the wrapper's norm order, as :meth:`check_norm_type` accepted.
+
+        It must read nothing on the host.
+        """
+        raise NotImplementedError

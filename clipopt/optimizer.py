@@ -11,7 +11,6 @@ inner optimizer's kernel (:mod:`clipopt._fused`).
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Callable, Container, Iterable, Mapping
@@ -42,7 +41,7 @@ from clipopt._nonfinite import (
     spike_verdict,
 )
 from clipopt._reduce import NormScope
-from clipopt._rule import ClipRule
+from clipopt._rule import ClipRule, UnitWiseRule
 from clipopt._spike_skip import SpikeSkip
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
@@ -142,7 +141,7 @@ def _check_saved_rules(
                 f"{name}={shown!r}; construct it as it was saved"
             )
         if mine is not None and saved is not None:
-            copy.deepcopy(mine).load_state_dict(saved)
+            mine.trial_copy().load_state_dict(saved)
     if rule is not None and (prepared.settings.per_group or prepared.settings.max_norm != math.inf):
         raise ValueError(
             "state_dict['clip']['settings'] of a rule must have per_group=False and "
@@ -246,11 +245,14 @@ class ClippedOptimizer(OptimizerWrapper):
                 "history of one norm; use per_group=False, or per_tensor=True where the "
                 "rule has it"
             )
-        if rule is not None and rule.per_tensor and process_group is not None:
+        local = rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
+        if local and process_group is not None:
             raise ValueError(
                 f"{rule!r} measures each grad on its own, which a process_group splits "
-                "across ranks; per-tensor rules need unsplit parameters"
+                "across ranks; per-tensor and unit-wise rules need unsplit parameters"
             )
+        if isinstance(rule, UnitWiseRule):
+            rule.check_norm_type(settings.norm_type)
         if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
             raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
@@ -463,9 +465,14 @@ class ClippedOptimizer(OptimizerWrapper):
             coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
         else:
             _check_rule_groups(self.param_groups, self._rule)
-            coefficients, outcome = _step.rule_coefficients(
-                self._rule, grads, measured, settings.norm_types[0], self._foreach
-            )
+            if isinstance(self._rule, UnitWiseRule):
+                coefficients, outcome = _step.unit_rule_coefficients(
+                    self._rule, self.param_groups, grads, settings.norm_types[0]
+                )
+            else:
+                coefficients, outcome = _step.rule_coefficients(
+                    self._rule, grads, measured, settings.norm_types[0], self._foreach
+                )
         spike = None
         spikes = self._skip_spikes
         if may_skip and spikes is not None and spikes.may_trigger():

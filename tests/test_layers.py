@@ -20,8 +20,21 @@ LAYERS: list[set[str]] = [
     {"_cpu"},  # the C kernels' Python side
     {"_torch_norms"},  # partial norms of CPU grads by torch ops
     {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
-    {"_reduce", "_clip_state", "_nonfinite", "_rule"},  # across ranks; settings; skips; the rule protocol
-    {"functional", "_step", "_fused", "_autoclip", "_zclip", "_spike_skip"},  # the API; the step; rules
+    {
+        "_reduce",
+        "_clip_state",
+        "_nonfinite",
+        "_rule",
+    },  # across ranks; settings; skips; the rule protocol
+    {
+        "functional",
+        "_step",
+        "_fused",
+        "_autoclip",
+        "_zclip",
+        "_agc",
+        "_spike_skip",
+    },  # the API; the step; rules
     {"_wrapper", "rules"},  # the transparent wrapper; the rules' facade
     {"optimizer"},  # ClippedOptimizer
     {"_checkpoint"},  # DCP helpers on the wrapper
