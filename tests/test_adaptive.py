@@ -1,4 +1,4 @@
-"""Adaptive clip rules (AutoClip, ZClip) and SpikeSkip.
+"""Adaptive clip rules (AutoClip, ZClip; AGC's own tests are in test_agc.py) and SpikeSkip.
 
 - AutoClip and ZClip against the reference packages (``autoclip`` 0.2.1, ``zclip`` 1.0.0)
   fed the same 2,000-step grad streams side by side: thresholds and clipped grads agree to
@@ -356,6 +356,7 @@ def _rules() -> dict[str, Callable[[], clipopt.ClipRule]]:
         "autoclip": lambda: clipopt.AutoClip(percentile=50.0, history=7),
         "autoclip-per-tensor": lambda: clipopt.AutoClip(50.0, 7, per_tensor=True),
         "zclip": lambda: clipopt.ZClip(warmup_steps=3),
+        "agc": lambda: clipopt.AGC(clipping=0.05),
     }
 
 
@@ -418,6 +419,7 @@ RESUME_RULES: dict[str, Callable[[], tuple[clipopt.ClipRule, clipopt.SpikeSkip |
     "autoclip": lambda: (clipopt.AutoClip(30.0, 9), None),
     "autoclip-per-tensor": lambda: (clipopt.AutoClip(30.0, 9, per_tensor=True), None),
     "zclip": lambda: (clipopt.ZClip(warmup_steps=5, max_grad_norm=None), None),
+    "agc": lambda: (clipopt.AGC(clipping=0.05), None),
     "autoclip+spikes": lambda: (
         clipopt.AutoClip(50.0, 30),
         clipopt.SpikeSkip(window=8, sigma=2.0, min_history=4),
@@ -491,6 +493,7 @@ def _trained(rule: clipopt.ClipRule | float, spikes: clipopt.SpikeSkip | None = 
         (lambda: _trained(clipopt.AutoClip(10.0)), lambda: clipopt.AutoClip(20.0), "percentile"),
         (lambda: _trained(clipopt.AutoClip()), lambda: clipopt.ZClip(), "AutoClip"),
         (lambda: _trained(clipopt.ZClip()), lambda: clipopt.AutoClip(), "ZClip"),
+        (lambda: _trained(clipopt.AGC()), lambda: clipopt.ZClip(), "AGC"),
         (lambda: _trained(1.0), lambda: clipopt.AutoClip(), "no rule"),
         (lambda: _trained(clipopt.AutoClip()), lambda: 1.0, "AutoClip"),
         (
