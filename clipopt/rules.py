@@ -4,9 +4,8 @@ A rule turns the step's pre-clip norms into clip coefficients and thresholds, fr
 it keeps in tensors on the grads' device, and updates that state from the norms after
 the step; nothing in either reads a tensor on the host. :class:`ClipRule` is the
 protocol (a base class); :class:`AutoClip` and :class:`ZClip` are rules, :class:`AGC`
-a unit-wise rule (:class:`UnitWiseRule`: it clips each row of each grad against its
-parameter), and
-:class:`SpikeSkip` is not a rule but the ``skip_spikes=`` setting of
+a unit-wise one (:class:`UnitWiseRule`), and :class:`SpikeSkip` is not a rule but the
+``skip_spikes=`` setting of
 :class:`~clipopt.ClippedOptimizer`, which skips whole steps. See ``docs/adaptive.md``.
 
 The wrapper calls, once per ``step()``:
@@ -19,6 +18,11 @@ The wrapper calls, once per ``step()``:
 3. ``rule.commit(norms, coefficients, thresholds)``: the rule's :meth:`ClipRule.update`
    and the monitoring counters (:attr:`ClipRule.last_threshold`,
    :attr:`ClipRule.clipped_count`).
+
+A unit-wise rule (:class:`UnitWiseRule`, AGC) takes step 1 differently: it gets each
+grad beside its parameter, ``decision = rule.decide_units(params, grads, norm_type)``,
+and clips parts ("units") of each grad by their own coefficients; ``norms``,
+``coefficients`` and ``thresholds`` are then 1-D with one entry per unit.
 
 Non-finite norms never enter a rule's history (the reference packages would keep a NaN
 in theirs for good); what such a step does is the wrapper's ``nonfinite`` policy.
