@@ -71,7 +71,7 @@ def _parameters(exclude: Iterable[Tensor]) -> list[Tensor]:
                 f"exclude must hold parameters (tensors, matched by identity), got {item!r}; "
                 "names are not accepted: pass the parameters, e.g. model.fc.parameters()"
             )
-    return found
+    return list({id(t): t for t in found}.values())
 
 
 class AGC(UnitWiseRule):
@@ -150,10 +150,10 @@ class AGC(UnitWiseRule):
                 )
         device = grads[0].device
         dtype = result_dtype([grads[i].dtype for i in chosen])
-        weights = [params[i].detach() for i in chosen]
         if not chosen:
             empty = torch.zeros(0, device=device, dtype=dtype)
             return UnitDecision([None] * len(grads), empty, empty, empty)
+        weights = [params[i].detach() for i in chosen]
         # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
         # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.
         thresholds = unit_norms(weights, device, dtype).clamp(min=self.eps).mul(self.clipping)

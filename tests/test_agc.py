@@ -208,6 +208,7 @@ def test_copies_exclude_their_own_params_and_a_trial_load_copies_none() -> None:
         ids = {id(p) for group in clone.param_groups for p in group["params"]}
         assert clone.rule is not None
         assert len(clone.rule.exclude) == 2 and all(id(p) in ids for p in clone.rule.exclude)
+    assert clipopt.AGC(exclude=[params[0], params[0]]).config()["excluded"] == 1
     assert opt.rule is not None
     trial = opt.rule.trial_copy()
     assert all(a is b for a, b in zip(trial.exclude, opt.rule.exclude, strict=True))
@@ -366,6 +367,21 @@ def test_another_norm_type_is_refused_at_construction_and_at_the_step() -> None:
     with pytest.raises(ValueError, match=r"norm_type must be 2, got inf"):
         opt.step()
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+
+
+def test_sparse_grads_are_refused_before_anything_is_touched() -> None:
+    embedding = nn.Embedding(5, 3, sparse=True)
+    embedding(torch.tensor([1, 3])).sum().backward()
+    grad = embedding.weight.grad
+    assert grad is not None
+    before = grad.to_dense().clone()
+    opt = agc_sgd(list(embedding.parameters()))
+    with pytest.raises(ValueError, match=r"AGC needs dense grads.*sparse: True"):
+        opt.step()
+    assert torch.equal(embedding.weight.grad.to_dense(), before)
+    excluded = agc_sgd(list(embedding.parameters()), exclude=[embedding.weight])
+    excluded.step()  # an excluded sparse grad is not read
+    assert torch.equal(embedding.weight.grad.to_dense(), before)
 
 
 def test_a_process_group_is_refused() -> None:
