@@ -144,7 +144,9 @@ class ClipRule(OnDevice):
     A subclass implements :meth:`config`, :meth:`threshold`, :meth:`update`,
     :meth:`rule_state` and :meth:`load_rule_state`; it may override :meth:`coefficient`
     (the default is torch's ``min(1, threshold / (norm + 1e-6))``) and sets
-    ``per_tensor = True`` to get one norm per grad instead of the global norm.
+    ``per_tensor = True`` to get one norm per grad instead of the global norm. A rule
+    that clips parts of each grad against its parameter (AGC) subclasses
+    :class:`UnitWiseRule` instead.
 
     - Settings are validated in ``__init__``: a bad one raises ``ValueError`` (or
       ``TypeError``) naming the argument and the value.
@@ -301,6 +303,31 @@ class UnitWiseRule(ClipRule):
 
     Its coefficients are one per grad, not one for all, so it never folds into a fused
     kernel's single ``grad_scale``: the grads are scaled before the fused step.
+
+    Example:
+      A rule that scales each row of each grad to a norm of at most 1:
+
+      >>> import torch, clipopt
+      >>> class RowClip(clipopt.UnitWiseRule):
+      ...     def config(self): return {}
+      ...     def update(self, norms): pass
+      ...     def rule_state(self): return {}
+      ...     def load_rule_state(self, state): pass
+      ...     def decide_units(self, params, grads, norm_type):
+      ...         rows = [g.norm(dim=1) if g.dim() == 2 else g.norm().reshape(1) for g in grads]
+      ...         norms = torch.cat(rows)
+      ...         coefficients = 1.0 / norms.clamp(min=1.0)
+      ...         parts = coefficients.split([r.numel() for r in rows])
+      ...         shapes = [(-1, 1) if g.dim() == 2 else () for g in grads]
+      ...         per_grad = [c.reshape(s) for c, s in zip(parts, shapes)]
+      ...         return clipopt.UnitDecision(per_grad, norms, coefficients, torch.ones_like(norms))
+      >>> w = torch.nn.Parameter(torch.zeros(2, 2))
+      >>> opt = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.0), max_norm=RowClip())
+      >>> w.grad = torch.tensor([[3.0, 4.0], [0.3, 0.4]])
+      >>> opt.step()
+      >>> w.grad, opt.rule.clipped_count
+      (tensor([[0.6000, 0.8000],
+              [0.3000, 0.4000]]), tensor(1))
     """
 
     def check_norm_type(self, norm_type: float) -> None:
