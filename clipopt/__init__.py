@@ -10,9 +10,10 @@ from clipopt.functional import (
     get_total_norm,
 )
 from clipopt.optimizer import ClippedOptimizer
-from clipopt.rules import AutoClip, ClipRule, SpikeSkip, ZClip
+from clipopt.rules import AdaGC, AutoClip, ClipRule, SpikeSkip, ZClip
 
 __all__ = [
+    "AdaGC",
     "AutoClip",
     "ClipRule",
     "ClippedOptimizer",

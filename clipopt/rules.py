@@ -3,7 +3,7 @@
 A rule turns the step's pre-clip norms into clip coefficients and thresholds, from state
 it keeps in tensors on the grads' device, and updates that state from the norms after
 the step; nothing in either reads a tensor on the host. :class:`ClipRule` is the
-protocol (a base class); :class:`AutoClip` and :class:`ZClip` are rules, and
+protocol (a base class); :class:`AdaGC`, :class:`AutoClip` and :class:`ZClip` are rules, and
 :class:`SpikeSkip` is not a rule but the ``skip_spikes=`` setting of
 :class:`~clipopt.ClippedOptimizer`, which skips whole steps. See ``docs/adaptive.md``.
 
@@ -22,9 +22,10 @@ Non-finite norms never enter a rule's history (the reference packages would keep
 in theirs for good); what such a step does is the wrapper's ``nonfinite`` policy.
 """
 
+from clipopt._adagc import AdaGC
 from clipopt._autoclip import AutoClip
 from clipopt._rule import ClipRule
 from clipopt._spike_skip import SpikeSkip
 from clipopt._zclip import ZClip, ZClipMode, ZClipOption
 
-__all__ = ["AutoClip", "ClipRule", "SpikeSkip", "ZClip", "ZClipMode", "ZClipOption"]
+__all__ = ["AdaGC", "AutoClip", "ClipRule", "SpikeSkip", "ZClip", "ZClipMode", "ZClipOption"]
