@@ -303,6 +303,31 @@ def test_after_warmup_a_nonfinite_tensor_keeps_its_state_and_the_others_move(bad
     assert bool(after.isfinite().all())
 
 
+def test_a_nan_norm_stays_in_the_published_state_but_not_in_ours() -> None:
+    """After warm-up the authors' code folds a NaN norm into the tensor's EMA, which
+    stays NaN: ``norm > NaN`` is false, so that tensor is never clipped again, spikes
+    included. clipopt skips the step (nonfinite="skip") and keeps clipping."""
+    params = fresh_params()
+    rule = clipopt.AdaGC(warmup_steps=5)
+    opt = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.0), max_norm=rule, nonfinite="skip")
+    ref = _published({"warmup_steps": 5})
+    for step, grads in enumerate(adagc_stream(steps=30)):
+        if step == 10:
+            grads[0][0, 0] = math.nan
+        if step == 20:
+            grads = [g * 100 for g in grads]
+        set_grads(params, grads)
+        theirs = [g.double() for g in grads]
+        ref.step(theirs, 2.0)
+        opt.step()
+        if step == 20:
+            assert torch.equal(theirs[0], grads[0].double())  # the spike went through
+            assert float(params[0].grad.norm()) < float(grads[0].norm()) / 10  # clipped
+    assert math.isnan(float(ref.state[0]))
+    assert bool(rule.rule_state()["gamma"].isfinite().all())
+    assert int(opt.skip_count) == 1
+
+
 # ---------------------------------------------------------------- settings, checkpoints
 
 
