@@ -85,8 +85,8 @@ class AdaGC(ClipRule):
     every step must have the same grads.
 
     Args:
-      ratio: the relative threshold ``lambda_rel``, > 0 (below 1 every step clips
-        and ``gamma`` shrinks).
+      ratio: the relative threshold ``lambda_rel``, > 0 (below 1, ``gamma`` can only
+        fall, and a norm equal to it is clipped).
       beta: the EMA factor, in [0, 1).
       warmup_steps: the steps clipped globally first, >= 0.
       warmup_max_norm: warm-up's global threshold, in (0, inf).
