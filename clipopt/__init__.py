@@ -10,10 +10,20 @@ from clipopt.functional import (
     get_total_norm,
 )
 from clipopt.optimizer import ClippedOptimizer
-from clipopt.rules import AGC, AutoClip, ClipRule, SpikeSkip, UnitDecision, UnitWiseRule, ZClip
+from clipopt.rules import (
+    AGC,
+    AdaGC,
+    AutoClip,
+    ClipRule,
+    SpikeSkip,
+    UnitDecision,
+    UnitWiseRule,
+    ZClip,
+)
 
 __all__ = [
     "AGC",
+    "AdaGC",
     "AutoClip",
     "ClipRule",
     "ClippedOptimizer",

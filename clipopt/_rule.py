@@ -3,9 +3,9 @@
 A rule turns the step's pre-clip norms into clip coefficients and thresholds, from state
 it keeps in tensors on the grads' device, and updates that state from the norms after
 the step; nothing in either reads a tensor on the host. :class:`ClipRule` is the
-protocol (a base class); :class:`AutoClip` and :class:`ZClip` are rules, :class:`AGC`
-a unit-wise one (:class:`UnitWiseRule`), and :class:`SpikeSkip` is not a rule but the
-``skip_spikes=`` setting of
+protocol (a base class); :class:`AdaGC`, :class:`AutoClip` and :class:`ZClip` are rules,
+:class:`AGC` a unit-wise one (:class:`UnitWiseRule`), and :class:`SpikeSkip` is not a
+rule but the ``skip_spikes=`` setting of
 :class:`~clipopt.ClippedOptimizer`, which skips whole steps. See ``docs/adaptive.md``.
 
 The wrapper calls, once per ``step()``:
@@ -161,6 +161,9 @@ class ClipRule(OnDevice):
     """
 
     per_tensor: bool = False
+    norm_type: float = 2.0
+    """The order p of the norms :meth:`decide` gets; ``ClippedOptimizer`` sets it to its
+    ``norm_type`` before each call (AdaGC combines per-tensor norms into the total)."""
 
     def __init__(self) -> None:
         self._last_threshold: Tensor | None = None

@@ -235,6 +235,7 @@ def rule_coefficients(
     A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
     rule one per grad, from norms measured in one batched pass.
     """
+    rule.norm_type = norm_type
     if not rule.per_tensor:
         coefficient, threshold = rule.decide(measured.norm)
         shared: list[Coefficient] = [coefficient] * len(grads)

@@ -164,11 +164,11 @@ class ClippedOptimizer(OptimizerWrapper):
       max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
         param group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor).
         Or a clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`,
-        :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`), which chooses the
-        threshold each step from the norms it has seen (AGC: from the weights, unit by
-        unit): it sets every group's threshold (a group's own ``clip_max_norm`` is
-        refused), needs ``per_group=False``, and a global rule folds into a fused
-        kernel like a number does. See ``docs/adaptive.md``.
+        :class:`clipopt.AdaGC`, :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`),
+        which chooses the threshold each step from the norms it has seen (AGC: from the
+        weights, unit by unit): it sets every group's threshold (a group's own
+        ``clip_max_norm`` is refused), needs ``per_group=False``, and a global rule folds
+        into a fused kernel like a number does. See ``docs/adaptive.md``.
       norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
         Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
       per_group: clip each param group by its own norm instead of one global norm over

@@ -20,21 +20,10 @@ LAYERS: list[set[str]] = [
     {"_cpu"},  # the C kernels' Python side
     {"_torch_norms"},  # partial norms of CPU grads by torch ops
     {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
-    {
-        "_reduce",
-        "_clip_state",
-        "_nonfinite",
-        "_rule",
-    },  # across ranks; settings; skips; the rule protocol
-    {
-        "functional",
-        "_step",
-        "_fused",
-        "_autoclip",
-        "_zclip",
-        "_agc",
-        "_spike_skip",
-    },  # the API; the step; rules
+    # across ranks; settings; skips; the rule protocol
+    {"_reduce", "_clip_state", "_nonfinite", "_rule"},
+    # the API; the step; the fold; one module per rule
+    {"functional", "_step", "_fused", "_adagc", "_agc", "_autoclip", "_zclip", "_spike_skip"},
     {"_wrapper", "rules"},  # the transparent wrapper; the rules' facade
     {"optimizer"},  # ClippedOptimizer
     {"_checkpoint"},  # DCP helpers on the wrapper
