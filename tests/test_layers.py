@@ -19,13 +19,14 @@ LAYERS: list[set[str]] = [
     {"_errors", "_validation", "_native", "_torch_dcp", "_hooks"},  # no clipopt imports
     {"_cpu"},  # the C kernels' Python side
     {"_torch_norms"},  # partial norms of CPU grads by torch ops
-    {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
+    {"_kernels", "_mesh", "_collective"},  # local norms, scales; DTensor shards; collectives
     {
         "_reduce",
+        "_per_tensor",
         "_clip_state",
         "_nonfinite",
         "_rule",
-    },  # across ranks; settings; skips; the rule protocol
+    },  # across ranks, of the total and per tensor; settings; skips; the rule protocol
     {
         "functional",
         "_step",
