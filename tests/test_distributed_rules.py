@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_identical
+from helpers import assert_identical, sync_is_an_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_distributed import (
@@ -336,13 +336,22 @@ def test_two_ranks_match_one_process(case: str, case_results: dict[str, list[str
 # A world-size-1 gloo group in this process: the same code paths, no spawn.
 
 
+CUDA = torch.cuda.is_available() and dist.is_nccl_available()
+
+
 @pytest.fixture(scope="module")
 def mesh_of_one() -> Iterator[Any]:
+    """A CPU mesh over a world of one; with CUDA the group takes CUDA tensors too (NCCL)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")
-    init_gloo(0, 1, free_port())
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if CUDA else "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+    )
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
@@ -434,3 +443,36 @@ def test_refused_per_tensor_input(mesh_of_one: Any) -> None:
             max_norm=clipopt.AutoClip(per_tensor=True),
             process_group=dist.group.WORLD,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and NCCL")
+def test_cuda_dtensor_per_tensor_norms_stay_on_the_device(
+    mesh_of_one: Any, float64_norm: Any, no_host_sync: Any
+) -> None:
+    """The reduction runs on the grads' device and never waits for it (after a first call,
+    which sets up NCCL's communicator); a per-tensor step reads nothing on the host."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (1,))
+    values = [torch.randn(s, device="cuda") * 3 for s in ((5, 2), (0,), (4,))]
+    grads = [
+        dtensor(t, mesh, kind)
+        for t, kind in zip(values, ("shard", "shard", "replicate"), strict=True)
+    ]
+    for p in (2.0, math.inf):
+        _per_tensor.global_per_tensor_norms(grads, p)
+        with sync_is_an_error():
+            norms = _per_tensor.global_per_tensor_norms(grads, p)
+        assert norms.device.type == "cuda" and norms.dtype == torch.float32
+        expected = torch.tensor([float64_norm([t], p) for t in values], dtype=torch.float64)
+        torch.testing.assert_close(norms.double().cpu(), expected, rtol=1e-6, atol=0.0)
+    params = [nn.Parameter(dtensor(torch.zeros_like(t), mesh, "shard")) for t in values]
+    rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
+    optimizer = clipopt.ClippedOptimizer(sgd(params), max_norm=rule)
+    for step in range(3):
+        for q, t in zip(params, values, strict=True):
+            q.grad = dtensor(t * (step + 1), mesh, "shard")
+        with CountAllReduce() as counter, no_host_sync():
+            optimizer.step()
+        assert counter.calls == 2
+    assert rule.last_threshold is not None and rule.last_threshold.device.type == "cuda"
