@@ -1,15 +1,16 @@
-"""Clip rules under DDP and FSDP2 (gloo on 127.0.0.1, world size 2): one process's steps.
+"""Clip rules under DDP, FSDP2 and TP (gloo on 127.0.0.1, 2 ranks): one process's steps.
 
 ONE spawn for the module, as in ``test_distributed``: the workers run every case in turn
 and record "ok" or the traceback; one parametrized test per case reads the records.
 
-- A rule case trains the same model on the same global batches, with spikes, under DDP
-  or FSDP2 (an empty shard on rank 1, uneven ones elsewhere) and in one process (every
-  rank runs that itself), and compares each step's ``last_norm`` and ``last_threshold``,
-  the parameters after the steps and the whole ``"clip"`` state entry (the rule's state
-  and counters) to 1e-5 relative; the entry must also be bit-identical on both ranks. It
-  counts each step's ``all_reduce`` calls: none under DDP; under FSDP2 one for the global
-  norm, and one more for every grad's norm with a per-tensor rule.
+- A rule case trains the same model on the same global batches, with spikes, under DDP,
+  FSDP2 (an empty shard on rank 1, uneven ones elsewhere) or tensor parallelism, and in
+  one process (every rank runs that itself), and compares each step's ``last_norm`` and
+  ``last_threshold``, the parameters after the steps and the whole ``"clip"`` state entry
+  (the rule's state and counters) to 1e-5 relative; the entry must also be bit-identical
+  on both ranks. It counts each step's ``all_reduce`` calls: none under DDP; under FSDP2
+  and TP one for the global norm, and one more for every grad's norm with a per-tensor
+  rule.
 - A norm case checks :func:`clipopt._per_tensor.global_per_tensor_norms` against the
   float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP.
 
@@ -74,7 +75,8 @@ RULES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 """ClippedOptimizer's clip settings for each rule, made fresh for every run."""
 
-LAYOUTS = ("ddp", "fsdp2")
+LAYOUTS = ("ddp", "fsdp2", "tp")
+"""DDP and FSDP2 split the batch (each rank its rows); tensor parallelism splits the model."""
 
 
 # --------------------------------------------------------------------------- rule runs
@@ -123,22 +125,38 @@ def assert_same_on_every_rank(value: Any, what: str) -> None:
         assert_identical(other, value, what, nan_equal=True)
 
 
+def single_model(layout: str) -> nn.Module:
+    """The model the layout splits, in float64: over ten steps with momentum, float32's
+    rounding of the differently ordered sums (DDP's average, FSDP2's reduce-scatter, TP's
+    matmuls) alone reaches 1e-5; in float64 any difference left is the clipping's."""
+    return (tp_model(3) if layout == "tp" else mlp()).double()
+
+
 def layout_model(layout: str) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = single_model(layout)
     if layout == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(mlp().double())
-    from torch.distributed.device_mesh import init_device_mesh
+        return DistributedDataParallel(model)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    if layout == "tp":
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
-    model = mlp().double()
-    fully_shard_mlp(model, init_device_mesh("cpu", (WORLD_SIZE,)))
+        return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard_mlp(model, mesh)
     shards = [q.to_local().shape[0] for q in model.parameters()]  # type: ignore[operator]
     assert dist.get_rank() == 0 or 0 in shards, f"rank 1 should hold an empty shard: {shards}"
     return model
 
 
 def expected_calls(layout: str, clip: dict[str, Any]) -> int:
-    """FSDP2: the global norm's all_reduce, and one for all grads' norms if per tensor."""
+    """FSDP2, TP: the global norm's all_reduce, and one for all grads' norms if per tensor."""
     if layout == "ddp":
         return 0
     rule = clip["max_norm"]
@@ -146,15 +164,14 @@ def expected_calls(layout: str, clip: dict[str, Any]) -> int:
 
 
 def rule_case(rule: str, layout: str) -> None:
-    # float64: over ten steps with momentum, float32's rounding of the differently
-    # ordered sums (DDP's average, FSDP2's reduce-scatter) alone reaches 1e-5; in float64
-    # any difference left is the clipping's.
-    inputs = [x.double() for x in batches(STEPS, 8, 3)]
-    reference, ref_norms, ref_thresholds, _ = run(mlp().double(), RULES[rule](), inputs)
+    width = 4 if layout == "tp" else 3
+    inputs = [x.double() for x in batches(STEPS, 8, width)]
+    reference, ref_norms, ref_thresholds, _ = run(single_model(layout), RULES[rule](), inputs)
     assert_reacts_to_spikes(reference)
     model = layout_model(layout)
     clip = RULES[rule]()
-    ours, norms, thresholds, calls = run(model, clip, [local_rows(x) for x in inputs])
+    mine = inputs if layout == "tp" else [local_rows(x) for x in inputs]
+    ours, norms, thresholds, calls = run(model, clip, mine)
     assert calls == [expected_calls(layout, clip)] * STEPS, f"all_reduce calls per step {calls}"
     for step in range(STEPS):
         assert_identical(norms[step], ref_norms[step], f"last_norm at step {step}", True, RTOL)
