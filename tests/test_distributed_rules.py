@@ -14,7 +14,7 @@ and record "ok" or the traceback; one parametrized test per case reads the recor
 - A norm case checks :func:`clipopt._per_tensor.global_per_tensor_norms` against the
   float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP.
 
-A new rule is one line in ``RULES``.
+A new rule is one entry in ``RULES``, with the layouts it runs under.
 """
 
 from __future__ import annotations
@@ -65,18 +65,29 @@ def spike_skip() -> dict[str, Any]:
     return {"max_norm": 50.0, "skip_spikes": clipopt.SpikeSkip(window=4, sigma=2.0, min_history=3)}
 
 
-RULES: dict[str, Callable[[], dict[str, Any]]] = {
-    "autoclip": lambda: {"max_norm": clipopt.AutoClip(percentile=50.0, history=4)},
-    "autoclip_per_tensor": lambda: {"max_norm": clipopt.AutoClip(50.0, 4, per_tensor=True)},
-    "zclip": lambda: {
-        "max_norm": clipopt.ZClip(alpha=0.8, z_thresh=2.0, max_grad_norm=None, warmup_steps=3)
-    },
-    "spike_skip": spike_skip,
-}
-"""ClippedOptimizer's clip settings for each rule, made fresh for every run."""
-
 LAYOUTS = ("ddp", "fsdp2", "tp")
 """DDP and FSDP2 split the batch (each rank its rows); tensor parallelism splits the model."""
+
+PLAIN = ("ddp",)
+"""The layouts of a rule that refuses DTensor grads."""
+
+RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
+    "autoclip": (lambda: {"max_norm": clipopt.AutoClip(percentile=50.0, history=4)}, LAYOUTS),
+    "autoclip_per_tensor": (
+        lambda: {"max_norm": clipopt.AutoClip(50.0, 4, per_tensor=True)},
+        LAYOUTS,
+    ),
+    "zclip": (
+        lambda: {
+            "max_norm": clipopt.ZClip(alpha=0.8, z_thresh=2.0, max_grad_norm=None, warmup_steps=3)
+        },
+        LAYOUTS,
+    ),
+    "spike_skip": (spike_skip, LAYOUTS),
+    "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, PLAIN),  # units on one rank
+}
+"""Each rule's ClippedOptimizer clip settings (made fresh for every run), and the layouts
+it runs under."""
 
 
 # --------------------------------------------------------------------------- rule runs
@@ -166,10 +177,11 @@ def expected_calls(layout: str, clip: dict[str, Any]) -> int:
 def rule_case(rule: str, layout: str) -> None:
     width = 4 if layout == "tp" else 3
     inputs = [x.double() for x in batches(STEPS, 8, width)]
-    reference, ref_norms, ref_thresholds, _ = run(single_model(layout), RULES[rule](), inputs)
+    make = RULES[rule][0]
+    reference, ref_norms, ref_thresholds, _ = run(single_model(layout), make(), inputs)
     assert_reacts_to_spikes(reference)
     model = layout_model(layout)
-    clip = RULES[rule]()
+    clip = make()
     mine = inputs if layout == "tp" else [local_rows(x) for x in inputs]
     ours, norms, thresholds, calls = run(model, clip, mine)
     assert calls == [expected_calls(layout, clip)] * STEPS, f"all_reduce calls per step {calls}"
@@ -291,7 +303,11 @@ def _rule_cases() -> dict[str, Callable[[], None]]:
     def bind(rule: str, layout: str) -> Callable[[], None]:
         return lambda: rule_case(rule, layout)
 
-    return {f"{rule}-{layout}": bind(rule, layout) for rule in RULES for layout in LAYOUTS}
+    return {
+        f"{rule}-{layout}": bind(rule, layout)
+        for rule, (_, layouts) in RULES.items()
+        for layout in layouts
+    }
 
 
 CASES: dict[str, Callable[[], None]] = {
