@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _mesh, _reduce
+from clipopt import _kernels, _mesh, _per_tensor, _reduce
 from clipopt._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
@@ -233,7 +233,8 @@ def rule_coefficients(
     """The rule's coefficient per group and what it decided (to commit after the step).
 
     A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
-    rule one per grad, from norms measured in one batched pass.
+    rule one per grad, from each whole grad's norm: measured in one batched pass, and
+    for DTensor grads reduced across ranks in one collective.
     """
     rule.norm_type = norm_type
     if not rule.per_tensor:
@@ -243,9 +244,7 @@ def rule_coefficients(
     flat = [g for group in grads for g in group]
     if not flat:
         return [None] * len(grads), None
-    if not _mesh.all_plain(flat):
-        raise ValueError(f"{rule!r} measures each grad on its own; DTensor grads are sharded")
-    norms = _kernels.per_tensor_norms(flat, norm_type, foreach)
+    norms = _per_tensor.global_per_tensor_norms(flat, norm_type, foreach)
     coefficients, thresholds = rule.decide(norms)
     parts = coefficients.unbind()
     per_group: list[Coefficient] = []

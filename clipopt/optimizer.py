@@ -249,8 +249,11 @@ class ClippedOptimizer(OptimizerWrapper):
         local = rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
         if local and process_group is not None:
             raise ValueError(
-                f"{rule!r} measures each grad on its own, which a process_group splits "
-                "across ranks; per-tensor and unit-wise rules need unsplit parameters"
+                f"{rule!r} measures each grad on its own, and with a process_group each rank "
+                "holds other tensors (pipeline stages, model-parallel slices), so its grads "
+                "would differ by rank: per-tensor and unit-wise rules need unsplit parameters "
+                "(DDP), or, per tensor, DTensor grads (FSDP2, tensor parallel) and no "
+                "process_group"
             )
         if isinstance(rule, UnitWiseRule):
             rule.check_norm_type(settings.norm_type)
