@@ -10,14 +10,27 @@ from clipopt.functional import (
     get_total_norm,
 )
 from clipopt.optimizer import ClippedOptimizer
-from clipopt.rules import AutoClip, ClipRule, SpikeSkip, ZClip
+from clipopt.rules import (
+    AGC,
+    AdaGC,
+    AutoClip,
+    ClipRule,
+    SpikeSkip,
+    UnitDecision,
+    UnitWiseRule,
+    ZClip,
+)
 
 __all__ = [
+    "AGC",
+    "AdaGC",
     "AutoClip",
     "ClipRule",
     "ClippedOptimizer",
     "NonFiniteNormError",
     "SpikeSkip",
+    "UnitDecision",
+    "UnitWiseRule",
     "ZClip",
     "clip_grad_norm",
     "clip_grad_norm_",

@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "all_plain",
+    "check_unmixed",
     "dtensors",
     "local_tensors",
     "mesh_groups",
     "reduction_mesh",
+    "replica_count",
     "weighted_dtensor_shards",
 ]
 
@@ -53,6 +55,20 @@ def all_plain(tensors: Sequence[Tensor]) -> bool:
     return dtensor is None or not any(isinstance(t, dtensor) for t in tensors)
 
 
+def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor]) -> None:
+    """Raise a ValueError unless every one of ``tensors`` is among ``found``, their DTensors.
+
+    Called where DTensors are reduced: a plain tensor carries no placement saying whether
+    it is a shard or a replica, so it cannot be reduced together with them.
+    """
+    if len(found) != len(tensors):
+        raise ValueError(
+            f"{len(found)} of {len(tensors)} grads are DTensors: DTensor and plain grads "
+            "cannot be reduced together (the plain ones have no placement saying whether "
+            "they are sharded or replicated); shard every parameter or none"
+        )
+
+
 def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     """``tensors`` with every DTensor replaced by its local shard (the same storage).
 
@@ -66,7 +82,7 @@ def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
 
-def _replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
+def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
     """How many ranks of ``reduction_mesh`` hold a copy of each element of ``grad``'s shard.
 
     The product of the mesh sizes over ``grad``'s Replicate dims, times the size of the
@@ -162,5 +178,5 @@ def weighted_dtensor_shards(
     """
     by_count: dict[int, list[Tensor]] = {}
     for g in grads:
-        by_count.setdefault(_replica_count(g, reduction_mesh), []).append(g._local_tensor)
+        by_count.setdefault(replica_count(g, reduction_mesh), []).append(g._local_tensor)
     return [(1.0 / count, shards) for count, shards in by_count.items()]

@@ -10,16 +10,19 @@ all groups, as the optimizer's ``state_dict()["state"]`` numbers it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _mesh
+from clipopt import _kernels, _mesh, _per_tensor
 from clipopt._step import Measurement
 
-__all__ = ["TensorNorms", "grad_names", "measure_per_tensor"]
+__all__ = ["TensorNorms", "grad_names", "measure_per_tensor", "with_tensor_norms"]
+
+Norms = Callable[[Sequence[Tensor], float, bool | None], Tensor]
 
 
 def grad_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -72,27 +75,17 @@ def measure_per_tensor(
     grads), so a float32 global norm can differ from the direct one by an ulp.
 
     Raises:
-      ValueError: a DTensor grad (its norm is a shard's; clipopt reduces per-tensor
-        norms across ranks nowhere yet).
+      ValueError: a DTensor grad (a shard's norm is not the tensor's): see
+        :func:`with_tensor_norms`.
     """
     flat = [g for group in grads for g in group]
     if not _mesh.all_plain(flat):
-        raise ValueError("per-tensor norms measure each grad on its own; DTensor grads are sharded")
+        raise ValueError("measure_per_tensor takes plain grads; with_tensor_norms DTensors")
     flat_names = () if names is None else tuple(n for group in names for n in group)
     if not flat:
         zero = torch.zeros((), dtype=torch.float32)
         return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
-    if len(set(norm_types)) == 1:
-        norms = _kernels.per_tensor_norms(flat, norm_types[0], foreach)
-    else:
-        dtype = _kernels.result_dtype([g.dtype for g in flat])
-        norms = torch.cat(
-            [
-                _kernels.per_tensor_norms(group, p, foreach).to(flat[0].device, dtype)
-                for group, p in zip(grads, norm_types, strict=True)
-                if group
-            ]
-        )
+    norms = _each_norm(grads, norm_types, foreach, _kernels.per_tensor_norms)
     if not per_group:
         norm = _combined(norms, norm_types[0], norms.dtype)
         return Measurement(norm, [norm] * len(grads), None, norms, flat_names)
@@ -102,6 +95,42 @@ def measure_per_tensor(
     stacked = torch.stack(group_norms)
     norm = _combined(stacked, default_norm_type, norms.dtype)
     return Measurement(norm, group_norms, stacked, norms, flat_names)
+
+
+def _each_norm(
+    grads: list[list[Tensor]], norm_types: list[float], foreach: bool | None, norms_of: Norms
+) -> Tensor:
+    """Each grad's norm, by one call of ``norms_of`` (one per group where their orders
+    differ), on the first grad's device."""
+    flat = [g for group in grads for g in group]
+    if len(set(norm_types)) == 1:
+        return norms_of(flat, norm_types[0], foreach)
+    device = _mesh.local_tensors(flat[:1])[0].device
+    dtype = _kernels.result_dtype([g.dtype for g in flat])
+    return torch.cat(
+        [
+            norms_of(group, p, foreach).to(device, dtype)
+            for group, p in zip(grads, norm_types, strict=True)
+            if group
+        ]
+    )
+
+
+def with_tensor_norms(
+    measured: Measurement,
+    grads: list[list[Tensor]],
+    names: list[list[str]],
+    norm_types: list[float],
+    foreach: bool | None,
+) -> Measurement:
+    """``measured`` with each whole grad's norm across ranks added, for DTensor grads,
+    whose global norm comes from the usual reduction: one more pass over the grads and
+    one collective (:func:`clipopt._per_tensor.global_per_tensor_norms`)."""
+    flat_names = tuple(n for group in names for n in group)
+    if not any(grads):
+        return dataclasses.replace(measured, tensor_norms=measured.norm.new_zeros(0))
+    norms = _each_norm(grads, norm_types, foreach, _per_tensor.global_per_tensor_norms)
+    return dataclasses.replace(measured, tensor_norms=norms, tensor_names=flat_names)
 
 
 class TensorNorms:

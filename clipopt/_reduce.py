@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from clipopt import _kernels, _mesh
+from clipopt._collective import REDUCE_DTYPE, collective_device, reduce_max, reduce_sum
 
 __all__ = [
     "NormScope",
@@ -40,9 +41,6 @@ __all__ = [
     "global_norm",
     "global_norms",
 ]
-
-_REDUCE_DTYPE = torch.float64
-"""The dtype every rank sends: fixed, so ranks agree; wide, so ``norm**p`` cannot overflow."""
 
 
 def check_members(
@@ -100,18 +98,6 @@ def _check_replicated(
 # --------------------------------------------------------------------------- reduction
 
 
-def _collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch.device:
-    """The device the reduction runs on: the grads', or the group's when a rank has none."""
-    if tensors:
-        return tensors[0].device
-    device_types = getattr(groups[0] or dist.group.WORLD, "_device_types", [])
-    if not device_types or torch.device("cpu") in device_types:
-        return torch.device("cpu")
-    kind = device_types[0].type
-    module = getattr(torch, kind)
-    return torch.device(kind, module.current_device())
-
-
 def _local_contribution(
     classes: Sequence[tuple[float, list[Tensor]]],
     p: float,
@@ -128,33 +114,12 @@ def _local_contribution(
     for weight, tensors in classes:
         if not tensors:
             continue
-        norm = _kernels.total_norm(tensors, p, foreach).to(_REDUCE_DTYPE)
+        norm = _kernels.total_norm(tensors, p, foreach).to(REDUCE_DTYPE)
         parts.append(norm if p == math.inf else norm.pow(p).mul(weight))
     if not parts:
-        return torch.zeros(1, dtype=_REDUCE_DTYPE, device=device)
+        return torch.zeros(1, dtype=REDUCE_DTYPE, device=device)
     stacked = torch.stack([part.to(parts[0].device) for part in parts])
     return (stacked.amax() if p == math.inf else stacked.sum()).reshape(1)
-
-
-def _all_reduce(values: Tensor, op: dist.ReduceOp.RedOpType, groups: Sequence[Any]) -> None:
-    for group in groups:
-        dist.all_reduce(values, op=op, group=group)
-
-
-def _reduce_sum(contributions: list[Tensor], groups: Sequence[Any], device: torch.device) -> Tensor:
-    values = torch.cat([c.to(device) for c in contributions])
-    _all_reduce(values, dist.ReduceOp.SUM, groups)
-    return values
-
-
-def _reduce_max(contributions: list[Tensor], groups: Sequence[Any], device: torch.device) -> Tensor:
-    """MAX that keeps NaN: reduction backends may drop it, and then ranks would disagree."""
-    values = torch.cat([c.to(device) for c in contributions])
-    is_nan = values.isnan()
-    packed = torch.cat([values.nan_to_num(nan=math.inf), is_nan.to(values.dtype)])
-    _all_reduce(packed, dist.ReduceOp.MAX, groups)
-    count = values.numel()
-    return torch.where(packed[count:] > 0, math.nan, packed[:count])
 
 
 # --------------------------------------------------------------------------- public
@@ -223,12 +188,8 @@ def global_norms(
         pairs = zip(buckets, norm_types, strict=True)
         return [_kernels.total_norm(list(b), p, foreach) for b, p in pairs]
     if spanned:
-        if flat and len(dtensors) != len(flat):
-            raise ValueError(
-                f"{len(dtensors)} of {len(flat)} grads are DTensors: DTensor and plain grads "
-                "cannot be reduced together (the plain ones have no placement saying whether "
-                "they are sharded or replicated); shard every parameter or none"
-            )
+        if flat:
+            _mesh.check_unmixed(flat, dtensors)
         if replicated:
             raise ValueError(
                 "replicated applies to plain tensors; a DTensor's replicas follow from its "
@@ -242,7 +203,7 @@ def global_norms(
         size = dist.get_world_size(process_group)
         ids = {id(t) for t in replicated}
         classes = [_weighted_plain_tensors(list(b), ids, size) for b in buckets]
-    device = _collective_device(flat, groups)
+    device = collective_device(flat, groups)
     contributions = [
         _local_contribution(c, p, foreach, device) for c, p in zip(classes, norm_types, strict=True)
     ]
@@ -261,11 +222,11 @@ def _finish(
     max_at = [i for i, p in enumerate(norm_types) if p == math.inf]
     reduced: dict[int, Tensor] = {}
     if sum_at:
-        sums = _reduce_sum([contributions[i] for i in sum_at], groups, device)
+        sums = reduce_sum([contributions[i] for i in sum_at], groups, device)
         for k, i in enumerate(sum_at):
             reduced[i] = sums[k].pow(1.0 / norm_types[i])
     if max_at:
-        maxes = _reduce_max([contributions[i] for i in max_at], groups, device)
+        maxes = reduce_max([contributions[i] for i in max_at], groups, device)
         for k, i in enumerate(max_at):
             reduced[i] = maxes[k]
     results = []

@@ -3,8 +3,9 @@
 A rule turns the step's pre-clip norms into clip coefficients and thresholds, from state
 it keeps in tensors on the grads' device, and updates that state from the norms after
 the step; nothing in either reads a tensor on the host. :class:`ClipRule` is the
-protocol (a base class); :class:`AutoClip` and :class:`ZClip` are rules, and
-:class:`SpikeSkip` is not a rule but the ``skip_spikes=`` setting of
+protocol (a base class); :class:`AdaGC`, :class:`AutoClip` and :class:`ZClip` are rules,
+:class:`AGC` a unit-wise one (:class:`UnitWiseRule`), and :class:`SpikeSkip` is not a
+rule but the ``skip_spikes=`` setting of
 :class:`~clipopt.ClippedOptimizer`, which skips whole steps. See ``docs/adaptive.md``.
 
 The wrapper calls, once per ``step()``:
@@ -18,6 +19,11 @@ The wrapper calls, once per ``step()``:
    and the monitoring counters (:attr:`ClipRule.last_threshold`,
    :attr:`ClipRule.clipped_count`).
 
+A unit-wise rule (:class:`UnitWiseRule`, AGC) takes step 1 differently: it gets each
+grad beside its parameter, ``decision = rule.decide_units(params, grads, norm_type)``,
+and clips parts ("units") of each grad by their own coefficients; ``norms``,
+``coefficients`` and ``thresholds`` are then 1-D with one entry per unit.
+
 Non-finite norms never enter a rule's history (the reference packages would keep a NaN
 in theirs for good); what such a step does is the wrapper's ``nonfinite`` policy.
 """
@@ -27,15 +33,28 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from clipopt._kernels import EPS
 
-__all__ = ["ClipRule", "OnDevice", "checked", "count_or_zero", "integer", "number", "state_dtype"]
+__all__ = [
+    "ClipRule",
+    "OnDevice",
+    "UnitDecision",
+    "UnitWiseRule",
+    "checked",
+    "count_or_zero",
+    "integer",
+    "number",
+    "state_dtype",
+]
+
+_Self = TypeVar("_Self", bound="OnDevice")
 
 
 def state_dtype(device: torch.device) -> torch.dtype:
@@ -104,6 +123,15 @@ class OnDevice:
             if isinstance(value, Tensor):
                 setattr(self, name, value.to(device))
 
+    def borrowed(self) -> tuple[object, ...]:
+        """Objects this one refers to but does not own (AGC's excluded parameters)."""
+        return ()
+
+    def trial_copy(self: _Self) -> _Self:
+        """A deep copy to try a load on: the state is copied, :meth:`borrowed` shared (a
+        model's weights are not copied to check a checkpoint)."""
+        return copy.deepcopy(self, {id(x): x for x in self.borrowed()})
+
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({settings})"
@@ -116,7 +144,9 @@ class ClipRule(OnDevice):
     A subclass implements :meth:`config`, :meth:`threshold`, :meth:`update`,
     :meth:`rule_state` and :meth:`load_rule_state`; it may override :meth:`coefficient`
     (the default is torch's ``min(1, threshold / (norm + 1e-6))``) and sets
-    ``per_tensor = True`` to get one norm per grad instead of the global norm.
+    ``per_tensor = True`` to get one norm per grad instead of the global norm. A rule
+    that clips parts of each grad against its parameter (AGC) subclasses
+    :class:`UnitWiseRule` instead.
 
     - Settings are validated in ``__init__``: a bad one raises ``ValueError`` (or
       ``TypeError``) naming the argument and the value.
@@ -131,6 +161,9 @@ class ClipRule(OnDevice):
     """
 
     per_tensor: bool = False
+    norm_type: float = 2.0
+    """The order p of the norms :meth:`decide` gets; ``ClippedOptimizer`` sets it to its
+    ``norm_type`` before each call (AdaGC combines per-tensor norms into the total)."""
 
     def __init__(self) -> None:
         self._last_threshold: Tensor | None = None
@@ -232,8 +265,89 @@ class ClipRule(OnDevice):
         if last is not None:
             checked("last_threshold", last, None, floating=True)
         count = checked("clipped_count", state_dict["clipped_count"], (), floating=False)
-        trial = copy.deepcopy(self)
+        trial = self.trial_copy()
         trial.load_rule_state(state_dict["state"])  # raises before self changes
         self.load_rule_state(state_dict["state"])
         self._last_threshold = None if last is None else last.clone()
         self._clipped_count = count.clone()
+
+
+@dataclass(frozen=True)
+class UnitDecision:
+    """What a :class:`UnitWiseRule` decides for one step; nothing has changed yet.
+
+    Attributes:
+      per_grad: one coefficient per grad given, broadcastable to it, or None to leave
+        that grad as it is (at no cost).
+      norms: every unit's pre-clip grad norm in one 1-D tensor, in the grads' order (a
+        grad left as it is has no units here).
+      coefficients: each unit's coefficient, at most 1, shaped as ``norms``.
+      thresholds: each unit's threshold, shaped as ``norms``.
+    """
+
+    per_grad: list[Tensor | None]
+    norms: Tensor
+    coefficients: Tensor
+    thresholds: Tensor
+
+
+class UnitWiseRule(ClipRule):
+    """The protocol of a rule that clips parts of each grad against its parameter.
+
+    AGC (Brock et al., 2021) clips each row of a weight's grad by that row's norm in the
+    weight. Such a rule needs the parameters and cannot be told one norm per grad, so the
+    wrapper calls :meth:`decide_units` instead of :meth:`~ClipRule.decide`, and
+    :meth:`~ClipRule.commit` with the units' norms, coefficients and thresholds (1-D);
+    :meth:`~ClipRule.threshold` and :meth:`~ClipRule.coefficient` are not called. A
+    subclass implements :meth:`decide_units`, :meth:`~ClipRule.config`,
+    :meth:`~ClipRule.update`, :meth:`~ClipRule.rule_state` and
+    :meth:`~ClipRule.load_rule_state`, and may refuse a norm order in
+    :meth:`check_norm_type`.
+
+    Its coefficients are one per grad, not one for all, so it never folds into a fused
+    kernel's single ``grad_scale``: the grads are scaled before the fused step.
+
+    Example:
+      A rule that scales each row of each grad to a norm of at most 1:
+
+      >>> import torch, clipopt
+      >>> class RowClip(clipopt.UnitWiseRule):
+      ...     def config(self): return {}
+      ...     def update(self, norms): pass
+      ...     def rule_state(self): return {}
+      ...     def load_rule_state(self, state): pass
+      ...     def decide_units(self, params, grads, norm_type):
+      ...         rows = [g.norm(dim=1) if g.dim() == 2 else g.norm().reshape(1) for g in grads]
+      ...         norms = torch.cat(rows)
+      ...         coefficients = 1.0 / norms.clamp(min=1.0)
+      ...         parts = coefficients.split([r.numel() for r in rows])
+      ...         shapes = [(-1, 1) if g.dim() == 2 else () for g in grads]
+      ...         per_grad = [c.reshape(s) for c, s in zip(parts, shapes)]
+      ...         return clipopt.UnitDecision(per_grad, norms, coefficients, torch.ones_like(norms))
+      >>> w = torch.nn.Parameter(torch.zeros(2, 2))
+      >>> opt = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.0), max_norm=RowClip())
+      >>> w.grad = torch.tensor([[3.0, 4.0], [0.3, 0.4]])
+      >>> opt.step()
+      >>> w.grad, opt.rule.clipped_count
+      (tensor([[0.6000, 0.8000],
+              [0.3000, 0.4000]]), tensor(1))
+    """
+
+    def check_norm_type(self, norm_type: float) -> None:
+        """Raise ``ValueError`` if the rule cannot measure in this order; the wrapper
+        calls it at construction and before each decision. The default takes any."""
+
+    def decide_units(
+        self, params: Sequence[Tensor], grads: Sequence[Tensor], norm_type: float
+    ) -> UnitDecision:
+        """This step's coefficients, from each grad and its parameter; changes nothing.
+
+        Args:
+          params: the parameters that have a grad, in the order of the param groups and
+            their params.
+          grads: their grads, in the same order (plain tensors, not DTensors).
+          norm_type: the wrapper's norm order, as :meth:`check_norm_type` accepted.
+
+        It must read nothing on the host.
+        """
+        raise NotImplementedError

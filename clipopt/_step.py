@@ -6,9 +6,9 @@ A :class:`ClipDecision` is everything a step needs to apply the clip and record 
 that the two ways to apply it take the same thing.
 
 A coefficient is given per param group: None (scale nothing), a 0-dim tensor (the whole
-group), or a tuple with one tensor per grad of the group, each broadcastable to its grad
-(per-tensor or unit-wise rules). New clip rules produce coefficients here, in
-:func:`threshold_coefficients`' place.
+group), or a tuple with one entry per grad of the group, each a tensor broadcastable to
+its grad or None to leave that grad alone (per-tensor or unit-wise rules). New clip
+rules produce coefficients here, in :func:`threshold_coefficients`' place.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _mesh, _reduce
+from clipopt import _kernels, _mesh, _per_tensor, _reduce
 from clipopt._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
@@ -29,7 +29,7 @@ from clipopt._clip_state import (
     check_one_norm_type,
     group_max_norm,
 )
-from clipopt._rule import ClipRule
+from clipopt._rule import ClipRule, UnitWiseRule
 
 __all__ = [
     "ClipDecision",
@@ -43,9 +43,10 @@ __all__ = [
     "rule_coefficients",
     "scale",
     "threshold_coefficients",
+    "unit_rule_coefficients",
 ]
 
-Coefficient: TypeAlias = Tensor | tuple[Tensor, ...] | None
+Coefficient: TypeAlias = Tensor | tuple[Tensor | None, ...] | None
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def scale(grads: list[list[Tensor]], coefficients: list[Coefficient], foreach: b
     for group_grads, coefficient in zip(grads, coefficients, strict=True):
         if isinstance(coefficient, tuple):
             for grad, own in zip(group_grads, coefficient, strict=True):
-                _mesh.local_tensors([grad])[0].mul_(own.to(grad.device))
+                if own is not None:
+                    _mesh.local_tensors([grad])[0].mul_(own.to(grad.device))
         elif coefficient is not None and group_grads:
             by_coefficient.setdefault(id(coefficient), (coefficient, []))[1].extend(group_grads)
     for coefficient, tensors in by_coefficient.values():
@@ -235,9 +237,11 @@ def rule_coefficients(
     """The rule's coefficient per group and what it decided (to commit after the step).
 
     A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
-    rule one per grad, from norms measured in one batched pass (``measured``'s own
+    rule one per grad, from each whole grad's norm: measured in one batched pass, and
+    for DTensor grads reduced across ranks in one collective (``measured``'s own
     ``tensor_norms`` where the step has them, so that no grad is read twice).
     """
+    rule.norm_type = norm_type
     if not rule.per_tensor:
         coefficient, threshold = rule.decide(measured.norm)
         shared: list[Coefficient] = [coefficient] * len(grads)
@@ -245,11 +249,9 @@ def rule_coefficients(
     flat = [g for group in grads for g in group]
     if not flat:
         return [None] * len(grads), None
-    if not _mesh.all_plain(flat):
-        raise ValueError(f"{rule!r} measures each grad on its own; DTensor grads are sharded")
     norms = measured.tensor_norms
     if norms is None:
-        norms = _kernels.per_tensor_norms(flat, norm_type, foreach)
+        norms = _per_tensor.global_per_tensor_norms(flat, norm_type, foreach)
     coefficients, thresholds = rule.decide(norms)
     parts = coefficients.unbind()
     per_group: list[Coefficient] = []
@@ -258,3 +260,43 @@ def rule_coefficients(
         per_group.append(tuple(parts[start : start + len(group)]) if group else None)
         start += len(group)
     return per_group, (norms, coefficients, thresholds)
+
+
+def unit_rule_coefficients(
+    rule: UnitWiseRule,
+    groups: Sequence[Mapping[str, Any]],
+    grads: list[list[Tensor]],
+    norm_type: float,
+) -> tuple[list[Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
+    """A unit-wise rule's coefficients and what it decided (to commit after the step).
+
+    Each group gets a tuple with one coefficient per grad (None: left as it is), or None
+    when the rule leaves all its grads alone; such coefficients never fold.
+
+    Raises:
+      ValueError: a grad or parameter is a DTensor: a unit's norm is taken on this rank,
+        and a shard may hold part of a unit. Or the rule refuses ``norm_type``.
+    """
+    params = [p for group in groups for p in group["params"] if p.grad is not None]
+    flat = [g for group in grads for g in group]
+    if not flat:
+        return [None] * len(grads), None
+    if not (_mesh.all_plain(flat) and _mesh.all_plain(params)):
+        raise ValueError(
+            f"{rule!r} measures each unit of each grad on this rank; DTensor grads "
+            "(FSDP2, tensor parallel) are sharded and would need their units' norms "
+            "reduced across ranks, which it does not do"
+        )
+    rule.check_norm_type(norm_type)
+    decision = rule.decide_units(params, flat, norm_type)
+    if len(decision.per_grad) != len(flat):
+        raise ValueError(
+            f"{rule!r} gave {len(decision.per_grad)} coefficients for {len(flat)} grads"
+        )
+    per_group: list[Coefficient] = []
+    start = 0
+    for group in grads:
+        own = tuple(decision.per_grad[start : start + len(group)])
+        per_group.append(own if any(c is not None for c in own) else None)
+        start += len(group)
+    return per_group, (decision.norms, decision.coefficients, decision.thresholds)

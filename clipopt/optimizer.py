@@ -11,7 +11,6 @@ inner optimizer's kernel (:mod:`clipopt._fused`).
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Callable, Container, Iterable, Mapping
@@ -21,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _hooks, _monitor, _step
+from clipopt import _fused, _hooks, _mesh, _monitor, _step
 from clipopt._clip_state import (
     CLIP_KEY,
     MAX_NORM_KEY,
@@ -42,7 +41,7 @@ from clipopt._nonfinite import (
     spike_verdict,
 )
 from clipopt._reduce import NormScope
-from clipopt._rule import ClipRule
+from clipopt._rule import ClipRule, UnitWiseRule
 from clipopt._spike_skip import SpikeSkip
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
@@ -142,7 +141,7 @@ def _check_saved_rules(
                 f"{name}={shown!r}; construct it as it was saved"
             )
         if mine is not None and saved is not None:
-            copy.deepcopy(mine).load_state_dict(saved)
+            mine.trial_copy().load_state_dict(saved)
     if rule is not None and (prepared.settings.per_group or prepared.settings.max_norm != math.inf):
         raise ValueError(
             "state_dict['clip']['settings'] of a rule must have per_group=False and "
@@ -164,11 +163,12 @@ class ClippedOptimizer(OptimizerWrapper):
       optimizer: the optimizer to wrap; it keeps its param groups and state.
       max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
         param group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor).
-        Or a clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`, any
-        :class:`clipopt.ClipRule`), which chooses the threshold each step from the norms
-        it has seen: it sets every group's threshold (a group's own ``clip_max_norm``
-        is refused), needs ``per_group=False``, and a global rule folds into a fused
-        kernel like a number does. See ``docs/adaptive.md``.
+        Or a clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`,
+        :class:`clipopt.AdaGC`, :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`),
+        which chooses the threshold each step from the norms it has seen (AGC: from the
+        weights, unit by unit): it sets every group's threshold (a group's own
+        ``clip_max_norm`` is refused), needs ``per_group=False``, and a global rule folds
+        into a fused kernel like a number does. See ``docs/adaptive.md``.
       norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
         Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
       per_group: clip each param group by its own norm instead of one global norm over
@@ -196,8 +196,9 @@ class ClippedOptimizer(OptimizerWrapper):
         fire (as ``nonfinite="skip"`` does, and in the same read).
       track_tensor_norms: keep each grad's pre-clip norm of the last step, by name, in
         :attr:`last_tensor_norms`. They are measured in the step's one read of the grads
-        (the global norm is derived from them), not by a second pass. Not with a
-        ``process_group`` or DTensor grads (a shard's norm is not the tensor's).
+        (the global norm is derived from them), not by a second pass; DTensor grads
+        (FSDP2, TP) take one more pass and one collective for their whole-tensor norms.
+        Not with a ``process_group`` (a split tensor's rows differ by rank).
 
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
@@ -251,11 +252,17 @@ class ClippedOptimizer(OptimizerWrapper):
                 "history of one norm; use per_group=False, or per_tensor=True where the "
                 "rule has it"
             )
-        if rule is not None and rule.per_tensor and process_group is not None:
+        local = rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
+        if local and process_group is not None:
             raise ValueError(
-                f"{rule!r} measures each grad on its own, which a process_group splits "
-                "across ranks; per-tensor rules need unsplit parameters"
+                f"{rule!r} measures each grad on its own, and with a process_group each rank "
+                "holds other tensors (pipeline stages, model-parallel slices), so its grads "
+                "would differ by rank: per-tensor and unit-wise rules need unsplit parameters "
+                "(DDP), or, per tensor, DTensor grads (FSDP2, tensor parallel) and no "
+                "process_group"
             )
+        if isinstance(rule, UnitWiseRule):
+            rule.check_norm_type(settings.norm_type)
         if not isinstance(track_tensor_norms, bool):
             raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
         if track_tensor_norms and process_group is not None:
@@ -492,9 +499,14 @@ class ClippedOptimizer(OptimizerWrapper):
             coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
         else:
             _check_rule_groups(self.param_groups, self._rule)
-            coefficients, outcome = _step.rule_coefficients(
-                self._rule, grads, measured, settings.norm_types[0], self._foreach
-            )
+            if isinstance(self._rule, UnitWiseRule):
+                coefficients, outcome = _step.unit_rule_coefficients(
+                    self._rule, self.param_groups, grads, settings.norm_types[0]
+                )
+            else:
+                coefficients, outcome = _step.rule_coefficients(
+                    self._rule, grads, measured, settings.norm_types[0], self._foreach
+                )
         spike = None
         spikes = self._skip_spikes
         if may_skip and spikes is not None and spikes.may_trigger():
@@ -527,18 +539,25 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def _measure(self, grads: list[list[Tensor]], norm_types: list[float]) -> _step.Measurement:
         """The step's norms: with per-tensor norms wanted (tracked, or for a per-tensor
-        rule), all of them from one per-tensor pass."""
+        rule) and plain grads, all of them from one per-tensor pass; DTensor grads add
+        their whole-tensor norms to the usual measurement."""
         default = float(self.defaults[NORM_TYPE_KEY])
         per_rule = self._rule is not None and self._rule.per_tensor
-        if self._track_tensor_norms or per_rule:
-            names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
+        plain = self._norm_scope.process_group is None and _mesh.all_plain(
+            [g for group in grads for g in group]
+        )
+        names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
+        if plain and (self._track_tensor_norms or per_rule):
             return _monitor.measure_per_tensor(
                 grads, names, norm_types, default, self._per_group, self._foreach
             )
         params = [p for group in self.param_groups for p in group["params"]]
-        return _step.measure(
+        measured = _step.measure(
             grads, norm_types, default, self._per_group, self._norm_scope, self._foreach, params
         )
+        if names is None:
+            return measured
+        return _monitor.with_tensor_norms(measured, grads, names, norm_types, self._foreach)
 
     def _apply_folded(
         self, decision: _step.ClipDecision, closure: Closure | None, loss: Any

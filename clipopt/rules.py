@@ -1,30 +1,27 @@
-"""Adaptive clip rules: objects passed as ``max_norm`` that choose the threshold each step.
+"""The adaptive clip rules, passed as ``max_norm``, and SpikeSkip (``skip_spikes=``).
 
-A rule turns the step's pre-clip norms into clip coefficients and thresholds, from state
-it keeps in tensors on the grads' device, and updates that state from the norms after
-the step; nothing in either reads a tensor on the host. :class:`ClipRule` is the
-protocol (a base class); :class:`AutoClip` and :class:`ZClip` are rules, and
-:class:`SpikeSkip` is not a rule but the ``skip_spikes=`` setting of
-:class:`~clipopt.ClippedOptimizer`, which skips whole steps. See ``docs/adaptive.md``.
-
-The wrapper calls, once per ``step()``:
-
-1. ``coefficients, thresholds = rule.decide(norms)``: ``norms`` is the global norm (a
-   0-dim tensor), or with ``per_tensor = True`` a 1-D tensor with one norm per grad (in
-   the order of the param groups and their params, params without a grad left out).
-   The two results have the shape of ``norms``. Nothing changes.
-2. the step is applied (or skipped);
-3. ``rule.commit(norms, coefficients, thresholds)``: the rule's :meth:`ClipRule.update`
-   and the monitoring counters (:attr:`ClipRule.last_threshold`,
-   :attr:`ClipRule.clipped_count`).
-
-Non-finite norms never enter a rule's history (the reference packages would keep a NaN
-in theirs for good); what such a step does is the wrapper's ``nonfinite`` policy.
+:class:`AdaGC`, :class:`AutoClip` and :class:`ZClip` are rules on global or per-tensor
+norms, :class:`AGC` a unit-wise one; each lives in a module of its own over the
+protocols in :mod:`clipopt._rule` (:class:`ClipRule`, :class:`UnitWiseRule`), whose
+docstring says what the wrapper calls and when. See ``docs/adaptive.md``.
 """
 
+from clipopt._adagc import AdaGC
+from clipopt._agc import AGC
 from clipopt._autoclip import AutoClip
-from clipopt._rule import ClipRule
+from clipopt._rule import ClipRule, UnitDecision, UnitWiseRule
 from clipopt._spike_skip import SpikeSkip
 from clipopt._zclip import ZClip, ZClipMode, ZClipOption
 
-__all__ = ["AutoClip", "ClipRule", "SpikeSkip", "ZClip", "ZClipMode", "ZClipOption"]
+__all__ = [
+    "AGC",
+    "AdaGC",
+    "AutoClip",
+    "ClipRule",
+    "SpikeSkip",
+    "UnitDecision",
+    "UnitWiseRule",
+    "ZClip",
+    "ZClipMode",
+    "ZClipOption",
+]

@@ -1,9 +1,11 @@
-"""Adaptive clip rules (AutoClip, ZClip) and SpikeSkip.
+"""Adaptive clip rules and SpikeSkip: AutoClip and ZClip against their packages, and the
+checks every rule shares (AdaGC's and AGC's own are in test_adagc.py and test_agc.py).
 
 - AutoClip and ZClip against the reference packages (``autoclip`` 0.2.1, ``zclip`` 1.0.0)
   fed the same 2,000-step grad streams side by side: thresholds and clipped grads agree to
   1e-5 relative at every step.
-- SpikeSkip against the published rule written out below in float64.
+- SpikeSkip against the published rule written out below in float64 (AdaGC against
+  its authors' code: tests/test_adagc.py).
 - No host read in the step, for each rule, on the paths that promise none.
 - Bit-exact resume for each rule with SGD and AdamW, fused and not.
 - A checkpoint of another rule (or other settings) is refused and changes nothing; bad
@@ -356,6 +358,8 @@ def _rules() -> dict[str, Callable[[], clipopt.ClipRule]]:
         "autoclip": lambda: clipopt.AutoClip(percentile=50.0, history=7),
         "autoclip-per-tensor": lambda: clipopt.AutoClip(50.0, 7, per_tensor=True),
         "zclip": lambda: clipopt.ZClip(warmup_steps=3),
+        "agc": lambda: clipopt.AGC(clipping=0.05),
+        "adagc": lambda: clipopt.AdaGC(warmup_steps=3),
     }
 
 
@@ -418,6 +422,9 @@ RESUME_RULES: dict[str, Callable[[], tuple[clipopt.ClipRule, clipopt.SpikeSkip |
     "autoclip": lambda: (clipopt.AutoClip(30.0, 9), None),
     "autoclip-per-tensor": lambda: (clipopt.AutoClip(30.0, 9, per_tensor=True), None),
     "zclip": lambda: (clipopt.ZClip(warmup_steps=5, max_grad_norm=None), None),
+    "agc": lambda: (clipopt.AGC(clipping=0.05), None),
+    "adagc": lambda: (clipopt.AdaGC(warmup_steps=10), None),
+    "adagc-saved-in-warmup": lambda: (clipopt.AdaGC(ratio=1.1, warmup_steps=40), None),
     "autoclip+spikes": lambda: (
         clipopt.AutoClip(50.0, 30),
         clipopt.SpikeSkip(window=8, sigma=2.0, min_history=4),
@@ -491,7 +498,15 @@ def _trained(rule: clipopt.ClipRule | float, spikes: clipopt.SpikeSkip | None = 
         (lambda: _trained(clipopt.AutoClip(10.0)), lambda: clipopt.AutoClip(20.0), "percentile"),
         (lambda: _trained(clipopt.AutoClip()), lambda: clipopt.ZClip(), "AutoClip"),
         (lambda: _trained(clipopt.ZClip()), lambda: clipopt.AutoClip(), "ZClip"),
+        (lambda: _trained(clipopt.AGC()), lambda: clipopt.ZClip(), "AGC"),
         (lambda: _trained(1.0), lambda: clipopt.AutoClip(), "no rule"),
+        (
+            lambda: _trained(clipopt.AdaGC()),
+            lambda: clipopt.AutoClip(per_tensor=True),
+            "AdaGC",
+        ),
+        (lambda: _trained(clipopt.AutoClip(per_tensor=True)), lambda: clipopt.AdaGC(), "AutoClip"),
+        (lambda: _trained(clipopt.AdaGC(beta=0.9)), lambda: clipopt.AdaGC(), "beta"),
         (lambda: _trained(clipopt.AutoClip()), lambda: 1.0, "AutoClip"),
         (
             lambda: _trained(1.0, clipopt.SpikeSkip(window=8)),
@@ -547,6 +562,16 @@ def test_the_legacy_layout_still_parses_beside_the_rule_entries() -> None:
         (lambda: clipopt.ZClip(mode="median"), "mode", "median"),
         (lambda: clipopt.ZClip(clip_option="max"), "clip_option", "max"),
         (lambda: clipopt.ZClip(clip_factor=0.0), "clip_factor", "0.0"),
+        (lambda: clipopt.AdaGC(ratio=0.0), "ratio", "0.0"),
+        (lambda: clipopt.AdaGC(ratio=-1.04), "ratio", "-1.04"),
+        (lambda: clipopt.AdaGC(ratio=math.inf), "ratio", "inf"),
+        (lambda: clipopt.AdaGC(beta=1.0), "beta", "1.0"),
+        (lambda: clipopt.AdaGC(beta=-0.5), "beta", "-0.5"),
+        (lambda: clipopt.AdaGC(beta=math.nan), "beta", "nan"),
+        (lambda: clipopt.AdaGC(warmup_steps=-1), "warmup_steps", "-1"),
+        (lambda: clipopt.AdaGC(warmup_max_norm=0.0), "warmup_max_norm", "0.0"),
+        (lambda: clipopt.AdaGC(warmup_max_norm=math.inf), "warmup_max_norm", "inf"),
+        (lambda: clipopt.AdaGC(eps=-1e-6), "eps", "-1e-06"),
         (lambda: clipopt.SpikeSkip(window=1), "window", "1"),
         (lambda: clipopt.SpikeSkip(sigma=-6.0), "sigma", "-6.0"),
         (lambda: clipopt.SpikeSkip(window=8, min_history=9), "min_history", "9"),

@@ -372,6 +372,7 @@ RULES: dict[str, Callable[[], clipopt.ClipRule]] = {
     "AutoClip": lambda: clipopt.AutoClip(percentile=50.0, history=16),
     "AutoClip per tensor": lambda: clipopt.AutoClip(50.0, 16, per_tensor=True),
     "ZClip": lambda: clipopt.ZClip(warmup_steps=3),
+    "AdaGC": lambda: clipopt.AdaGC(warmup_steps=3),
 }
 
 
@@ -379,7 +380,7 @@ RULES: dict[str, Callable[[], clipopt.ClipRule]] = {
 @pytest.mark.parametrize("rule", list(RULES))
 def test_rule_steps_never_sync(rule: str, make: MakeInner) -> None:
     """Every step after the first (which makes the rule's state) runs in the error mode,
-    past AutoClip's ring wrapping and ZClip's warm-up."""
+    past AutoClip's ring wrapping and ZClip's and AdaGC's warm-up."""
     params = make_params()
     opt = clipopt.ClippedOptimizer(make(params), max_norm=RULES[rule]())
     set_grads(params, seed=1)

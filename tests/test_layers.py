@@ -19,10 +19,12 @@ LAYERS: list[set[str]] = [
     {"_errors", "_validation", "_native", "_torch_dcp", "_hooks"},  # no clipopt imports
     {"_cpu"},  # the C kernels' Python side
     {"_torch_norms"},  # partial norms of CPU grads by torch ops
-    {"_kernels", "_mesh"},  # local norms and scales; DTensor shards and meshes
-    {"_reduce", "_clip_state", "_nonfinite", "_rule"},  # across ranks; settings; skips; the rule protocol
-    {"functional", "_step", "_fused", "_autoclip", "_zclip", "_spike_skip"},  # the API; the step; rules
-    {"_wrapper", "rules", "_monitor"},  # the wrapper; the rules facade; per-tensor norms
+    {"_kernels", "_mesh", "_collective"},  # local norms, scales; DTensor shards; collectives
+    # across ranks, of the total and per tensor; settings; skips; the rule protocol
+    {"_reduce", "_per_tensor", "_clip_state", "_nonfinite", "_rule"},
+    # the API; the step; the fold; one module per rule
+    {"functional", "_step", "_fused", "_adagc", "_agc", "_autoclip", "_zclip", "_spike_skip"},
+    {"_wrapper", "rules", "_monitor"},  # the wrapper; the rules' facade; per-tensor norms
     {"optimizer"},  # ClippedOptimizer
     {"_checkpoint"},  # DCP helpers on the wrapper
     {"distributed"},  # the facade of the distributed names

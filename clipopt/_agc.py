@@ -1,0 +1,177 @@
+"""AGC (Brock, De, Smith and Simonyan, 2021): clip each unit's grad against its weight."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from clipopt._kernels import EPS, result_dtype
+from clipopt._rule import UnitDecision, UnitWiseRule, number
+from clipopt._torch_norms import accumulate_dtype
+
+__all__ = ["AGC", "unit_norms", "unit_shape"]
+
+
+def unit_shape(t: Tensor) -> tuple[int, ...]:
+    """The shape of one coefficient per unit of ``t``, broadcastable to it: ``(rows, 1,
+    ...)`` for a tensor of 2 dims or more (a unit is a slice along dim 0: a row of a
+    linear weight, an output channel of a conv kernel), ``()`` for the whole of a 0- or
+    1-D tensor."""
+    return (t.shape[0],) + (1,) * (t.dim() - 1) if t.dim() >= 2 else ()
+
+
+def unit_norms(tensors: Sequence[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The L2 norm of every unit of every tensor, in one 1-D tensor in order.
+
+    A tensor of 2 dims or more has one unit per index of dim 0, measured over all its
+    other dims by one ``vector_norm`` (no copy, whatever the strides); 0- and 1-D tensors
+    are one unit each, measured by one ``torch._foreach_norm`` per device and dtype.
+    Half types accumulate in float32, others in their own dtype, as timm's
+    ``unitwise_norm`` (``Tensor.norm``) does; the result is on ``device`` in ``dtype``.
+
+    Example:
+      >>> import torch
+      >>> from clipopt._agc import unit_norms
+      >>> unit_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([6.0, 8.0])],
+      ...            torch.device("cpu"), torch.float32)
+      tensor([ 5.,  1., 10.])
+    """
+    parts: list[Tensor | None] = [None] * len(tensors)
+    whole: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.dim() <= 1 and t.numel() > 0:
+            whole.setdefault((t.device, t.dtype), []).append(i)
+        else:
+            dims = tuple(range(1, t.dim())) if t.dim() >= 2 else None
+            parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
+    for (_, kind), indices in whole.items():
+        group = [tensors[i] for i in indices]
+        found = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
+        for i, norm in zip(indices, found, strict=True):
+            parts[i] = norm
+    ready = [cast(Tensor, part).reshape(-1).to(device=device, dtype=dtype) for part in parts]
+    return torch.cat(ready)
+
+
+def _parameters(exclude: Iterable[Tensor]) -> list[Tensor]:
+    """``exclude`` as a list of tensors; TypeError naming the first thing that is not one."""
+    if isinstance(exclude, (Tensor, str)) or not isinstance(exclude, Iterable):
+        raise TypeError(
+            f"exclude must be an iterable of parameters (tensors), got {exclude!r}; "
+            "for one parameter p, pass exclude=[p]"
+        )
+    found = list(exclude)
+    for item in found:
+        if not isinstance(item, Tensor):
+            raise TypeError(
+                f"exclude must hold parameters (tensors, matched by identity), got {item!r}; "
+                "names are not accepted: pass the parameters, e.g. model.fc.parameters()"
+            )
+    return list({id(t): t for t in found}.values())
+
+
+class AGC(UnitWiseRule):
+    """Adaptive Gradient Clipping (Brock, De, Smith and Simonyan, 2021: *High-Performance
+    Large-Scale Image Recognition Without Normalization*, the NFNets paper): each unit's
+    grad is clipped against the norm of its weights.
+
+    A unit is a row of a linear weight, an output channel of a conv kernel (a slice along
+    dim 0 of any tensor of 2 dims or more), or the whole of a bias, gain or other 0- or
+    1-D parameter. With ``W`` a unit's weights and ``G`` its grad, the threshold is
+    ``max_norm = clipping * max(||W||, eps)``, and where ``||G|| >= max_norm``, ``G`` is
+    scaled by ``max_norm / max(||G||, 1e-6)``: timm's ``adaptive_clip_grad``, operation
+    for operation (bit for bit in float32 on CPU).
+
+    Args:
+      clipping: the largest ratio of a unit's grad norm to its weight norm, > 0 (the
+        paper's lambda; 0.01 is timm's default and the paper's choice at batch size 4096).
+      eps: the smallest weight norm that counts, >= 0, so that zero-initialised units can
+        move (the paper's 1e-3).
+      exclude: parameters left unclipped, matched by identity (the paper does not clip
+        the final classifier layer): e.g. ``model.fc.parameters()``. They are not
+        measured at all. The rule holds them: a copy of the optimizer excludes its copies.
+
+    ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
+    in the order of the param groups and their params, with :func:`unit_shape` entries
+    per grad (excluded params and params without a grad have none); ``clipped_count``
+    counts the steps in which some unit was scaled. Only the L2 norm is supported
+    (``norm_type=2``, the paper's), and plain (non-DTensor) grads.
+
+    Example:
+      >>> import torch, clipopt
+      >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
+      >>> rule = clipopt.AGC(clipping=0.1)
+      >>> opt = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.0), max_norm=rule)
+      >>> w.grad = torch.tensor([[0.03, 0.04], [0.0, 1.0]])
+      >>> opt.step()
+      >>> w.grad  # row 0 (norm 0.05 < 0.1 * 5) untouched; row 1 to 0.1 * eps
+      tensor([[0.0300, 0.0400],
+              [0.0000, 0.0001]])
+      >>> rule.last_threshold, rule.clipped_count
+      (tensor([5.0000e-01, 1.0000e-04]), tensor(1))
+    """
+
+    def __init__(
+        self, clipping: float = 0.01, eps: float = 1e-3, exclude: Iterable[Tensor] = ()
+    ) -> None:
+        super().__init__()
+        self.clipping = number("clipping", clipping, 0.0, math.inf, low_open=True, high_open=True)
+        self.eps = number("eps", eps, 0.0, math.inf, high_open=True)
+        self.exclude = _parameters(exclude)
+
+    def config(self) -> dict[str, Any]:
+        return {"clipping": self.clipping, "eps": self.eps, "excluded": len(self.exclude)}
+
+    def borrowed(self) -> tuple[object, ...]:
+        return tuple(self.exclude)
+
+    def check_norm_type(self, norm_type: float) -> None:
+        if norm_type != 2.0:
+            raise ValueError(
+                f"AGC clips units by their L2 norm (the paper's); norm_type must be 2, "
+                f"got {norm_type!r}"
+            )
+
+    def decide_units(
+        self, params: Sequence[Tensor], grads: Sequence[Tensor], norm_type: float
+    ) -> UnitDecision:
+        excluded = {id(p) for p in self.exclude}
+        chosen = [i for i, p in enumerate(params) if id(p) not in excluded]
+        for i in chosen:
+            if grads[i].is_sparse or grads[i].shape != params[i].shape:
+                raise ValueError(
+                    f"AGC needs dense grads shaped as their parameters, got a grad of "
+                    f"shape {tuple(grads[i].shape)} (sparse: {grads[i].is_sparse}) for a "
+                    f"parameter of shape {tuple(params[i].shape)}"
+                )
+        device = grads[0].device
+        dtype = result_dtype([grads[i].dtype for i in chosen])
+        if not chosen:
+            empty = torch.zeros(0, device=device, dtype=dtype)
+            return UnitDecision([None] * len(grads), empty, empty, empty)
+        weights = [params[i].detach() for i in chosen]
+        # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
+        # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.
+        thresholds = unit_norms(weights, device, dtype).clamp(min=self.eps).mul(self.clipping)
+        norms = unit_norms([grads[i] for i in chosen], device, dtype)
+        ratio = thresholds / norms.clamp(min=EPS)
+        coefficients = torch.where(norms < thresholds, 1.0, ratio)
+        sizes = [math.prod(unit_shape(w)) for w in weights]
+        per_grad: list[Tensor | None] = [None] * len(grads)
+        for i, w, part in zip(chosen, weights, torch.split(coefficients, sizes), strict=True):
+            per_grad[i] = part.reshape(unit_shape(w))
+        return UnitDecision(per_grad, norms, coefficients, thresholds)
+
+    def update(self, norms: Tensor) -> None:
+        """AGC has no state: its threshold comes from the weights of this step."""
+
+    def rule_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_rule_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state:
+            raise ValueError(f"AGC has no state, got {state!r}")
