@@ -16,7 +16,8 @@ benchmarks.run`` runs them too, after its own sections. Sections:
   step 3,000: both histories are prefilled with the same 1,000 norms per parameter (the
   last 1,000 of 3,000 steps, which is all either keeps), then steps are timed.
 - ``rule memory``: resident memory, live Python objects and the rule's state bytes after
-  1,000 and after 100,000 steps of a tiny model (500 and 2,000 with ``--quick``).
+  1,000 and after 100,000 steps of a tiny model (500 and 2,000 with ``--quick``;
+  ``--no-memory`` leaves these out).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ STEP_RULES: dict[str, Callable[[], clipopt.ClipRule]] = {
         10.0, HISTORY, per_tensor=True
     ),
     "ZClip": lambda: clipopt.ZClip(),
+    "AdaGC": lambda: clipopt.AdaGC(),
+    "AGC": lambda: clipopt.AGC(),
 }
 MEMORY_RULES: dict[str, Callable[[], tuple[clipopt.ClipRule | float, clipopt.SpikeSkip | None]]] = {
     "AutoClip(history=10_000)": lambda: (clipopt.AutoClip(10.0, HISTORY), None),
@@ -73,6 +76,8 @@ MEMORY_RULES: dict[str, Callable[[], tuple[clipopt.ClipRule | float, clipopt.Spi
     ),
     "ZClip": lambda: (clipopt.ZClip(), None),
     "SpikeSkip(window=128)": lambda: (1.0, clipopt.SpikeSkip()),
+    "AdaGC": lambda: (clipopt.AdaGC(), None),
+    "AGC": lambda: (clipopt.AGC(), None),
 }
 
 
@@ -267,10 +272,12 @@ def rule_targets(rows: list[Row], memory: dict[str, Any]) -> list[Target]:
     return targets
 
 
-def bench_rules(config: Config) -> tuple[list[Row], dict[str, Any], list[Target]]:
+def bench_rules(
+    config: Config, memory_rows: bool = True
+) -> tuple[list[Row], dict[str, Any], list[Target]]:
     """Every section of this module: rows, the memory record, the targets."""
     rows = bench_rule_steps(config) + bench_autoclip(config)
-    memory = bench_rule_memory(config)
+    memory = bench_rule_memory(config) if memory_rows else {}
     return rows, memory, rule_targets(rows, memory)
 
 
@@ -280,9 +287,9 @@ def print_targets(targets: list[Target]) -> None:
         print(f"  {'held' if t.held else 'MISSED':<7} {t.name:<62} {t.value:7.2f} {sign} {t.limit}")
 
 
-def run_section(config: Config) -> dict[str, Any]:
+def run_section(config: Config, memory_rows: bool = True) -> dict[str, Any]:
     """Run, print and return this module's rows, memory record and targets."""
-    rows, memory, targets = bench_rules(config)
+    rows, memory, targets = bench_rules(config, memory_rows)
     print("\nclip rules:")
     print(format_table(rows))
     print("\nrule memory (after each number of steps):")
@@ -303,11 +310,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per contender")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--no-memory", action="store_true", help="timed rows only")
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 21)
     config = Config(args.quick, repeats, 1 if args.quick else 3, torch.device("cpu"))
     results = {"machine": machine(), "config": {"quick": config.quick, "repeats": repeats}}
-    results["rules"] = run_section(config)
+    results["rules"] = run_section(config, memory_rows=not args.no_memory)
     RESULTS_DIR.mkdir(exist_ok=True)
     own = RESULTS_DIR / ("rules-quick.json" if config.quick else "rules.json")
     for path in (own, args.json):

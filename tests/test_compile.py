@@ -187,12 +187,14 @@ def test_a_compiled_step_records_and_steps_as_the_eager_one(
 
 # --- clip rules under torch.compile(opt.step, fullgraph=True) -------------------------------
 
-# One line per rule: a new rule (AdaGC, AGC) is covered by adding its factory here.
+# One line per rule: a new rule is covered by adding its factory here.
 RULES: dict[str, Callable[[], float | clipopt.ClipRule]] = {
     "fixed": lambda: 0.5,
     "autoclip": lambda: clipopt.AutoClip(percentile=50.0, history=4),
     "autoclip-per-tensor": lambda: clipopt.AutoClip(50.0, 4, per_tensor=True),
     "zclip": lambda: clipopt.ZClip(warmup_steps=2, max_grad_norm=None),
+    "adagc": lambda: clipopt.AdaGC(warmup_steps=2),
+    "agc": lambda: clipopt.AGC(clipping=0.05),
 }
 RULE_STEPS = 6
 SPIKE_AT = 4  # this step's grads are 30 times larger

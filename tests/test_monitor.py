@@ -174,6 +174,7 @@ RULES: dict[str, Callable[[], float | clipopt.ClipRule]] = {
     "autoclip": lambda: clipopt.AutoClip(50.0, 5),
     "autoclip-per-tensor": lambda: clipopt.AutoClip(50.0, 5, per_tensor=True),
     "zclip": lambda: clipopt.ZClip(warmup_steps=2),
+    "adagc": lambda: clipopt.AdaGC(warmup_steps=2),
 }
 
 

@@ -18,12 +18,14 @@ import clipopt
 
 Make = Callable[[], tuple[clipopt.ClipRule | float, clipopt.SpikeSkip | None]]
 
-# One line per rule: AdaGC and AGC are covered by adding theirs.
+# One line per rule: a new rule is covered by adding its own.
 RULES: dict[str, Make] = {
     "autoclip": lambda: (clipopt.AutoClip(10.0, 100), None),
     "autoclip-per-tensor": lambda: (clipopt.AutoClip(10.0, 100, per_tensor=True), None),
     "zclip": lambda: (clipopt.ZClip(warmup_steps=20), None),
     "spike-skip": lambda: (1.0, clipopt.SpikeSkip(window=64)),
+    "adagc": lambda: (clipopt.AdaGC(warmup_steps=20), None),
+    "agc": lambda: (clipopt.AGC(clipping=0.05), None),
 }
 FILLED = 200  # past every history above
 MORE = 5_000
