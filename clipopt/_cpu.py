@@ -136,14 +136,16 @@ def _kernels() -> types.ModuleType:
     return _native
 
 
-def _reduce(dense: list[Tensor], p: float) -> Tensor:
-    """The ``p``-norm of dense CPU tensors of one dtype, as a float64 1-vector."""
+def _reduce(dense: list[Tensor], p: float, threads: int) -> Tensor:
+    """The ``p``-norm of dense CPU tensors of one dtype, as a float64 1-vector, read by
+    ``threads`` of torch's threads (0: all of them; read here, which a compiled graph
+    cannot do)."""
     value: float = _kernels().reduce(
         _OPS[p],
         _DTYPES[dense[0].dtype],
         list(map(Tensor.data_ptr, dense)),
         list(map(Tensor.numel, dense)),
-        torch.get_num_threads(),
+        threads or torch.get_num_threads(),
     )
     if p == 2.0:
         value = math.sqrt(value)
@@ -151,29 +153,31 @@ def _reduce(dense: list[Tensor], p: float) -> Tensor:
 
 
 @torch.library.custom_op("clipopt::dense_partial_norm", mutates_args=())
-def _reduce_op(dense: list[Tensor], p: float) -> Tensor:
-    return _reduce(dense, p)
+def _reduce_op(dense: list[Tensor], p: float, threads: int) -> Tensor:
+    return _reduce(dense, p, threads)
 
 
 @_reduce_op.register_fake
-def _(dense: list[Tensor], p: float) -> Tensor:
+def _(dense: list[Tensor], p: float, threads: int) -> Tensor:
     return dense[0].new_empty((1,), dtype=torch.float64)
 
 
-def norm_partial(dense: list[Tensor], p: float) -> Tensor:
+def norm_partial(dense: list[Tensor], p: float, threads: int | None = None) -> Tensor:
     """The ``p``-norm of ``dense`` as a float64 tensor of one element.
 
     Args:
       dense: CPU tensors of one dtype that :func:`supports`, dense by :func:`split_dense`.
       p: 1, 2 or ``math.inf``.
+      threads: how many of torch's threads to read with; None: all of them.
 
     Returns:
       ``tensor([norm], dtype=float64)``; NaN if any element is NaN.
     """
+    count = 0 if threads is None else threads
     if torch.compiler.is_compiling():
-        partial: Tensor = _reduce_op(dense, p)
+        partial: Tensor = _reduce_op(dense, p, count)
         return partial
-    return _reduce(dense, p)
+    return _reduce(dense, p, count)
 
 
 def _scale(dense: list[Tensor], coef: Tensor) -> None:

@@ -633,9 +633,9 @@ def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch,
         calls.append(("foreach", len(args[0])))
         return original(*args, **kwargs)
 
-    def counting_partial(tensors: list[Tensor], order: float) -> Tensor:
+    def counting_partial(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Tensor:
         calls.append(("C", len(tensors)))
-        return original_partial(tensors, order)
+        return original_partial(tensors, *args, **kwargs)
 
     monkeypatch.setattr(torch, "_foreach_norm", counting)
     monkeypatch.setattr(_cpu, "norm_partial", counting_partial)

@@ -156,9 +156,9 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
         calls.append([id(t) for t in tensors])
         return original_foreach(tensors, *args, **kwargs)
 
-    def counting_partial(tensors: list[Tensor], p: float) -> Tensor:
+    def counting_partial(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Tensor:
         calls.append([id(t) for t in tensors])
-        return original_partial(tensors, p)
+        return original_partial(tensors, *args, **kwargs)
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a second pass over the grads")

@@ -462,7 +462,7 @@ def test_custom_ops_pass_torch_opcheck() -> None:
     """The ops that ``torch.compile`` traces: schema, fake kernel and eager kernel agree."""
     tensors = [torch.randn(5000), torch.randn(3, 7)]
     for p in NORMS:
-        torch.library.opcheck(_cpu._reduce_op, (tensors, p))
+        torch.library.opcheck(_cpu._reduce_op, (tensors, p, 0))
     torch.library.opcheck(_cpu._scale_op, ([t.clone() for t in tensors], torch.tensor(0.5)))
 
 
