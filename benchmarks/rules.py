@@ -15,7 +15,9 @@ benchmarks.run`` runs them too, after its own sections. Sections:
   ``autoclip.torch.QuantileClip`` with its defaults (``quantile=0.9``,
   ``history_length=1000``, ``global_threshold=False``: one history per parameter), at
   step 3,000: both histories are prefilled with the same 1,000 norms per parameter (the
-  last 1,000 of 3,000 steps, which is all either keeps), then steps are timed.
+  last 1,000 of 3,000 steps, which is all either keeps), then steps are timed, beside
+  the memory floor of any clip (one ``sum`` and one ``mul_`` over a buffer of the same
+  bytes): autoclip / floor bounds what autoclip / clipopt can reach on the machine.
 - ``rule memory``: resident memory, live Python objects and the rule's state bytes after
   1,000 and after 100,000 steps of a tiny model (500 and 2,000 with ``--quick``;
   ``--no-memory`` leaves these out).
@@ -59,6 +61,7 @@ AUTOCLIP_STEP = 3_000
 AUTOCLIP_HISTORY = 1_000  # QuantileClip's default history_length
 OURS_VS_AUTOCLIP = "clipopt AutoClip(per_tensor=True)"
 THEIRS = "autoclip QuantileClip (per parameter)"
+CLIP_FLOOR = "floor (sum, mul_ of one buffer)"
 AUTOCLIP_LAYOUTS = ("transformer", "many_small")  # the target is the transformer's
 
 RuleFactory = Callable[[], "float | clipopt.ClipRule"]
@@ -168,7 +171,15 @@ def autoclip_pair(
     theirs = QuantileClip(their_params)  # quantile=0.9, history_length=1000, per parameter
     for param, history in zip(their_params, histories, strict=True):
         theirs.state[param]["history"] = history.clone()
-    return {OURS_VS_AUTOCLIP: ours.step, THEIRS: theirs.step}, ours_params, their_params
+    flat = torch.cat([p.grad.reshape(-1) for p in ours_params])  # type: ignore[union-attr]
+    shrink = torch.tensor(0.97, device=flat.device)
+
+    def floor() -> object:
+        total = flat.sum()
+        return flat.mul_(shrink), total
+
+    contenders = {OURS_VS_AUTOCLIP: ours.step, THEIRS: theirs.step, CLIP_FLOOR: floor}
+    return contenders, ours_params, their_params
 
 
 def bench_autoclip(config: Config) -> list[Row]:
@@ -270,6 +281,15 @@ def rule_targets(rows: list[Row], memory: dict[str, Any]) -> list[Target]:
             f"clip at step {AUTOCLIP_STEP:,}: autoclip / clipopt (per tensor)",
             _median(rows, "rule vs autoclip", THEIRS, "transformer")
             / _median(rows, "rule vs autoclip", OURS_VS_AUTOCLIP, "transformer"),
+            10.0,
+            at_most=False,
+        )
+    )
+    targets.append(
+        Target(
+            "  what limits it here: autoclip / the floor of any clip",
+            _median(rows, "rule vs autoclip", THEIRS, "transformer")
+            / _median(rows, "rule vs autoclip", CLIP_FLOOR, "transformer"),
             10.0,
             at_most=False,
         )
