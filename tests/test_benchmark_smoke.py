@@ -156,7 +156,8 @@ def test_the_rule_rows_targets_and_memory_are_reported(
     section = results["rules"]
     one = run.make_params([(3,)], torch.float32, torch.device("cpu"))
     reported = {r["contender"] for r in section["rows"]}
-    assert set(rules.rule_step_contenders(one)) | {rules.OURS_VS_AUTOCLIP, rules.THEIRS} == reported
+    racers = {rules.OURS_VS_AUTOCLIP, rules.THEIRS, rules.CLIP_FLOOR}
+    assert set(rules.rule_step_contenders(one)) | racers == reported
     assert set(section["memory"]) == set(rules.MEMORY_RULES)
     for seen in section["memory"].values():
         assert [m["steps"] for m in seen] == [500, 2_000] and seen[0]["state_bytes"] > 0
