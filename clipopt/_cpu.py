@@ -44,6 +44,7 @@ except ImportError:  # installed where the C extension could not be built
 
 __all__ = [
     "DISABLE_ENV",
+    "Run",
     "available",
     "dense_flat_view",
     "disabled",
@@ -136,13 +137,42 @@ def _kernels() -> types.ModuleType:
     return _native
 
 
-def _reduce(dense: list[Tensor], p: float) -> Tensor:
+class Run:
+    """Dense CPU tensors of one dtype that one C call reads, and their element counts.
+
+    Their addresses are read on first use and kept: a clip's norm and its scale read the
+    same grads, with nothing run in between that could move them.
+
+    Args:
+      tensors: dense by :func:`split_dense`.
+      numels: their element counts, if known (a plan's); read here otherwise.
+    """
+
+    __slots__ = ("_addresses", "numels", "tensors")
+
+    def __init__(self, tensors: list[Tensor], numels: list[int] | None = None) -> None:
+        self.tensors = tensors
+        self.numels = list(map(Tensor.numel, tensors)) if numels is None else numels
+        self._addresses: list[int] | None = None
+
+    @property
+    def addresses(self) -> list[int]:
+        if self._addresses is None:
+            self._addresses = list(map(Tensor.data_ptr, self.tensors))
+        return self._addresses
+
+
+def _run(dense: list[Tensor] | Run) -> Run:
+    return dense if isinstance(dense, Run) else Run(dense)
+
+
+def _reduce(run: Run, p: float) -> Tensor:
     """The ``p``-norm of dense CPU tensors of one dtype, as a float64 1-vector."""
     value: float = _kernels().reduce(
         _OPS[p],
-        _DTYPES[dense[0].dtype],
-        list(map(Tensor.data_ptr, dense)),
-        list(map(Tensor.numel, dense)),
+        _DTYPES[run.tensors[0].dtype],
+        run.addresses,
+        run.numels,
         torch.get_num_threads(),
     )
     if p == 2.0:
@@ -152,7 +182,7 @@ def _reduce(dense: list[Tensor], p: float) -> Tensor:
 
 @torch.library.custom_op("clipopt::dense_partial_norm", mutates_args=())
 def _reduce_op(dense: list[Tensor], p: float) -> Tensor:
-    return _reduce(dense, p)
+    return _reduce(Run(dense), p)
 
 
 @_reduce_op.register_fake
@@ -160,27 +190,28 @@ def _(dense: list[Tensor], p: float) -> Tensor:
     return dense[0].new_empty((1,), dtype=torch.float64)
 
 
-def norm_partial(dense: list[Tensor], p: float) -> Tensor:
+def norm_partial(dense: list[Tensor] | Run, p: float) -> Tensor:
     """The ``p``-norm of ``dense`` as a float64 tensor of one element.
 
     Args:
-      dense: CPU tensors of one dtype that :func:`supports`, dense by :func:`split_dense`.
+      dense: CPU tensors of one dtype that :func:`supports`, dense by :func:`split_dense`,
+        or a :class:`Run` of them.
       p: 1, 2 or ``math.inf``.
 
     Returns:
       ``tensor([norm], dtype=float64)``; NaN if any element is NaN.
     """
     if torch.compiler.is_compiling():
-        partial: Tensor = _reduce_op(dense, p)
+        partial: Tensor = _reduce_op(dense.tensors if isinstance(dense, Run) else dense, p)
         return partial
-    return _reduce(dense, p)
+    return _reduce(_run(dense), p)
 
 
-def _scale(dense: list[Tensor], coef: Tensor) -> None:
+def _scale(run: Run, coef: Tensor) -> None:
     _kernels().scale(
-        _DTYPES[dense[0].dtype],
-        list(map(Tensor.data_ptr, dense)),
-        list(map(Tensor.numel, dense)),
+        _DTYPES[run.tensors[0].dtype],
+        run.addresses,
+        run.numels,
         coef.data_ptr(),
         _DTYPES[coef.dtype],
         torch.get_num_threads(),
@@ -189,19 +220,21 @@ def _scale(dense: list[Tensor], coef: Tensor) -> None:
 
 @torch.library.custom_op("clipopt::dense_scale_", mutates_args=("dense",))
 def _scale_op(dense: list[Tensor], coef: Tensor) -> None:
-    _scale(dense, coef)
+    _scale(Run(dense), coef)
 
 
-def scale_(dense: list[Tensor], coef: Tensor) -> None:
+def scale_(dense: list[Tensor] | Run, coef: Tensor) -> None:
     """Multiply every tensor of ``dense`` in place by ``coef``, as ``mul_`` would.
 
     Args:
-      dense: CPU tensors of one dtype that :func:`scales`, dense by :func:`split_dense`.
+      dense: CPU tensors of one dtype that :func:`scales`, dense by :func:`split_dense`,
+        or a :class:`Run` of them.
       coef: a 0-dim float32 or float64 CPU tensor.
     """
+    run = _run(dense)
     if torch.compiler.is_compiling():
-        _scale_op(dense, coef)
+        _scale_op(run.tensors, coef)
         return
-    _scale(dense, coef)
+    _scale(run, coef)
     # Written through raw pointers: tell autograd, as mul_ would have.
-    torch.autograd.graph.increment_version(dense)
+    torch.autograd.graph.increment_version(run.tensors)

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import Tensor
 
-from clipopt import _cpu
+from clipopt import _cpu, _plan
+from clipopt._plan import GroupKey
 from clipopt._torch_norms import (
     Scratch,
     combine_dtype,
@@ -45,8 +47,10 @@ from clipopt._torch_norms import (
 
 __all__ = [
     "EPS",
+    "Groups",
     "clip_coefficient",
     "combine_dtype",
+    "group",
     "group_by_device_and_dtype",
     "grouped_total_norm",
     "per_tensor_norms",
@@ -61,9 +65,34 @@ EPS = 1e-6
 
 _INF = math.inf
 
-GroupKey = tuple[torch.device, torch.dtype]
-Groups = tuple[dict[GroupKey, list[Tensor]], dict[GroupKey, list[Tensor]]]
-"""Dense and sparse tensors split by (device, dtype)."""
+CpuSplit = tuple[_cpu.Run, list[Tensor]]
+"""A dense CPU group: the tensors the C kernel reads, and those with gaps in memory."""
+
+
+@dataclass(frozen=True, eq=False)
+class Groups:
+    """Tensors split by (device, dtype), as one clip's norm and then its scale take them.
+
+    Attributes:
+      dense: the dense groups, in order of first appearance, each in the given order.
+      sparse: the sparse COO groups with values.
+      cpu: for dense CPU groups, what the C kernels read and what they leave to torch;
+        made on first use, or from a plan.
+      inference: whether any dense tensor is an inference tensor; None: not known yet.
+    """
+
+    dense: dict[GroupKey, list[Tensor]]
+    sparse: dict[GroupKey, list[Tensor]]
+    cpu: dict[GroupKey, CpuSplit]
+    inference: bool | None
+
+    def split(self, key: GroupKey) -> CpuSplit:
+        """The C kernels' share of the dense CPU group ``key``, and the rest."""
+        found = self.cpu.get(key)
+        if found is None:
+            dense, gappy = _cpu.split_dense(self.dense[key])
+            found = self.cpu[key] = (_cpu.Run(dense), gappy)
+        return found
 
 
 def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
@@ -92,27 +121,36 @@ def _uses_foreach(device: torch.device, foreach: bool | None) -> bool:
     return foreach
 
 
-def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
+def _cpu_partials(groups: Groups, key: GroupKey, p: float) -> list[Tensor]:
     """Partial norms of one dense CPU group: the C reduction where it applies, else torch's."""
-    if not _cpu.supports(p, tensors[0].dtype):
+    tensors = groups.dense[key]
+    if not _cpu.supports(p, key[1]):
         return torch_cpu_partials(tensors, p)
-    dense, gappy = _cpu.split_dense(tensors)
-    parts = [_cpu.norm_partial(dense, p)] if dense else []
+    run, gappy = groups.split(key)
+    parts = [_cpu.norm_partial(run, p)] if run.tensors else []
     scratch = Scratch()
     return parts + [strided_partials(t, p, scratch) for t in gappy]
 
 
-def _group_partial_norms(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
-    """Partial p-norms of one (device, dtype) group, each tensor's contribution once."""
-    device, dtype = tensors[0].device, tensors[0].dtype
-    acc = range_dtype(dtype, p, device)
-    if tensors[0].is_sparse:
-        values = [_sparse_values(t) for t in tensors]
-        if device.type == "cpu":
-            return torch_cpu_partials(values, p)
-        return [torch.linalg.vector_norm(v, p, dtype=acc).reshape(1) for v in values]
+def _sparse_partial_norms(tensors: list[Tensor], p: float) -> list[Tensor]:
+    """Partial p-norms of one sparse (device, dtype) group, by their values."""
+    device = tensors[0].device
+    acc = range_dtype(tensors[0].dtype, p, device)
+    values = [_sparse_values(t) for t in tensors]
     if device.type == "cpu":
-        return _cpu_partials(tensors, p)
+        return torch_cpu_partials(values, p)
+    return [torch.linalg.vector_norm(v, p, dtype=acc).reshape(1) for v in values]
+
+
+def _dense_partial_norms(
+    groups: Groups, key: GroupKey, p: float, foreach: bool | None
+) -> list[Tensor]:
+    """Partial p-norms of one dense (device, dtype) group, each tensor's contribution once."""
+    device, dtype = key
+    if device.type == "cpu":
+        return _cpu_partials(groups, key, p)
+    acc = range_dtype(dtype, p, device)
+    tensors = groups.dense[key]
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
@@ -152,15 +190,9 @@ def _group_in_cpp(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
     return {key: cast(list[Tensor], lists[0]) for key, (lists, _) in by_first_index}
 
 
-def _groups(tensors: Sequence[Tensor]) -> Groups:
-    """Dense and sparse (device, dtype) groups in order of first appearance, none empty.
-
-    Dense tensors with no elements may remain in a group; sparse ones without values
-    are dropped. The order is fixed so that eager and compiled runs add the same
-    partial norms in the same order.
-    """
-    if not any(t.is_sparse for t in tensors):
-        return _group_in_cpp(tensors), {}
+def _with_sparse(tensors: Sequence[Tensor]) -> Groups:
+    """Dense and sparse groups of tensors of which some are sparse; those without values
+    are dropped."""
     dense: dict[GroupKey, list[Tensor]] = {}
     sparse: dict[GroupKey, list[Tensor]] = {}
     for t in tensors:
@@ -168,7 +200,37 @@ def _groups(tensors: Sequence[Tensor]) -> Groups:
             dense.setdefault((t.device, t.dtype), []).append(t)
         elif t._nnz() > 0:
             sparse.setdefault((t.device, t.dtype), []).append(t)
-    return dense, sparse
+    return Groups(dense, sparse, {}, None)
+
+
+def _planned(plan: _plan.Plan, tensors: Sequence[Tensor]) -> Groups:
+    """The groups ``plan`` puts ``tensors`` in, with the C kernels' share of each CPU one."""
+    dense: dict[GroupKey, list[Tensor]] = {}
+    cpu: dict[GroupKey, CpuSplit] = {}
+    parts = zip(plan.groups, plan.dense, plan.gappy, plan.numels, strict=True)
+    for (key, at), dense_at, gappy_at, numels in parts:
+        members = list(tensors) if at is None else [tensors[i] for i in at]
+        dense[key] = members
+        if key[0].type == "cpu":
+            readable = members if dense_at is None else [members[k] for k in dense_at]
+            cpu[key] = (_cpu.Run(readable, numels), [members[k] for k in gappy_at])
+    return Groups(dense, {}, cpu, plan.has_inference_tensors)
+
+
+def group(tensors: Sequence[Tensor]) -> Groups:
+    """Dense and sparse (device, dtype) groups in order of first appearance, none empty.
+
+    Dense tensors with no elements may remain in a group; sparse ones without values
+    are dropped. The order is fixed so that eager and compiled runs add the same
+    partial norms in the same order. All-dense lists take a plan (:mod:`clipopt._plan`),
+    kept and reused while their metadata does not change.
+    """
+    plan = _plan.plan_for(tensors) if tensors else None
+    if plan is not None:
+        return _planned(plan, tensors)
+    if not any(t.is_sparse for t in tensors):
+        return Groups(_group_in_cpp(tensors), {}, {}, None)
+    return _with_sparse(tensors)
 
 
 def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
@@ -203,15 +265,17 @@ def grouped_total_norm(
     if out_device is None:  # nothing to measure: a zero where a norm would have been
         device = tensors[0].device if tensors else None
         zero = torch.zeros((), dtype=result_dtype([t.dtype for t in tensors]), device=device)
-        return zero, ({}, {})
-    dense, sparse = _groups(tensors)
-    out_dtype = result_dtype([dtype for _, dtype in (*dense, *sparse)])
+        return zero, Groups({}, {}, {}, False)
+    groups = group(tensors)
+    out_dtype = result_dtype([dtype for _, dtype in (*groups.dense, *groups.sparse)])
     wide = combine_dtype(out_device)
     partials: list[Tensor] = []
-    for group in (*dense.values(), *sparse.values()):
-        for part in _group_partial_norms(group, p, foreach):
-            partials.append(part.to(device=out_device, dtype=wide))
-    return _combine(torch.cat(partials), p).to(out_dtype), (dense, sparse)
+    for key in groups.dense:
+        partials += _dense_partial_norms(groups, key, p, foreach)
+    for tensors_of_key in groups.sparse.values():
+        partials += _sparse_partial_norms(tensors_of_key, p)
+    moved = [part.to(device=out_device, dtype=wide) for part in partials]
+    return _combine(torch.cat(moved), p).to(out_dtype), groups
 
 
 def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
@@ -296,9 +360,7 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor, foreach: bool | None = None)
     writes nothing when ``coef`` is exactly 1). Other dense groups use one
     ``_foreach_mul_`` unless ``foreach=False``. Sparse COO tensors are scaled one by one.
     """
-    sparse = [t for t in tensors if t.is_sparse]
-    dense = [t for t in tensors if not t.is_sparse] if sparse else list(tensors)
-    scale_groups_((_group_in_cpp(dense), group_by_device_and_dtype(sparse)), coef, foreach)
+    scale_groups_(group(tensors), coef, foreach)
 
 
 _COEF_DTYPES = (torch.float32, torch.float64)
@@ -316,22 +378,25 @@ def _refuse_inference_tensors(tensors: list[Tensor]) -> None:
             )
 
 
-def _scale_cpu_group_(group: list[Tensor], coef: Tensor, foreach: bool | None) -> None:
+def _scale_cpu_group_(groups: Groups, key: GroupKey, coef: Tensor, foreach: bool | None) -> None:
     """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch;
     all of them by torch where the C kernel does not scale the group.
 
     Raises:
       RuntimeError: a grad is an inference tensor and inference mode is off, where
-        ``mul_`` would refuse it too; checked before any grad is touched.
+        ``mul_`` would refuse it too; checked before any grad is touched (a plan knows
+        whether there is one).
     """
-    if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+    group = groups.dense[key]
+    checks = groups.inference is not False
+    if checks and not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
         _refuse_inference_tensors(group)
-    if not (_cpu.scales(group[0].dtype) and coef.dtype in _COEF_DTYPES):
+    if not (_cpu.scales(key[1]) and coef.dtype in _COEF_DTYPES):
         _scale_by_torch_(group, coef, foreach)
         return
-    dense, gappy = _cpu.split_dense(group)
-    if dense:
-        _cpu.scale_(dense, coef)
+    run, gappy = groups.split(key)
+    if run.tensors:
+        _cpu.scale_(run, coef)
     if gappy:
         torch._foreach_mul_(gappy, coef)
 
@@ -346,14 +411,14 @@ def _scale_by_torch_(group: list[Tensor], coef: Tensor, foreach: bool | None) ->
 
 def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> None:
     """:func:`scale_` over tensors already grouped, e.g. by :func:`grouped_total_norm`."""
-    dense, sparse = groups
     coef_on: dict[torch.device, Tensor] = {}
-    for (device, _), group in dense.items():
+    for key, tensors in groups.dense.items():
+        device = key[0]
         coef_here = coef_on.setdefault(device, coef.to(device))
         if device.type == "cpu":
-            _scale_cpu_group_(group, coef_here, foreach)
+            _scale_cpu_group_(groups, key, coef_here, foreach)
         else:
-            _scale_by_torch_(group, coef_here, foreach)
-    for group in sparse.values():
+            _scale_by_torch_(tensors, coef_here, foreach)
+    for group in groups.sparse.values():
         for t in group:
             t.mul_(coef_on.setdefault(t.device, coef.to(t.device)))
