@@ -140,26 +140,30 @@ def _kernels() -> types.ModuleType:
 class Run:
     """Dense CPU tensors of one dtype that one C call reads, and their element counts.
 
-    Their addresses are read on first use and kept: a clip's norm and its scale read the
-    same grads, with nothing run in between that could move them.
+    Their addresses are read, and the buffers cut into the kernels' chunks, on first use
+    (one C pass, :attr:`layout`) and kept: a clip's norm and its scale read the same
+    grads, with nothing run in between that could move them; the run holds the tensors,
+    so the memory stays theirs.
 
     Args:
       tensors: dense by :func:`split_dense`.
       numels: their element counts, if known (a plan's); read here otherwise.
     """
 
-    __slots__ = ("_addresses", "numels", "tensors")
+    __slots__ = ("_layout", "numels", "tensors")
 
     def __init__(self, tensors: list[Tensor], numels: list[int] | None = None) -> None:
         self.tensors = tensors
         self.numels = list(map(Tensor.numel, tensors)) if numels is None else numels
-        self._addresses: list[int] | None = None
+        self._layout: object = None
 
     @property
-    def addresses(self) -> list[int]:
-        if self._addresses is None:
-            self._addresses = list(map(Tensor.data_ptr, self.tensors))
-        return self._addresses
+    def layout(self) -> object:
+        """The C kernels' view of the tensors: their chunks, by address."""
+        if self._layout is None:
+            code = _DTYPES[self.tensors[0].dtype]
+            self._layout = _kernels().layout(code, self.tensors, self.numels, Tensor.data_ptr)
+        return self._layout
 
 
 def _run(dense: list[Tensor] | Run) -> Run:
@@ -168,13 +172,7 @@ def _run(dense: list[Tensor] | Run) -> Run:
 
 def _reduce(run: Run, p: float) -> Tensor:
     """The ``p``-norm of dense CPU tensors of one dtype, as a float64 1-vector."""
-    value: float = _kernels().reduce(
-        _OPS[p],
-        _DTYPES[run.tensors[0].dtype],
-        run.addresses,
-        run.numels,
-        torch.get_num_threads(),
-    )
+    value: float = _kernels().reduce_layout(_OPS[p], run.layout, torch.get_num_threads())
     if p == 2.0:
         value = math.sqrt(value)
     return torch.tensor([value], dtype=torch.float64)
@@ -208,10 +206,8 @@ def norm_partial(dense: list[Tensor] | Run, p: float) -> Tensor:
 
 
 def _scale(run: Run, coef: Tensor) -> None:
-    _kernels().scale(
-        _DTYPES[run.tensors[0].dtype],
-        run.addresses,
-        run.numels,
+    _kernels().scale_layout(
+        run.layout,
         coef.data_ptr(),
         _DTYPES[coef.dtype],
         torch.get_num_threads(),
