@@ -227,19 +227,31 @@ def scale(
     ``grouped``: every grad of ``grads``, as the norm's kernels grouped them; used when
     one coefficient scales them all.
     """
-    shared = _one_coefficient(grads, coefficients) if grouped is not None else None
+    reuse = grouped is not None and not torch.compiler.is_compiling()  # ids: see below
+    shared = _one_coefficient(grads, coefficients) if reuse else None
     if grouped is not None and shared is not None:
         _kernels.scale_groups_(grouped, shared, foreach)
         return
-    by_coefficient: dict[int, tuple[Tensor, list[Tensor]]] = {}
+    # Shared coefficients found by identity, not id(): torch.compile guards on an id,
+    # and a step's new coefficient would then recompile this function every step.
+    by_coefficient: list[tuple[Tensor, list[Tensor]]] = []
     for group_grads, coefficient in zip(grads, coefficients, strict=True):
         if isinstance(coefficient, tuple):
             for grad, own in zip(group_grads, coefficient, strict=True):
                 _mesh.local_tensors([grad])[0].mul_(own.to(grad.device))
         elif coefficient is not None and group_grads:
-            by_coefficient.setdefault(id(coefficient), (coefficient, []))[1].extend(group_grads)
-    for coefficient, tensors in by_coefficient.values():
+            _bucket(by_coefficient, coefficient).extend(group_grads)
+    for coefficient, tensors in by_coefficient:
         _kernels.scale_(_mesh.local_tensors(tensors), coefficient, foreach)
+
+
+def _bucket(buckets: list[tuple[Tensor, list[Tensor]]], coefficient: Tensor) -> list[Tensor]:
+    """The grads ``coefficient`` (this very tensor) scales, a new bucket if it has none."""
+    for held, tensors in buckets:
+        if held is coefficient:
+            return tensors
+    buckets.append((coefficient, []))
+    return buckets[-1][1]
 
 
 def coefficient_values(coefficients: list[Coefficient], like: Tensor) -> Tensor:
