@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import Tensor
 
-from clipopt import _cpu, _plan
-from clipopt._plan import GroupKey
+from clipopt import _cpu
+from clipopt._plan import GroupKey, Groups, group
 from clipopt._torch_norms import (
     Scratch,
     combine_dtype,
@@ -64,35 +63,6 @@ EPS = 1e-6
 """Added to the norm before dividing, as torch.nn.utils does."""
 
 _INF = math.inf
-
-CpuSplit = tuple[_cpu.Run, list[Tensor]]
-"""A dense CPU group: the tensors the C kernel reads, and those with gaps in memory."""
-
-
-@dataclass(frozen=True, eq=False)
-class Groups:
-    """Tensors split by (device, dtype), as one clip's norm and then its scale take them.
-
-    Attributes:
-      dense: the dense groups, in order of first appearance, each in the given order.
-      sparse: the sparse COO groups with values.
-      cpu: for dense CPU groups, what the C kernels read and what they leave to torch;
-        made on first use, or from a plan.
-      inference: whether any dense tensor is an inference tensor; None: not known yet.
-    """
-
-    dense: dict[GroupKey, list[Tensor]]
-    sparse: dict[GroupKey, list[Tensor]]
-    cpu: dict[GroupKey, CpuSplit]
-    inference: bool | None
-
-    def split(self, key: GroupKey) -> CpuSplit:
-        """The C kernels' share of the dense CPU group ``key``, and the rest."""
-        found = self.cpu.get(key)
-        if found is None:
-            dense, gappy = _cpu.split_dense(self.dense[key])
-            found = self.cpu[key] = (_cpu.Run(dense), gappy)
-        return found
 
 
 def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
@@ -174,63 +144,6 @@ def _combine(partials: Tensor, p: float) -> Tensor:
 
 def _holds_values(t: Tensor) -> bool:
     return t._nnz() > 0 if t.is_sparse else t.numel() > 0
-
-
-def _group_in_cpp(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
-    """(device, dtype) groups by torch's C++ helper (as in ``torch.nn.utils``).
-
-    Groups come in order of first appearance, and each keeps its tensors' order: the
-    helper's own dict order is unspecified, but it reports each tensor's index.
-    """
-    if not tensors:
-        return {}
-    listed = cast(list[Tensor | None], list(tensors))
-    grouped = torch._C._group_tensors_by_device_and_dtype([listed], True)
-    by_first_index = sorted(grouped.items(), key=lambda item: item[1][1][0])
-    return {key: cast(list[Tensor], lists[0]) for key, (lists, _) in by_first_index}
-
-
-def _with_sparse(tensors: Sequence[Tensor]) -> Groups:
-    """Dense and sparse groups of tensors of which some are sparse; those without values
-    are dropped."""
-    dense: dict[GroupKey, list[Tensor]] = {}
-    sparse: dict[GroupKey, list[Tensor]] = {}
-    for t in tensors:
-        if not t.is_sparse:
-            dense.setdefault((t.device, t.dtype), []).append(t)
-        elif t._nnz() > 0:
-            sparse.setdefault((t.device, t.dtype), []).append(t)
-    return Groups(dense, sparse, {}, None)
-
-
-def _planned(plan: _plan.Plan, tensors: Sequence[Tensor]) -> Groups:
-    """The groups ``plan`` puts ``tensors`` in, with the C kernels' share of each CPU one."""
-    dense: dict[GroupKey, list[Tensor]] = {}
-    cpu: dict[GroupKey, CpuSplit] = {}
-    parts = zip(plan.groups, plan.dense, plan.gappy, plan.numels, strict=True)
-    for (key, at), dense_at, gappy_at, numels in parts:
-        members = list(tensors) if at is None else [tensors[i] for i in at]
-        dense[key] = members
-        if key[0].type == "cpu":
-            readable = members if dense_at is None else [members[k] for k in dense_at]
-            cpu[key] = (_cpu.Run(readable, numels), [members[k] for k in gappy_at])
-    return Groups(dense, {}, cpu, plan.has_inference_tensors)
-
-
-def group(tensors: Sequence[Tensor]) -> Groups:
-    """Dense and sparse (device, dtype) groups in order of first appearance, none empty.
-
-    Dense tensors with no elements may remain in a group; sparse ones without values
-    are dropped. The order is fixed so that eager and compiled runs add the same
-    partial norms in the same order. All-dense lists take a plan (:mod:`clipopt._plan`),
-    kept and reused while their metadata does not change.
-    """
-    plan = _plan.plan_for(tensors) if tensors else None
-    if plan is not None:
-        return _planned(plan, tensors)
-    if not any(t.is_sparse for t in tensors):
-        return Groups(_group_in_cpp(tensors), {}, {}, None)
-    return _with_sparse(tensors)
 
 
 def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
@@ -419,6 +332,6 @@ def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> 
             _scale_cpu_group_(groups, key, coef_here, foreach)
         else:
             _scale_by_torch_(tensors, coef_here, foreach)
-    for group in groups.sparse.values():
-        for t in group:
+    for sparse in groups.sparse.values():
+        for t in sparse:
             t.mul_(coef_on.setdefault(t.device, coef.to(t.device)))

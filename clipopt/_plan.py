@@ -1,4 +1,4 @@
-"""Plans: how a list of dense grads splits into kernel calls, made once and reused.
+"""Groups and plans: how a list of grads splits into kernel calls, made once and reused.
 
 A clip groups its grads by device and dtype, splits each CPU group into the grads the C
 kernel reads (dense in memory) and the others, and counts their elements: on thousands
@@ -19,6 +19,8 @@ lacks it) each call makes an unguarded plan, used once.
 
 A guard costs about ten attribute reads per tensor to make, so one is made only for a
 list whose length was seen unplanned before: a one-off call pays nothing extra.
+
+:func:`group` gives a clip its :class:`Groups`, by a plan where there is one.
 """
 
 from __future__ import annotations
@@ -26,19 +28,59 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from clipopt import _cpu
 
-__all__ = ["CAPACITY", "GroupKey", "Plan", "clear", "make_plan", "plan_for"]
+__all__ = [
+    "CAPACITY",
+    "GroupKey",
+    "Groups",
+    "Plan",
+    "clear",
+    "group",
+    "kept",
+    "make_plan",
+    "plan_for",
+]
 
 GroupKey = tuple[torch.device, torch.dtype]
 
 CAPACITY = 8
 """Plans kept, most recently used first: a few models (a GAN's two) clipped in turn."""
+
+CpuSplit = tuple[_cpu.Run, list[Tensor]]
+"""A dense CPU group: the tensors the C kernel reads, and those with gaps in memory."""
+
+
+@dataclass(frozen=True, eq=False)
+class Groups:
+    """Tensors split by (device, dtype), as one clip's norm and then its scale take them.
+
+    Attributes:
+      dense: the dense groups, in order of first appearance, each in the given order.
+      sparse: the sparse COO groups with values.
+      cpu: for dense CPU groups, what the C kernels read and what they leave to torch;
+        made on first use, or from a plan.
+      inference: whether any dense tensor is an inference tensor; None: not known yet.
+    """
+
+    dense: dict[GroupKey, list[Tensor]]
+    sparse: dict[GroupKey, list[Tensor]]
+    cpu: dict[GroupKey, CpuSplit]
+    inference: bool | None
+
+    def split(self, key: GroupKey) -> CpuSplit:
+        """The C kernels' share of the dense CPU group ``key``, and the rest."""
+        found = self.cpu.get(key)
+        if found is None:
+            dense, gappy = _cpu.split_dense(self.dense[key])
+            found = self.cpu[key] = (_cpu.Run(dense), gappy)
+        return found
+
 
 _Guard: Any
 try:
@@ -183,3 +225,60 @@ def kept() -> Iterator[list[Plan]]:
         yield _plans
     finally:
         clear()
+
+
+def _group_in_cpp(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
+    """(device, dtype) groups by torch's C++ helper (as in ``torch.nn.utils``).
+
+    Groups come in order of first appearance, and each keeps its tensors' order: the
+    helper's own dict order is unspecified, but it reports each tensor's index.
+    """
+    if not tensors:
+        return {}
+    listed = cast(list[Tensor | None], list(tensors))
+    grouped = torch._C._group_tensors_by_device_and_dtype([listed], True)
+    by_first_index = sorted(grouped.items(), key=lambda item: item[1][1][0])
+    return {key: cast(list[Tensor], lists[0]) for key, (lists, _) in by_first_index}
+
+
+def _with_sparse(tensors: Sequence[Tensor]) -> Groups:
+    """Dense and sparse groups of tensors of which some are sparse; those without values
+    are dropped."""
+    dense: dict[GroupKey, list[Tensor]] = {}
+    sparse: dict[GroupKey, list[Tensor]] = {}
+    for t in tensors:
+        if not t.is_sparse:
+            dense.setdefault((t.device, t.dtype), []).append(t)
+        elif t._nnz() > 0:
+            sparse.setdefault((t.device, t.dtype), []).append(t)
+    return Groups(dense, sparse, {}, None)
+
+
+def _planned(plan: Plan, tensors: Sequence[Tensor]) -> Groups:
+    """The groups ``plan`` puts ``tensors`` in, with the C kernels' share of each CPU one."""
+    dense: dict[GroupKey, list[Tensor]] = {}
+    cpu: dict[GroupKey, CpuSplit] = {}
+    parts = zip(plan.groups, plan.dense, plan.gappy, plan.numels, strict=True)
+    for (key, at), dense_at, gappy_at, numels in parts:
+        members = list(tensors) if at is None else [tensors[i] for i in at]
+        dense[key] = members
+        if key[0].type == "cpu":
+            readable = members if dense_at is None else [members[k] for k in dense_at]
+            cpu[key] = (_cpu.Run(readable, numels), [members[k] for k in gappy_at])
+    return Groups(dense, {}, cpu, plan.has_inference_tensors)
+
+
+def group(tensors: Sequence[Tensor]) -> Groups:
+    """Dense and sparse (device, dtype) groups in order of first appearance, none empty.
+
+    Dense tensors with no elements may remain in a group; sparse ones without values
+    are dropped. The order is fixed so that eager and compiled runs add the same
+    partial norms in the same order. All-dense lists take a plan (:mod:`clipopt._plan`),
+    kept and reused while their metadata does not change.
+    """
+    plan = plan_for(tensors) if tensors else None
+    if plan is not None:
+        return _planned(plan, tensors)
+    if not any(t.is_sparse for t in tensors):
+        return Groups(_group_in_cpp(tensors), {}, {}, None)
+    return _with_sparse(tensors)
