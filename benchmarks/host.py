@@ -10,7 +10,8 @@
 - ``compiled step``: PyTorch's compiled-optimizer recipe, ``torch.compile(opt.step)``,
   against the eager step, bare AdamW and ``ClippedOptimizer(AdamW)``: compiled vs eager,
   wrapper vs bare. The first calls compile (tens of seconds on the CPU) and are not
-  timed; a quick run compiles with ``aot_eager``.
+  timed; a quick run compiles with ``aot_eager``. It runs only when asked for
+  (``--only compiled``): compiling for 2000 tensors takes many minutes.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ def quick_results(
     torch.set_num_threads(1)  # tiny sizes: threads only add scheduling noise on a busy machine
     try:
         path = tmp_path_factory.mktemp("bench") / "quick.json"
-        yield run.main(["--quick", "--repeats", "2", "--json", str(path)]), path
+        every = ",".join(run.SECTIONS)
+        yield run.main(["--quick", "--repeats", "2", "--only", every, "--json", str(path)]), path
     finally:
         torch.set_num_threads(threads)
 
