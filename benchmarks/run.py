@@ -32,6 +32,14 @@ Sections:
   counted by ``torch.cuda.set_sync_debug_mode("warn")``.
 - ``rules``: the clip rules' rows, targets and memory record, from :mod:`benchmarks.rules`
   (``python -m benchmarks.rules`` runs them alone), kept apart under ``"rules"``.
+- ``host cost`` and ``compiled step``: the clip on many small tensors against the floor,
+  the wrapper's own Python per tensor with the kernels stubbed out, and
+  ``torch.compile(opt.step)`` against the eager step (:mod:`benchmarks.host`).
+
+``--only SECTION[,SECTION]`` runs only those sections (``clip``, ``step``, ``amp``,
+``end_to_end``, ``host``, ``compiled``); targets whose rows were not measured are left out.
+``compiled`` runs only when named: inductor compiling AdamW over 2000 tensors took more
+than 20 minutes on the 2-core machine of docs/benchmarks.md.
 
 With ``--device cuda`` (and not ``--quick``) the transformer layout is
 ``transformer_1b``: 18 blocks of width 2048 and a 50304-token embedding, 219 tensors,
@@ -61,6 +69,7 @@ import torch
 from torch import Tensor, nn
 
 import clipopt
+from benchmarks import host
 from clipopt import _cpu
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -721,7 +730,7 @@ def _median(rows: list[Row], section: str, case: str, contender: str) -> float:
 
 
 def check_targets(
-    rows: list[Row], memory: dict[str, Any], layout: str = "transformer"
+    rows: list[Row], memory: dict[str, Any], layout: str = "transformer", quick: bool = False
 ) -> list[Target]:
     """The issue's targets, as ratios of medians from this run; ``layout``: the step's."""
 
@@ -730,44 +739,52 @@ def check_targets(
 
     step_case = f"{layout} float32"
     l2_case, inf_case = f"{layout} float32 p=2", f"{layout} float32 p=inf"
-    e2e_case = next(r.case for r in rows if r.section == "end_to_end")
-    targets = [
-        Target(
+
+    def e2e_case() -> str:
+        return next(r.case for r in rows if r.section == "end_to_end")
+
+    targets = _measured(
+        lambda: Target(
             f"clip L2 {layout} fp32: clipopt / floor",
             clip(l2_case, "clipopt") / clip(l2_case, "floor"),
             1.25,
             at_most=True,
         ),
-        Target(
+        lambda: Target(
             "clip L2 many_small fp32: torch / clipopt",
             clip("many_small float32 p=2", "torch") / clip("many_small float32 p=2", "clipopt"),
             1.5,
             at_most=False,
         ),
-        Target(
+        lambda: Target(
             f"clip inf {layout} fp32: torch / clipopt",
             clip(inf_case, "torch") / clip(inf_case, "clipopt"),
             5.0,
             at_most=False,
         ),
-        Target(
+        lambda: Target(
             f"step {layout} fp32: ClippedOptimizer(fused AdamW) / bare",
             _median(rows, "step", step_case, "fused AdamW: ClippedOptimizer")
             / _median(rows, "step", step_case, "fused AdamW: bare"),
             1.35,
             at_most=True,
         ),
-        Target(
+        *(
+            _folded_target(rows, layout, dtype, short)
+            for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16"))
+        ),
+        lambda: Target(
             "end to end: ClippedOptimizer / unclipped",
-            _median(rows, "end_to_end", e2e_case, "ClippedOptimizer")
-            / _median(rows, "end_to_end", e2e_case, "unclipped"),
-            1.05,
+            _median(rows, "end_to_end", e2e_case(), "ClippedOptimizer")
+            / _median(rows, "end_to_end", e2e_case(), "unclipped"),
+            1.02,
             at_most=True,
         ),
-    ]
+        *host_targets(rows, len(many_small_shapes(quick))),
+    )
     bare = memory.get("bare fused AdamW", {}).get("peak_rss_growth_bytes")
     clipped = memory.get("ClippedOptimizer(fused AdamW)", {}).get("peak_rss_growth_bytes")
-    if bare is not None and clipped is not None:
+    if memory and bare is not None and clipped is not None:
         allowance = 4 * 2**20 + 1024 * memory["tensors"]  # one packing chunk + per tensor
         targets.append(
             Target(
@@ -778,6 +795,59 @@ def check_targets(
             )
         )
     return targets
+
+
+def _measured(*makers: Callable[[], Target]) -> list[Target]:
+    """The targets whose rows this run measured (``--only`` leaves sections out)."""
+    targets = []
+    for make in makers:
+        try:
+            targets.append(make())
+        except (KeyError, StopIteration):
+            continue
+    return targets
+
+
+def _folded_target(rows: list[Row], layout: str, dtype: str, short: str) -> Callable[[], Target]:
+    """The folded step against its floor: the fused step with grad_scale and a read."""
+    case = f"{layout} {dtype}"
+    return lambda: Target(
+        f"step {layout} {short}: ClippedOptimizer(fused AdamW) / folded floor",
+        _median(rows, "step", case, "fused AdamW: ClippedOptimizer")
+        / _median(rows, "step", case, FOLDED_FLOOR),
+        1.05,
+        at_most=True,
+    )
+
+
+def host_targets(rows: list[Row], tensors: int) -> list[Callable[[], Target]]:
+    """Many small tensors (``tensors`` of them): the clip and the wrapper's clip within
+    3x the floor, and the wrapper's own Python (kernels stubbed) within 0.5 us a tensor."""
+
+    def host_ratio(contender: str) -> float:
+        return _median(rows, "host cost", host.HOST_CASE, contender) / _median(
+            rows, "host cost", host.HOST_CASE, "floor"
+        )
+
+    def stubbed(contender: str) -> Callable[[], Target]:
+        return lambda: Target(
+            f"many_small, kernels stubbed: {contender}, us per tensor",
+            host.per_tensor_us(rows, contender, tensors),
+            0.5,
+            at_most=True,
+        )
+
+    return [
+        lambda: Target("many_small fp32: clipopt clip / floor", host_ratio("clipopt"), 3.0, True),
+        lambda: Target(
+            "many_small fp32: ClippedOptimizer's clip / floor",
+            host_ratio(host.WRAPPER_CLIP),
+            3.0,
+            True,
+        ),
+        stubbed("clipopt.clip_grad_norm_"),
+        stubbed("ClippedOptimizer.step()"),
+    ]
 
 
 def cuda_targets(
@@ -880,12 +950,28 @@ def machine() -> dict[str, Any]:
     }
 
 
+SECTIONS: dict[str, Callable[[Config], list[Row]]] = {
+    "clip": bench_clip,
+    "step": bench_steps,
+    "amp": bench_amp,
+    "end_to_end": bench_end_to_end,
+    "host": host.bench_host_cost,
+    "compiled": host.bench_compiled,
+}
+DEFAULT_SECTIONS = [name for name in SECTIONS if name != "compiled"]
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per contender")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--only",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
+    )
     return parser.parse_args(argv)
 
 
@@ -901,17 +987,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         warmup=1 if args.quick else 3,
         device=device,
     )
-    rows = bench_clip(config) + bench_steps(config) + bench_amp(config) + bench_end_to_end(config)
-    accuracy = bench_accuracy(config)
-    memory = bench_memory(config)
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"--only: unknown sections {unknown}; choose from {list(SECTIONS)}")
+    everything = set(DEFAULT_SECTIONS) <= set(only)
+    rows = [row for name in SECTIONS if name in only for row in SECTIONS[name](config)]
+    accuracy = bench_accuracy(config) if everything else {}
+    memory = bench_memory(config) if everything else {}
     release(config.device)
-    syncs = bench_host_syncs(config)
+    syncs = bench_host_syncs(config) if everything else {}
     # The CPU's targets name CPU costs (torch's slow CPU inf norm, a cache-bound step);
     # on CUDA only the GPU check's own targets are checked.
     if config.cuda:
-        targets = cuda_targets(rows, memory, syncs, config.step_layout)
+        targets = cuda_targets(rows, memory, syncs, config.step_layout) if everything else []
     else:
-        targets = check_targets(rows, memory, config.step_layout)
+        targets = check_targets(rows, memory, config.step_layout, config.quick)
     results: dict[str, Any] = {
         "machine": machine(),
         "config": {
@@ -943,7 +1034,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     results["rules"] = rules.run_section(config)
     RESULTS_DIR.mkdir(exist_ok=True)
-    own = RESULTS_DIR / results_name(config.quick, config.device)
+    own = RESULTS_DIR / results_name(config.quick, config.device) if everything else None
     for path in (own, args.json):
         if path is not None:
             path.write_text(json.dumps(results, indent=2))

@@ -44,6 +44,7 @@ except ImportError:  # installed where the C extension could not be built
 
 __all__ = [
     "DISABLE_ENV",
+    "Run",
     "available",
     "dense_flat_view",
     "disabled",
@@ -136,17 +137,44 @@ def _kernels() -> types.ModuleType:
     return _native
 
 
-def _reduce(dense: list[Tensor], p: float, threads: int) -> Tensor:
+class Run:
+    """Dense CPU tensors of one dtype that one C call reads, and their element counts.
+
+    Their addresses are read, and the buffers cut into the kernels' chunks, on first use
+    (one C pass, :attr:`layout`) and kept: a clip's norm and its scale read the same
+    grads, with nothing run in between that could move them; the run holds the tensors,
+    so the memory stays theirs.
+
+    Args:
+      tensors: dense by :func:`split_dense`.
+      numels: their element counts, if known (a plan's); read here otherwise.
+    """
+
+    __slots__ = ("_layout", "numels", "tensors")
+
+    def __init__(self, tensors: list[Tensor], numels: list[int] | None = None) -> None:
+        self.tensors = tensors
+        self.numels = list(map(Tensor.numel, tensors)) if numels is None else numels
+        self._layout: object = None
+
+    @property
+    def layout(self) -> object:
+        """The C kernels' view of the tensors: their chunks, by address."""
+        if self._layout is None:
+            code = _DTYPES[self.tensors[0].dtype]
+            self._layout = _kernels().layout(code, self.tensors, self.numels, Tensor.data_ptr)
+        return self._layout
+
+
+def _run(dense: list[Tensor] | Run) -> Run:
+    return dense if isinstance(dense, Run) else Run(dense)
+
+
+def _reduce(run: Run, p: float, threads: int) -> Tensor:
     """The ``p``-norm of dense CPU tensors of one dtype, as a float64 1-vector, read by
     ``threads`` of torch's threads (0: all of them; read here, which a compiled graph
     cannot do)."""
-    value: float = _kernels().reduce(
-        _OPS[p],
-        _DTYPES[dense[0].dtype],
-        list(map(Tensor.data_ptr, dense)),
-        list(map(Tensor.numel, dense)),
-        threads or torch.get_num_threads(),
-    )
+    value: float = _kernels().reduce_layout(_OPS[p], run.layout, threads or torch.get_num_threads())
     if p == 2.0:
         value = math.sqrt(value)
     return torch.tensor([value], dtype=torch.float64)
@@ -154,7 +182,7 @@ def _reduce(dense: list[Tensor], p: float, threads: int) -> Tensor:
 
 @torch.library.custom_op("clipopt::dense_partial_norm", mutates_args=())
 def _reduce_op(dense: list[Tensor], p: float, threads: int) -> Tensor:
-    return _reduce(dense, p, threads)
+    return _reduce(Run(dense), p, threads)
 
 
 @_reduce_op.register_fake
@@ -162,11 +190,12 @@ def _(dense: list[Tensor], p: float, threads: int) -> Tensor:
     return dense[0].new_empty((1,), dtype=torch.float64)
 
 
-def norm_partial(dense: list[Tensor], p: float, threads: int | None = None) -> Tensor:
+def norm_partial(dense: list[Tensor] | Run, p: float, threads: int | None = None) -> Tensor:
     """The ``p``-norm of ``dense`` as a float64 tensor of one element.
 
     Args:
-      dense: CPU tensors of one dtype that :func:`supports`, dense by :func:`split_dense`.
+      dense: CPU tensors of one dtype that :func:`supports`, dense by :func:`split_dense`,
+        or a :class:`Run` of them.
       p: 1, 2 or ``math.inf``.
       threads: how many of torch's threads to read with; None: all of them.
 
@@ -175,16 +204,15 @@ def norm_partial(dense: list[Tensor], p: float, threads: int | None = None) -> T
     """
     count = 0 if threads is None else threads
     if torch.compiler.is_compiling():
-        partial: Tensor = _reduce_op(dense, p, count)
+        tensors = dense.tensors if isinstance(dense, Run) else dense
+        partial: Tensor = _reduce_op(tensors, p, count)
         return partial
-    return _reduce(dense, p, count)
+    return _reduce(_run(dense), p, count)
 
 
-def _scale(dense: list[Tensor], coef: Tensor) -> None:
-    _kernels().scale(
-        _DTYPES[dense[0].dtype],
-        list(map(Tensor.data_ptr, dense)),
-        list(map(Tensor.numel, dense)),
+def _scale(run: Run, coef: Tensor) -> None:
+    _kernels().scale_layout(
+        run.layout,
         coef.data_ptr(),
         _DTYPES[coef.dtype],
         torch.get_num_threads(),
@@ -193,19 +221,21 @@ def _scale(dense: list[Tensor], coef: Tensor) -> None:
 
 @torch.library.custom_op("clipopt::dense_scale_", mutates_args=("dense",))
 def _scale_op(dense: list[Tensor], coef: Tensor) -> None:
-    _scale(dense, coef)
+    _scale(Run(dense), coef)
 
 
-def scale_(dense: list[Tensor], coef: Tensor) -> None:
+def scale_(dense: list[Tensor] | Run, coef: Tensor) -> None:
     """Multiply every tensor of ``dense`` in place by ``coef``, as ``mul_`` would.
 
     Args:
-      dense: CPU tensors of one dtype that :func:`scales`, dense by :func:`split_dense`.
+      dense: CPU tensors of one dtype that :func:`scales`, dense by :func:`split_dense`,
+        or a :class:`Run` of them.
       coef: a 0-dim float32 or float64 CPU tensor.
     """
+    run = _run(dense)
     if torch.compiler.is_compiling():
-        _scale_op(dense, coef)
+        _scale_op(run.tensors, coef)
         return
-    _scale(dense, coef)
+    _scale(run, coef)
     # Written through raw pointers: tell autograd, as mul_ would have.
-    torch.autograd.graph.increment_version(dense)
+    torch.autograd.graph.increment_version(run.tensors)

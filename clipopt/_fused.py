@@ -26,7 +26,7 @@ coefficient) and asks :func:`can_fold` whether :func:`apply_folded` may apply it
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -62,20 +62,23 @@ def _scale_attributes_free(optimizer: Optimizer) -> bool:
 
 
 def can_fold(
-    optimizer: Optimizer, grads: Sequence[Sequence[Tensor]], coefficients: Sequence[Any]
+    optimizer: Optimizer,
+    grad_dtypes: Callable[[], Collection[torch.dtype]],
+    coefficients: Sequence[Any],
 ) -> bool:
     """Whether a step's clip can ride on ``optimizer``'s fused kernel.
 
     It can when the optimizer is a fused torch Adam/AdamW/SGD/Adagrad whose
     ``grad_scale`` / ``found_inf`` nobody else has set, one 0-dim coefficient object (or
     None everywhere) scales every group, and no grad is float64 (``grad_scale`` is a
-    float32 tensor, and double grads deserve a double coefficient).
+    float32 tensor, and double grads deserve a double coefficient). ``grad_dtypes``
+    gives the grads' dtypes, asked only when the rest holds.
     """
     if not _fused_kernel_takes_scale(optimizer) or not _scale_attributes_free(optimizer):
         return False
     if len({id(c) for c in coefficients}) != 1 or isinstance(coefficients[0], tuple):
         return False
-    return not any(g.dtype == torch.float64 for group in grads for g in group)
+    return torch.float64 not in grad_dtypes()
 
 
 @contextlib.contextmanager

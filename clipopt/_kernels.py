@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from clipopt import _cpu
+from clipopt._plan import GroupKey, Groups, group
 from clipopt._torch_norms import (
     Scratch,
     combine_dtype,
@@ -45,8 +46,10 @@ from clipopt._torch_norms import (
 
 __all__ = [
     "EPS",
+    "Groups",
     "clip_coefficient",
     "combine_dtype",
+    "group",
     "group_by_device_and_dtype",
     "grouped_total_norm",
     "per_tensor_norms",
@@ -60,10 +63,6 @@ EPS = 1e-6
 """Added to the norm before dividing, as torch.nn.utils does."""
 
 _INF = math.inf
-
-GroupKey = tuple[torch.device, torch.dtype]
-Groups = tuple[dict[GroupKey, list[Tensor]], dict[GroupKey, list[Tensor]]]
-"""Dense and sparse tensors split by (device, dtype)."""
 
 
 def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
@@ -92,27 +91,36 @@ def _uses_foreach(device: torch.device, foreach: bool | None) -> bool:
     return foreach
 
 
-def _cpu_partials(tensors: list[Tensor], p: float) -> list[Tensor]:
+def _cpu_partials(groups: Groups, key: GroupKey, p: float) -> list[Tensor]:
     """Partial norms of one dense CPU group: the C reduction where it applies, else torch's."""
-    if not _cpu.supports(p, tensors[0].dtype):
+    tensors = groups.dense[key]
+    if not _cpu.supports(p, key[1]):
         return torch_cpu_partials(tensors, p)
-    dense, gappy = _cpu.split_dense(tensors)
-    parts = [_cpu.norm_partial(dense, p)] if dense else []
+    run, gappy = groups.split(key)
+    parts = [_cpu.norm_partial(run, p)] if run.tensors else []
     scratch = Scratch()
     return parts + [strided_partials(t, p, scratch) for t in gappy]
 
 
-def _group_partial_norms(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
-    """Partial p-norms of one (device, dtype) group, each tensor's contribution once."""
-    device, dtype = tensors[0].device, tensors[0].dtype
-    acc = range_dtype(dtype, p, device)
-    if tensors[0].is_sparse:
-        values = [_sparse_values(t) for t in tensors]
-        if device.type == "cpu":
-            return torch_cpu_partials(values, p)
-        return [torch.linalg.vector_norm(v, p, dtype=acc).reshape(1) for v in values]
+def _sparse_partial_norms(tensors: list[Tensor], p: float) -> list[Tensor]:
+    """Partial p-norms of one sparse (device, dtype) group, by their values."""
+    device = tensors[0].device
+    acc = range_dtype(tensors[0].dtype, p, device)
+    values = [_sparse_values(t) for t in tensors]
     if device.type == "cpu":
-        return _cpu_partials(tensors, p)
+        return torch_cpu_partials(values, p)
+    return [torch.linalg.vector_norm(v, p, dtype=acc).reshape(1) for v in values]
+
+
+def _dense_partial_norms(
+    groups: Groups, key: GroupKey, p: float, foreach: bool | None
+) -> list[Tensor]:
+    """Partial p-norms of one dense (device, dtype) group, each tensor's contribution once."""
+    device, dtype = key
+    if device.type == "cpu":
+        return _cpu_partials(groups, key, p)
+    acc = range_dtype(dtype, p, device)
+    tensors = groups.dense[key]
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
@@ -136,39 +144,6 @@ def _combine(partials: Tensor, p: float) -> Tensor:
 
 def _holds_values(t: Tensor) -> bool:
     return t._nnz() > 0 if t.is_sparse else t.numel() > 0
-
-
-def _group_in_cpp(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
-    """(device, dtype) groups by torch's C++ helper (as in ``torch.nn.utils``).
-
-    Groups come in order of first appearance, and each keeps its tensors' order: the
-    helper's own dict order is unspecified, but it reports each tensor's index.
-    """
-    if not tensors:
-        return {}
-    listed = cast(list[Tensor | None], list(tensors))
-    grouped = torch._C._group_tensors_by_device_and_dtype([listed], True)
-    by_first_index = sorted(grouped.items(), key=lambda item: item[1][1][0])
-    return {key: cast(list[Tensor], lists[0]) for key, (lists, _) in by_first_index}
-
-
-def _groups(tensors: Sequence[Tensor]) -> Groups:
-    """Dense and sparse (device, dtype) groups in order of first appearance, none empty.
-
-    Dense tensors with no elements may remain in a group; sparse ones without values
-    are dropped. The order is fixed so that eager and compiled runs add the same
-    partial norms in the same order.
-    """
-    if not any(t.is_sparse for t in tensors):
-        return _group_in_cpp(tensors), {}
-    dense: dict[GroupKey, list[Tensor]] = {}
-    sparse: dict[GroupKey, list[Tensor]] = {}
-    for t in tensors:
-        if not t.is_sparse:
-            dense.setdefault((t.device, t.dtype), []).append(t)
-        elif t._nnz() > 0:
-            sparse.setdefault((t.device, t.dtype), []).append(t)
-    return dense, sparse
 
 
 def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
@@ -203,15 +178,17 @@ def grouped_total_norm(
     if out_device is None:  # nothing to measure: a zero where a norm would have been
         device = tensors[0].device if tensors else None
         zero = torch.zeros((), dtype=result_dtype([t.dtype for t in tensors]), device=device)
-        return zero, ({}, {})
-    dense, sparse = _groups(tensors)
-    out_dtype = result_dtype([dtype for _, dtype in (*dense, *sparse)])
+        return zero, Groups({}, {}, {}, False)
+    groups = group(tensors)
+    out_dtype = result_dtype([dtype for _, dtype in (*groups.dense, *groups.sparse)])
     wide = combine_dtype(out_device)
     partials: list[Tensor] = []
-    for group in (*dense.values(), *sparse.values()):
-        for part in _group_partial_norms(group, p, foreach):
-            partials.append(part.to(device=out_device, dtype=wide))
-    return _combine(torch.cat(partials), p).to(out_dtype), (dense, sparse)
+    for key in groups.dense:
+        partials += _dense_partial_norms(groups, key, p, foreach)
+    for tensors_of_key in groups.sparse.values():
+        partials += _sparse_partial_norms(tensors_of_key, p)
+    moved = [part.to(device=out_device, dtype=wide) for part in partials]
+    return _combine(torch.cat(moved), p).to(out_dtype), groups
 
 
 def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
@@ -318,9 +295,7 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor, foreach: bool | None = None)
     writes nothing when ``coef`` is exactly 1). Other dense groups use one
     ``_foreach_mul_`` unless ``foreach=False``. Sparse COO tensors are scaled one by one.
     """
-    sparse = [t for t in tensors if t.is_sparse]
-    dense = [t for t in tensors if not t.is_sparse] if sparse else list(tensors)
-    scale_groups_((_group_in_cpp(dense), group_by_device_and_dtype(sparse)), coef, foreach)
+    scale_groups_(group(tensors), coef, foreach)
 
 
 _COEF_DTYPES = (torch.float32, torch.float64)
@@ -338,22 +313,25 @@ def _refuse_inference_tensors(tensors: list[Tensor]) -> None:
             )
 
 
-def _scale_cpu_group_(group: list[Tensor], coef: Tensor, foreach: bool | None) -> None:
+def _scale_cpu_group_(groups: Groups, key: GroupKey, coef: Tensor, foreach: bool | None) -> None:
     """Scale one dense CPU group: dense grads by one C call, grads with gaps by torch;
     all of them by torch where the C kernel does not scale the group.
 
     Raises:
       RuntimeError: a grad is an inference tensor and inference mode is off, where
-        ``mul_`` would refuse it too; checked before any grad is touched.
+        ``mul_`` would refuse it too; checked before any grad is touched (a plan knows
+        whether there is one).
     """
-    if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+    group = groups.dense[key]
+    checks = groups.inference is not False
+    if checks and not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
         _refuse_inference_tensors(group)
-    if not (_cpu.scales(group[0].dtype) and coef.dtype in _COEF_DTYPES):
+    if not (_cpu.scales(key[1]) and coef.dtype in _COEF_DTYPES):
         _scale_by_torch_(group, coef, foreach)
         return
-    dense, gappy = _cpu.split_dense(group)
-    if dense:
-        _cpu.scale_(dense, coef)
+    run, gappy = groups.split(key)
+    if run.tensors:
+        _cpu.scale_(run, coef)
     if gappy:
         torch._foreach_mul_(gappy, coef)
 
@@ -368,14 +346,14 @@ def _scale_by_torch_(group: list[Tensor], coef: Tensor, foreach: bool | None) ->
 
 def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> None:
     """:func:`scale_` over tensors already grouped, e.g. by :func:`grouped_total_norm`."""
-    dense, sparse = groups
     coef_on: dict[torch.device, Tensor] = {}
-    for (device, _), group in dense.items():
+    for key, tensors in groups.dense.items():
+        device = key[0]
         coef_here = coef_on.setdefault(device, coef.to(device))
         if device.type == "cpu":
-            _scale_cpu_group_(group, coef_here, foreach)
+            _scale_cpu_group_(groups, key, coef_here, foreach)
         else:
-            _scale_by_torch_(group, coef_here, foreach)
-    for group in sparse.values():
-        for t in group:
+            _scale_by_torch_(tensors, coef_here, foreach)
+    for sparse in groups.sparse.values():
+        for t in sparse:
             t.mul_(coef_on.setdefault(t.device, coef.to(t.device)))

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -44,7 +45,7 @@ def _dtensor_type() -> type[DTensor] | None:
 
 def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
     dtensor = _dtensor_type()
-    if dtensor is None:
+    if dtensor is None or all_plain(tensors):
         return []
     return [t for t in tensors if isinstance(t, dtensor)]
 
@@ -52,7 +53,12 @@ def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
 def all_plain(tensors: Sequence[Tensor]) -> bool:
     """True if no tensor is a DTensor: measuring them needs no mesh and no collective."""
     dtensor = _dtensor_type()
-    return dtensor is None or not any(isinstance(t, dtensor) for t in tensors)
+    if dtensor is None:
+        return True
+    if torch.compiler.is_compiling():
+        return not any(isinstance(t, dtensor) for t in tensors)
+    # By type, each distinct one once: thousands of grads share one or two types.
+    return not any(issubclass(kind, dtensor) for kind in set(map(type, tensors)))
 
 
 def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor]) -> None:
@@ -77,7 +83,7 @@ def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     tensor parallelism on the data-parallel sub-mesh).
     """
     dtensor = _dtensor_type()
-    if dtensor is None:
+    if dtensor is None or all_plain(tensors):
         return list(tensors)
     return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 

@@ -14,7 +14,7 @@ rules produce coefficients here, in :func:`threshold_coefficients`' place.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -38,6 +38,7 @@ __all__ = [
     "Measurement",
     "coefficient_values",
     "collect_grads",
+    "grad_dtypes",
     "measure",
     "read_group_settings",
     "rule_coefficients",
@@ -66,7 +67,9 @@ class Measurement:
     groups' own norms on one device and dtype, ``stacked`` is them in one 1-D tensor and
     ``norm`` is its norm with the default order. ``tensor_norms`` is each grad's own norm
     (1-D, in :func:`collect_grads`' order) where the step measured them
-    (:mod:`clipopt._monitor`), ``tensor_names`` their names where asked for.
+    (:mod:`clipopt._monitor`), ``tensor_names`` their names where asked for. ``groups``:
+    the grads of a norm local to this rank, as the kernels grouped them, for the scale
+    to take as they are.
     """
 
     norm: Tensor
@@ -74,6 +77,7 @@ class Measurement:
     stacked: Tensor | None
     tensor_norms: Tensor | None = None
     tensor_names: tuple[str, ...] = ()
+    groups: _kernels.Groups | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,15 @@ def read_group_settings(
 
 def collect_grads(groups: Sequence[Mapping[str, Any]]) -> list[list[Tensor]]:
     """Each group's grads, parameters without one left out."""
-    return [[p.grad for p in group["params"] if p.grad is not None] for group in groups]
+    every = [[p.grad for p in group["params"]] for group in groups]  # one read each
+    return [[g for g in group if g is not None] for group in every]
+
+
+def grad_dtypes(grads: list[list[Tensor]], measured: Measurement) -> set[torch.dtype]:
+    """The dtypes of the grads: from the measurement's groups where it has them."""
+    if measured.groups is not None:
+        return {dtype for _, dtype in (*measured.groups.dense, *measured.groups.sparse)}
+    return {g.dtype for group in grads for g in group}
 
 
 def measure(
@@ -132,7 +144,7 @@ def measure(
     per_group: bool,
     scope: _reduce.NormScope,
     foreach: bool | None,
-    params: Sequence[Tensor],
+    params: Callable[[], Sequence[Tensor]],
 ) -> Measurement:
     """The global norm of all grads, or of each group's, across ranks where needed.
 
@@ -143,15 +155,19 @@ def measure(
       per_group: measure each group by its own norm.
       scope: the process group and replicated parameters of the reduction.
       foreach: as in :func:`clipopt.get_total_norm`.
-      params: every parameter; their DTensor meshes decide the reduction's, so a rank
-        holding no grad, or grads on only some meshes, joins the same collective as the
-        other ranks.
+      params: every parameter, when asked; their DTensor meshes decide the reduction's,
+        so a rank holding no grad, or grads on only some meshes, joins the same
+        collective as the other ranks.
     """
     if not per_group:
         flat = [g for group in grads for g in group]
-        norm = scope.global_norms([flat], norm_types[:1], foreach, params)[0]
+        if scope.process_group is None and flat and _mesh.all_plain(flat):
+            # A norm of this rank's grads alone: keep their grouping for the scale.
+            norm, grouped = _kernels.grouped_total_norm(flat, norm_types[0], foreach)
+            return Measurement(norm, [norm] * len(grads), None, groups=grouped)
+        norm = scope.global_norms([flat], norm_types[:1], foreach, params())[0]
         return Measurement(norm, [norm] * len(grads), None)
-    own = scope.global_norms(grads, norm_types, foreach, params)
+    own = scope.global_norms(grads, norm_types, foreach, params())
     device = next((g[0].device for g in grads if g), own[0].device)
     dtype = _kernels.result_dtype([n.dtype for n in own])
     # A group without grads here gets its zero made here, unless its norm was reduced
@@ -195,24 +211,54 @@ def threshold_coefficients(
     return coefficients
 
 
+def _one_coefficient(grads: list[list[Tensor]], coefficients: list[Coefficient]) -> Tensor | None:
+    """The 0-dim coefficient every group with grads shares, if they share one."""
+    found = {id(c): c for c, group in zip(coefficients, grads, strict=True) if group}
+    only = next(iter(found.values())) if len(found) == 1 else None
+    return only if isinstance(only, Tensor) else None
+
+
 @torch.no_grad()
-def scale(grads: list[list[Tensor]], coefficients: list[Coefficient], foreach: bool | None) -> None:
+def scale(
+    grads: list[list[Tensor]],
+    coefficients: list[Coefficient],
+    foreach: bool | None,
+    grouped: _kernels.Groups | None = None,
+) -> None:
     """Multiply each group's grads by its coefficient in place.
 
     Groups that share a 0-dim coefficient are scaled by one kernel call; per-grad
     coefficients are applied grad by grad. Without grad: grads made with
     ``create_graph=True`` must not record the scale (Adahessian differentiates them).
+    ``grouped``: every grad of ``grads``, as the norm's kernels grouped them; used when
+    one coefficient scales them all.
     """
-    by_coefficient: dict[int, tuple[Tensor, list[Tensor]]] = {}
+    reuse = grouped is not None and not torch.compiler.is_compiling()  # ids: see below
+    shared = _one_coefficient(grads, coefficients) if reuse else None
+    if grouped is not None and shared is not None:
+        _kernels.scale_groups_(grouped, shared, foreach)
+        return
+    # Shared coefficients found by identity, not id(): torch.compile guards on an id,
+    # and a step's new coefficient would then recompile this function every step.
+    by_coefficient: list[tuple[Tensor, list[Tensor]]] = []
     for group_grads, coefficient in zip(grads, coefficients, strict=True):
         if isinstance(coefficient, tuple):
             for grad, own in zip(group_grads, coefficient, strict=True):
                 if own is not None:
                     _mesh.local_tensors([grad])[0].mul_(own.to(grad.device))
         elif coefficient is not None and group_grads:
-            by_coefficient.setdefault(id(coefficient), (coefficient, []))[1].extend(group_grads)
-    for coefficient, tensors in by_coefficient.values():
+            _bucket(by_coefficient, coefficient).extend(group_grads)
+    for coefficient, tensors in by_coefficient:
         _kernels.scale_(_mesh.local_tensors(tensors), coefficient, foreach)
+
+
+def _bucket(buckets: list[tuple[Tensor, list[Tensor]]], coefficient: Tensor) -> list[Tensor]:
+    """The grads ``coefficient`` (this very tensor) scales, a new bucket if it has none."""
+    for held, tensors in buckets:
+        if held is coefficient:
+            return tensors
+    buckets.append((coefficient, []))
+    return buckets[-1][1]
 
 
 def coefficient_values(coefficients: list[Coefficient], like: Tensor) -> Tensor:

@@ -72,7 +72,8 @@ def _present(tensors: MaybeTensors) -> list[Tensor]:
 
 
 def _grads(parameters: list[Tensor]) -> list[Tensor]:
-    return [p.grad for p in parameters if p.grad is not None]
+    every = [p.grad for p in parameters]  # read once each: a read costs a Python call
+    return [g for g in every if g is not None]
 
 
 def _replicated_grads(

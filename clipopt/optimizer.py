@@ -511,7 +511,9 @@ class ClippedOptimizer(OptimizerWrapper):
         spikes = self._skip_spikes
         if may_skip and spikes is not None and spikes.may_trigger():
             spike = spikes.verdict(measured.norm)
-        fold = may_fold and _fused.can_fold(self.optimizer, grads, coefficients)
+        fold = may_fold and _fused.can_fold(
+            self.optimizer, lambda: _step.grad_dtypes(grads, measured), coefficients
+        )
         if self._nonfinite == "propagate" and spike is None:
             return _step.ClipDecision(grads, measured, coefficients, rule_outcome=outcome), fold
         norms = measured.norm if measured.stacked is None else measured.stacked
@@ -551,9 +553,14 @@ class ClippedOptimizer(OptimizerWrapper):
             return _monitor.measure_per_tensor(
                 grads, names, norm_types, default, self._per_group, self._foreach
             )
-        params = [p for group in self.param_groups for p in group["params"]]
         measured = _step.measure(
-            grads, norm_types, default, self._per_group, self._norm_scope, self._foreach, params
+            grads,
+            norm_types,
+            default,
+            self._per_group,
+            self._norm_scope,
+            self._foreach,
+            lambda: [p for group in self.param_groups for p in group["params"]],
         )
         if names is None:
             return measured
@@ -577,7 +584,8 @@ class ClippedOptimizer(OptimizerWrapper):
         re-evaluates, measures and clips (LBFGS calls it many times); the norms of its
         last evaluation are the step's last norms.
         """
-        _step.scale(decision.grads, decision.coefficients, self._foreach)
+        grouped = decision.measurement.groups
+        _step.scale(decision.grads, decision.coefficients, self._foreach, grouped)
         if closure is None:
             return _hooks.inner_step(self.optimizer, None), decision.measurement
         pending = [loss]
@@ -589,7 +597,7 @@ class ClippedOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 again = closure()
             redo, _ = self._decide(may_fold=False, may_skip=False)
-            _step.scale(redo.grads, redo.coefficients, self._foreach)
+            _step.scale(redo.grads, redo.coefficients, self._foreach, redo.measurement.groups)
             latest.append(redo.measurement)
             return again
 

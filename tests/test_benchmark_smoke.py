@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import run
+from benchmarks import host, run
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def quick_results(
     torch.set_num_threads(1)  # tiny sizes: threads only add scheduling noise on a busy machine
     try:
         path = tmp_path_factory.mktemp("bench") / "quick.json"
-        yield run.main(["--quick", "--repeats", "2", "--json", str(path)]), path
+        every = ",".join(run.SECTIONS)
+        yield run.main(["--quick", "--repeats", "2", "--only", every, "--json", str(path)]), path
     finally:
         torch.set_num_threads(threads)
 
@@ -54,6 +55,16 @@ def test_every_section_and_contender_is_reported(
     assert amp == set(run.amp_contenders(one, torch.device("cpu")))
     e2e = {r["contender"] for r in rows if r["section"] == "end_to_end"}
     assert e2e == {"unclipped", "ClippedOptimizer", "torch clip + step"}
+    host_cases = {r["case"] for r in rows if r["section"] == "host cost"}
+    assert host_cases == {host.HOST_CASE, host.STUBBED_CASE}
+    compiled = {(r["case"], r["contender"]) for r in rows if r["section"] == "compiled step"}
+    for layout in ("transformer", "many_small"):
+        for kind in ("eager", "compiled"):
+            for name in ("bare AdamW", "ClippedOptimizer(AdamW)"):
+                assert (f"{layout} float32", f"{kind}: {name}") in compiled
+    names = {t["name"] for t in results["targets"]}
+    assert "many_small fp32: ClippedOptimizer's clip / floor" in names
+    assert "step transformer bf16: ClippedOptimizer(fused AdamW) / folded floor" in names
 
 
 def test_rows_hold_consistent_times_and_ratios(quick_results: tuple[dict[str, Any], Path]) -> None:
@@ -79,7 +90,7 @@ def test_accuracy_memory_and_targets_are_reported(
         growth = memory[name]["peak_rss_growth_bytes"]
         assert growth is None or growth >= 0
     names = [t["name"] for t in results["targets"]]
-    assert len(names) in (5, 6) and all(isinstance(t["held"], bool) for t in results["targets"])
+    assert len(names) in (11, 12) and all(isinstance(t["held"], bool) for t in results["targets"])
 
 
 def test_json_written_where_asked_and_in_results_dir(
@@ -177,3 +188,29 @@ def test_the_autoclip_race_starts_both_from_the_same_history() -> None:
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=0)
     assert any(not torch.equal(a.grad, o.grad) for a, o in zip(ours, original, strict=True))
+
+
+def test_only_runs_the_sections_named(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="unknown sections"):
+        run.main(["--quick", "--only", "clip,nonsense"])
+    path = tmp_path / "host.json"
+    results = run.main(["--quick", "--repeats", "2", "--only", "host", "--json", str(path)])
+    assert {r["section"] for r in results["rows"]} == {"host cost"}
+    assert all(t["name"].startswith("many_small") for t in results["targets"])
+    assert json.loads(path.read_text())["rows"] == results["rows"]
+
+
+def test_stubbed_kernels_run_nothing_and_come_back() -> None:
+    """Inside, the C norm and scale do nothing (the grads keep their values); after, they
+    are the real ones again."""
+    from clipopt import _cpu
+
+    params = run.make_params([(50,), (4, 5)], torch.float32, torch.device("cpu"))
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    real = _cpu._reduce, _cpu._scale
+    with host.stubbed_kernels():
+        clipopt_norm = host.stubbed_contenders(params)["clipopt.clip_grad_norm_"]
+        clipopt_norm()
+    assert (_cpu._reduce, _cpu._scale) == real
+    if _cpu.available():
+        assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True))

@@ -316,3 +316,25 @@ def test_a_compiled_fused_step_skips_spikes_as_the_eager_one() -> None:
     (ours, our_skips), (theirs, their_skips) = run(True), run(False)
     assert our_skips == their_skips == 1
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_wrapper_step_compiles_once() -> None:
+    """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe) settles after its
+    first steps: a step's new coefficient tensor must not be guarded on, or every step
+    would recompile (and the wrapper fall back to eager at dynamo's recompile limit)."""
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((50,), (6, 7), (3,))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.1), max_norm=1.0)
+    bare = torch.optim.SGD(twins, lr=0.1)
+    step = torch.compile(opt.step, backend=BACKEND)
+    generator = torch.Generator().manual_seed(0)
+    for index in range(6):
+        grads = [torch.randn(p.shape, generator=generator) * 5 for p in params]
+        for p, twin, grad in zip(params, twins, grads, strict=True):
+            p.grad, twin.grad = grad.clone(), grad.clone()
+        torch.nn.utils.clip_grad_norm_(twins, 1.0)
+        bare.step()
+        with torch._dynamo.config.patch(error_on_recompile=index >= 3):
+            step()
+        for p, twin in zip(params, twins, strict=True):
+            torch.testing.assert_close(p.detach(), twin.detach(), rtol=1e-6, atol=1e-7)

@@ -137,7 +137,7 @@ def test_fallback_never_calls_the_c_kernel(fallback: None, monkeypatch: pytest.M
     def refuse(*args: object) -> None:
         raise AssertionError("the C kernel was called with the fallback forced")
 
-    for name in ("reduce", "scale"):
+    for name in ("reduce", "scale", "layout", "reduce_layout", "scale_layout"):
         monkeypatch.setattr(_cpu._native, name, refuse)
     params = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads_of(torch.float32)]
     for param, grad in zip(params, grads_of(torch.float32), strict=True):

@@ -392,9 +392,14 @@ def test_cpu_and_cuda_tensors_together() -> None:
 def test_groups_come_in_order_of_first_appearance_and_keep_tensor_order() -> None:
     dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float64, torch.float32]
     tensors = [torch.ones(i + 1, dtype=dtype) for i, dtype in enumerate(dtypes)]
-    dense, sparse = _kernels._groups(tensors)
-    assert not sparse
-    assert [dtype for _, dtype in dense] == [torch.bfloat16, torch.float32, torch.float64]
-    for (_, dtype), group in dense.items():
-        expected = [t for t in tensors if t.dtype == dtype]
-        assert [id(t) for t in group] == [id(t) for t in expected]
+    for _ in range(3):  # unplanned, planned with a guard, then the kept plan
+        groups = _kernels.group(tensors)
+        assert not groups.sparse
+        assert [dtype for _, dtype in groups.dense] == [
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+        ]
+        for (_, dtype), group in groups.dense.items():
+            expected = [t for t in tensors if t.dtype == dtype]
+            assert [id(t) for t in group] == [id(t) for t in expected]

@@ -18,7 +18,7 @@ PACKAGE = Path(clipopt.__file__).parent
 LAYERS: list[set[str]] = [
     {"_errors", "_validation", "_native", "_torch_dcp", "_hooks"},  # no clipopt imports
     {"_cpu"},  # the C kernels' Python side
-    {"_torch_norms"},  # partial norms of CPU grads by torch ops
+    {"_torch_norms", "_plan"},  # partial norms of CPU grads by torch ops; kept groupings
     {"_kernels", "_mesh", "_collective"},  # local norms, scales; DTensor shards; collectives
     # across ranks, of the total and per tensor; settings; skips; the rule protocol
     {"_reduce", "_per_tensor", "_clip_state", "_nonfinite", "_rule"},

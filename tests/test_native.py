@@ -357,19 +357,90 @@ def test_scale_bad_arguments_raise() -> None:
     assert torch.equal(t, torch.ones(4))
 
 
+# ---------------------------------------------------------------- layouts
+
+
+def _layout(tensors: Sequence[Tensor]) -> object:
+    return _native.layout(
+        CODES[tensors[0].dtype], list(tensors), [t.numel() for t in tensors], Tensor.data_ptr
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(list(CODES)),
+    sizes=st.lists(st.sampled_from(SIZES[:8]), min_size=1, max_size=40),
+    p=st.sampled_from(NORMS),
+)
+def test_a_layout_reduces_as_the_address_lists_do(
+    dtype: torch.dtype, sizes: list[int], p: float
+) -> None:
+    """The same chunks, so the same bits: the addresses read in C are data_ptr()'s."""
+    generator = torch.Generator().manual_seed(len(sizes))
+    tensors = [torch.randn(n, generator=generator).to(dtype) for n in sizes]
+    got = _native.reduce_layout(OPS[p], _layout(tensors), 2)
+    expected = _native.reduce(
+        OPS[p], CODES[dtype], [t.data_ptr() for t in tensors], [t.numel() for t in tensors], 2
+    )
+    assert got == expected or (math.isnan(got) and math.isnan(expected))
+
+
+@pytest.mark.parametrize("dtype", list(SCALED))
+def test_a_layout_scales_as_mul_does_twice_over_for_memory_listed_twice(dtype: torch.dtype) -> None:
+    """A layout is scaled more than once (its overlap verdict is kept): each time as a loop
+    of mul_ would, with a tensor listed twice scaled twice, in a shuffled address order."""
+    base = torch.randn(6000).to(dtype)
+    views = [base[i * 500 : (i + 1) * 500] for i in (7, 2, 9, 0, 4)]
+    listed = [*views, views[1]]
+    layout = _layout(listed)
+    expected = base.clone()
+    for coef in (torch.tensor(0.7), torch.tensor(1.3, dtype=torch.float64)):
+        _native.scale_layout(layout, coef.data_ptr(), CODES[coef.dtype], 2)
+        for i in (7, 2, 9, 0, 4, 2):
+            expected[i * 500 : (i + 1) * 500].mul_(coef)
+        assert_same_bits(base, expected)
+
+
+def test_layout_bad_arguments_raise() -> None:
+    t = torch.ones(4)
+    with pytest.raises(ValueError, match="dtype must be 0 to 3, got 7"):
+        _native.layout(7, [t], [4], Tensor.data_ptr)
+    with pytest.raises(ValueError, match="differ in length"):
+        _native.layout(0, [t], [], Tensor.data_ptr)
+    with pytest.raises(ValueError, match="numels must be >= 0, got -1"):
+        _native.layout(0, [t], [-1], Tensor.data_ptr)
+    with pytest.raises(RuntimeError, match=r"data pointer|storage"):
+        _native.layout(0, [torch.ones(4).to_sparse()], [4], Tensor.data_ptr)
+    with pytest.raises(ValueError, match="op must be 0, 1 or 2, got 5"):
+        _native.reduce_layout(5, _layout([t]), 1)
+    with pytest.raises(ValueError, match="PyCapsule"):
+        _native.reduce_layout(0, object(), 1)
+    with pytest.raises(ValueError, match="dtype must be 0 to 2, got 3"):
+        _native.scale_layout(_layout([t.half()]), torch.tensor(0.5).data_ptr(), 0, 1)
+
+
 # ---------------------------------------------------------------- use by clipopt
 
 
 def _count_buffers(monkeypatch: pytest.MonkeyPatch, name: str, at: int) -> list[int]:
-    """Records the buffer count (the length of argument ``at``) of every call into the C
-    function ``name``."""
+    """Records the buffer count of every call into the C function ``name``: the length
+    of its argument ``at``, or of the tensors of the layout it is given there."""
     calls: list[int] = []
     real = getattr(_native, name)
+    real_layout = _native.layout
+    buffers: dict[int, tuple[object, int]] = {}
+
+    def layout(*args: Any) -> Any:
+        made = real_layout(*args)
+        buffers[id(made)] = (made, len(args[1]))
+        return made
 
     def counted(*args: Any) -> Any:
-        calls.append(len(args[at]))
+        given = args[at]
+        calls.append(buffers[id(given)][1] if id(given) in buffers else len(given))
         return real(*args)
 
+    monkeypatch.setattr(_cpu._native, "layout", layout)
     monkeypatch.setattr(_cpu._native, name, counted)
     return calls
 
@@ -377,7 +448,7 @@ def _count_buffers(monkeypatch: pytest.MonkeyPatch, name: str, at: int) -> list[
 @pytest.fixture
 def reduce_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records the buffer count of every call into the C reduction."""
-    return _count_buffers(monkeypatch, "reduce", at=2)
+    return _count_buffers(monkeypatch, "reduce_layout", at=1)
 
 
 @pytest.mark.parametrize("foreach", [None, True, False])
@@ -403,7 +474,7 @@ def test_clip_grad_norm_reads_each_group_in_one_call(
 @pytest.fixture
 def scale_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records the buffer count of every call into the C scale."""
-    return _count_buffers(monkeypatch, "scale", at=1)
+    return _count_buffers(monkeypatch, "scale_layout", at=0)
 
 
 @pytest.mark.parametrize("foreach", [None, True, False])

@@ -1,0 +1,187 @@
+"""The host's cost per tensor, and the step under ``torch.compile``: sections of
+``python -m benchmarks.run``.
+
+- ``host cost``: on many small tensors (2000 of 500 elements on average) the clip's
+  cost is Python per tensor, not bytes. ``clipopt.clip_grad_norm_`` and the clip part of
+  ``ClippedOptimizer.step()`` (its inner optimizer's step a no-op) against the memory
+  floor; then both again with the kernels stubbed out (the C norm returns a tensor made
+  beforehand, the C scale does nothing), so that only the wrapper's own Python is
+  timed, against one ``.grad`` read per tensor.
+- ``compiled step``: PyTorch's compiled-optimizer recipe, ``torch.compile(opt.step)``,
+  against the eager step, bare AdamW and ``ClippedOptimizer(AdamW)``: compiled vs eager,
+  wrapper vs bare. The first calls compile (tens of seconds on the CPU) and are not
+  timed; a quick run compiles with ``aot_eager``. It runs only when asked for
+  (``--only compiled``): compiling for 2000 tensors takes many minutes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import clipopt
+from clipopt import _cpu
+
+__all__ = [
+    "HOST_CASE",
+    "STUBBED_CASE",
+    "bench_compiled",
+    "bench_host_cost",
+    "host_contenders",
+    "stubbed_contenders",
+]
+
+HOST_CASE = "many_small float32 p=2"
+STUBBED_CASE = "many_small float32, kernels stubbed"
+WRAPPER_CLIP = "ClippedOptimizer: step, inner step a no-op"
+ONE_READ = "one .grad read per tensor"
+
+
+class NoStep(torch.optim.Optimizer):
+    """An optimizer whose step does nothing: ``ClippedOptimizer.step()`` is then its clip."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        return None
+
+
+def _wrapped_clip(params: list[Tensor], max_norm: Callable[[], float]) -> Callable[[], None]:
+    wrapped = clipopt.ClippedOptimizer(NoStep(params), max_norm=1.0)
+
+    def step() -> None:
+        wrapped.param_groups[0]["clip_max_norm"] = max_norm()
+        wrapped.step()
+
+    return step
+
+
+def host_contenders(params: list[Tensor], floor: Callable[[], object]) -> dict[str, Any]:
+    """The floor, torch's clip, clipopt's, and the wrapper's clip, on the same grads."""
+    from benchmarks.run import ShrinkingMaxNorm
+
+    grads = [p.grad for p in params if p.grad is not None]
+    max_norm = ShrinkingMaxNorm.below_norm_of(grads, 2.0)
+    return {
+        "floor": floor,
+        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, max_norm()),
+        "clipopt": lambda: clipopt.clip_grad_norm_(params, max_norm()),
+        WRAPPER_CLIP: _wrapped_clip(params, max_norm),
+    }
+
+
+@contextlib.contextmanager
+def stubbed_kernels() -> Iterator[None]:
+    """The C norm and scale replaced by no-ops: the norm returns a tensor made here."""
+    made = torch.ones(1, dtype=torch.float64)
+    saved = _cpu._reduce, _cpu._scale
+
+    def reduce(run: _cpu.Run, p: float, threads: int) -> Tensor:
+        return made
+
+    def scale(run: _cpu.Run, coef: Tensor) -> None:
+        return None
+
+    _cpu._reduce, _cpu._scale = reduce, scale  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _cpu._reduce, _cpu._scale = saved  # type: ignore[assignment]
+
+
+def stubbed_contenders(params: list[Tensor]) -> dict[str, Any]:
+    """Only Python runs: the clip, the wrapper's step, and one ``.grad`` read a tensor."""
+
+    def max_norm() -> float:
+        return 0.5
+
+    return {
+        ONE_READ: lambda: [p.grad for p in params],
+        "clipopt.clip_grad_norm_": lambda: clipopt.clip_grad_norm_(params, 0.5),
+        "ClippedOptimizer.step()": _wrapped_clip(params, max_norm),
+    }
+
+
+def bench_host_cost(config: Any) -> list[Any]:
+    from benchmarks.run import (
+        _grads_and_flat_copy,
+        make_params,
+        many_small_shapes,
+        summarize,
+        time_interleaved,
+    )
+
+    params = make_params(many_small_shapes(config.quick), torch.float32, config.device)
+    _, flat = _grads_and_flat_copy(params)
+    shrink = torch.tensor(0.97, device=flat.device)
+
+    def floor() -> object:
+        total = flat.sum()
+        return flat.mul_(shrink), total
+
+    rows = summarize(
+        "host cost", HOST_CASE, time_interleaved(host_contenders(params, floor), config), "floor"
+    )
+    if config.device.type == "cpu" and _cpu.available():
+        with stubbed_kernels():
+            samples = time_interleaved(stubbed_contenders(params), config)
+        rows += summarize("host cost", STUBBED_CASE, samples, ONE_READ)
+    return rows
+
+
+def per_tensor_us(rows: list[Any], contender: str, tensors: int) -> float:
+    """Microseconds per tensor of a stubbed row."""
+    for row in rows:
+        if (row.section, row.case, row.contender) == ("host cost", STUBBED_CASE, contender):
+            return float(1e3 * row.median_ms / tensors)
+    raise KeyError(contender)
+
+
+def compiled_contenders(params: list[Tensor], backend: str = "inductor") -> dict[str, Any]:
+    """Eager and compiled steps of AdamW, bare and wrapped, each compiled once here."""
+    contenders: dict[str, Any] = {}
+    for name in ("bare AdamW", "ClippedOptimizer(AdamW)"):
+        inner = torch.optim.AdamW(params, lr=torch.tensor(1e-6))
+        opt: torch.optim.Optimizer = inner
+        if name != "bare AdamW":
+            opt = clipopt.ClippedOptimizer(inner, max_norm=1.0)
+        compiled = torch.compile(opt.step, backend=backend)
+        for _ in range(3):  # compiles, and recompiles on the step count's first changes
+            compiled()
+        contenders[f"eager: {name}"] = opt.step
+        contenders[f"compiled: {name}"] = compiled
+    return contenders
+
+
+def bench_compiled(config: Any) -> list[Any]:
+    from benchmarks.run import make_params, release, summarize, time_interleaved
+
+    rows = []
+    layouts = config.layouts
+    for layout in (config.step_layout, "many_small"):
+        params = make_params(layouts[layout](config.quick), torch.float32, config.device)
+        # A quick run checks the script: aot_eager traces as inductor does, without
+        # minutes of C++ compilation.
+        backend = "aot_eager" if config.quick else "inductor"
+        samples = time_interleaved(compiled_contenders(params, backend), config)
+        rows += summarize("compiled step", f"{layout} float32", samples, "eager: bare AdamW")
+        del params, samples
+        torch._dynamo.reset()
+        release(config.device)
+    return rows
+
+
+def compiled_ratio(rows: list[Any], layout: str, contender: str, baseline: str) -> float:
+    medians = {
+        row.contender: row.median_ms
+        for row in rows
+        if (row.section, row.case) == ("compiled step", f"{layout} float32")
+    }
+    ratio: float = medians[contender] / medians[baseline]
+    return ratio if math.isfinite(ratio) else math.nan
