@@ -28,10 +28,16 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
 # The suite again with the C kernel left unused, so that the torch-ops path every install
-# without a compiler takes cannot rot; tests of the C kernel itself skip, saying why. The
-# framework integrations run once, above: they test the frameworks, not the kernels.
+# without a compiler takes cannot rot; tests of the C kernel itself skip, saying why. Run
+# once, above, and not here: the framework integrations (they test the frameworks), the
+# benchmark's smoke tests, the examples and the long-run memory tests (they test no
+# norm), and torch.compile's (a minute of tracing; without the C kernel a compiled step
+# is plain torch ops, which dynamo traces as any; the custom ops are what they check).
+FALLBACK_SKIPS := --ignore=tests/test_benchmark_smoke.py --ignore=tests/test_examples.py \
+	--ignore=tests/test_example_adaptive.py --ignore=tests/test_rule_memory.py \
+	--ignore=tests/test_compile.py
 pytest-fallback: $(STAMP)
-	CLIPOPT_DISABLE_NATIVE=1 $(BIN)/python -m pytest tests -q -m "not integrations"
+	CLIPOPT_DISABLE_NATIVE=1 $(BIN)/python -m pytest tests -q -m "not integrations" $(FALLBACK_SKIPS)
 
 # An sdist and a wheel, each installed into a fresh venv and checked there; the sdist
 # with CC=/bin/false, as on a machine without a C compiler.

@@ -1,4 +1,4 @@
-"""Long runs do not grow memory: once a rule's history is full, 5,000 more steps leave
+"""Long runs do not grow memory: once a rule's history is full, 2,000 more steps leave
 its state's tensor bytes and the number of live Python objects where they were.
 
 (``python -m benchmarks.rules`` measures the same at 100,000 steps, with RSS.)
@@ -28,7 +28,7 @@ RULES: dict[str, Make] = {
     "agc": lambda: (clipopt.AGC(clipping=0.05), None),
 }
 FILLED = 200  # past every history above
-MORE = 5_000
+MORE = 2_000
 
 
 def _state_tensors(state: Any) -> list[Tensor]:
