@@ -31,7 +31,8 @@ Sections:
 - ``host_syncs`` (CUDA only): how many synchronizing CUDA calls one clipped step makes,
   counted by ``torch.cuda.set_sync_debug_mode("warn")``.
 - ``rules``: the clip rules' rows, targets and memory record, from :mod:`benchmarks.rules`
-  (``python -m benchmarks.rules`` runs them alone), kept apart under ``"rules"``.
+  (``python -m benchmarks.rules`` runs them alone), kept apart under ``"rules"``; only
+  in a run of every default section.
 - ``host cost`` and ``compiled step``: the clip on many small tensors against the floor,
   the wrapper's own Python per tensor with the kernels stubbed out, and
   ``torch.compile(opt.step)`` against the eager step (:mod:`benchmarks.host`).
@@ -1030,9 +1031,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for t in targets:
         sign = "<=" if t.at_most else ">="
         print(f"  {'held' if t.held else 'MISSED':<7} {t.name:<62} {t.value:7.2f} {sign} {t.limit}")
-    from benchmarks import rules  # deferred: rules imports this module's helpers
+    if everything:
+        from benchmarks import rules  # deferred: rules imports this module's helpers
 
-    results["rules"] = rules.run_section(config)
+        results["rules"] = rules.run_section(config)
     RESULTS_DIR.mkdir(exist_ok=True)
     own = RESULTS_DIR / results_name(config.quick, config.device) if everything else None
     for path in (own, args.json):
