@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,6 +52,7 @@ from benchmarks.run import (
     summarize,
     time_interleaved,
     transformer_shapes,
+    write_results,
 )
 
 FIXED = "fixed max_norm"
@@ -349,11 +349,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config = Config(args.quick, repeats, 1 if args.quick else 3, torch.device("cpu"))
     results = {"machine": machine(), "config": {"quick": config.quick, "repeats": repeats}}
     results["rules"] = run_section(config, memory_rows=not args.no_memory)
-    RESULTS_DIR.mkdir(exist_ok=True)
     own = RESULTS_DIR / ("rules-quick.json" if config.quick else "rules.json")
-    for path in (own, args.json):
-        if path is not None:
-            path.write_text(json.dumps(results, indent=2))
+    write_results(results, own, args.json)
     return results
 
 

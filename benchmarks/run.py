@@ -976,6 +976,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def write_results(results: dict[str, Any], *paths: Path | None) -> None:
+    """``results`` as JSON at each path given (None: left out), results dir made first."""
+    RESULTS_DIR.mkdir(exist_ok=True)
+    for path in paths:
+        if path is not None:
+            path.write_text(json.dumps(results, indent=2))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run every section, print the table and targets, write JSON; return the results."""
     args = parse_args(argv)
@@ -1035,11 +1043,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from benchmarks import rules  # deferred: rules imports this module's helpers
 
         results["rules"] = rules.run_section(config)
-    RESULTS_DIR.mkdir(exist_ok=True)
     own = RESULTS_DIR / results_name(config.quick, config.device) if everything else None
-    for path in (own, args.json):
-        if path is not None:
-            path.write_text(json.dumps(results, indent=2))
+    write_results(results, own, args.json)
     return results
 
 

@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -678,19 +678,26 @@ def run_workers(
     return None
 
 
-@pytest.fixture(scope="module")
-def case_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
-    out_dir = tmp_path_factory.mktemp("distributed")
+def rank_outcomes(
+    worker: Callable[..., None], out_dir: Path, cases: Iterable[str]
+) -> dict[str, list[str]]:
+    """Run ``worker`` on every rank; each case's outcome per rank ("ok" or what failed),
+    from the ``rank{r}.json`` files the workers write (a failed setup or start fails all)."""
     failure = run_workers(worker, str(out_dir))
-    results: dict[str, list[str]] = {name: [] for name in CASES}
+    results: dict[str, list[str]] = {name: [] for name in cases}
     for rank in range(WORLD_SIZE):
         path = out_dir / f"rank{rank}.json"
         recorded = json.loads(path.read_text()) if path.exists() else {}
         setup = recorded.get("<setup>")
-        for name in CASES:
+        for name in results:
             default = setup or failure or "not run: an earlier case failed"
             results[name].append(recorded.get(name, default))
     return results
+
+
+@pytest.fixture(scope="module")
+def case_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    return rank_outcomes(worker, tmp_path_factory.mktemp("distributed"), CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))

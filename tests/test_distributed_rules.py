@@ -44,7 +44,7 @@ from test_distributed import (
     local_rows,
     loss_fn,
     mlp,
-    run_workers,
+    rank_outcomes,
 )
 from torch import Tensor, nn
 
@@ -346,17 +346,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def case_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
-    out_dir = tmp_path_factory.mktemp("distributed_rules")
-    failure = run_workers(worker, str(out_dir))
-    results: dict[str, list[str]] = {name: [] for name in CASES}
-    for rank in range(WORLD_SIZE):
-        path = out_dir / f"rank{rank}.json"
-        recorded = json.loads(path.read_text()) if path.exists() else {}
-        setup = recorded.get("<setup>")
-        for name in CASES:
-            default = setup or failure or "not run: an earlier case failed"
-            results[name].append(recorded.get(name, default))
-    return results
+    return rank_outcomes(worker, tmp_path_factory.mktemp("distributed_rules"), CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
