@@ -1,6 +1,9 @@
 """Long runs do not grow memory: once a rule's history is full, 3,000 more steps leave
 its state's tensor bytes where they were, and the last 1,500 the number of live Python
-objects (the first 1,500 may make what is made once, as a first skip's objects).
+objects within a slack of 15 (the first 1,500 may make what is made once, as a first
+skip's objects). The slack is for what the rest of the suite, run in the same process,
+makes now and then (one object was seen once in CI); a leak of one object every 100
+steps or more often still fails.
 
 (``python -m benchmarks.rules`` measures the same at 100,000 steps, with RSS.)
 """
@@ -30,6 +33,7 @@ RULES: dict[str, Make] = {
 }
 FILLED = 200  # past every history above
 MORE = 1_500
+SLACK = MORE // 100
 
 
 def _state_tensors(state: Any) -> list[Tensor]:
@@ -80,4 +84,5 @@ def test_state_and_objects_do_not_grow_after_the_history_fills(name: str) -> Non
     held, shapes = _state(opt)
     assert held == state_before[0] > 0
     assert shapes == state_before[1]
-    assert objects_after <= objects_before, f"{objects_after - objects_before} objects more"
+    grown = objects_after - objects_before
+    assert grown <= SLACK, f"{grown} objects more over {MORE} steps"
