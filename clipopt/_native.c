@@ -92,12 +92,21 @@ static inline float f16_load(const uint16_t *x, int64_t i) {
     return f32_from_bits(f16_abs_to_f32_bits(x[i]));
 }
 
-/* Lanes added pairwise, in a fixed order. */
+/* Lanes added pairwise, in a fixed order: lane k and lane k + 16, then k and k + 8 of
+ * those sums, down to one. Each level is written out, so that the compiler keeps the
+ * lanes in registers: as one loop over the levels it stored and reloaded them between
+ * levels, and the fold cost as much as reading a block of 500 floats. */
+#if LANES != 32
+#error "the folds below are written out for 32 lanes"
+#endif
 #define DEFINE_FOLD(NAME, TYPE)                                                         \
-    static inline TYPE NAME(TYPE *acc) {                                                \
-        for (int width = LANES / 2; width > 0; width /= 2)                              \
-            for (int k = 0; k < width; k++) acc[k] += acc[k + width];                   \
-        return acc[0];                                                                  \
+    static INLINE TYPE NAME(const TYPE *acc) {                                          \
+        TYPE a16[16], a8[8], a4[4], a2[2];                                              \
+        for (int k = 0; k < 16; k++) a16[k] = acc[k] + acc[k + 16];                     \
+        for (int k = 0; k < 8; k++) a8[k] = a16[k] + a16[k + 8];                        \
+        for (int k = 0; k < 4; k++) a4[k] = a8[k] + a8[k + 4];                          \
+        for (int k = 0; k < 2; k++) a2[k] = a4[k] + a4[k + 2];                          \
+        return a2[0] + a2[1];                                                           \
     }
 DEFINE_FOLD(fold_float, float)
 DEFINE_FOLD(fold_double, double)
@@ -288,7 +297,8 @@ typedef union {
 typedef struct {
     int op, dtype;
     const Chunks *chunks;
-    ChunkResult *results;
+    ChunkResult *results; /* thread t's k-th chunk at results[t * per_thread + k] */
+    int64_t per_thread;
 } ReduceWork;
 
 typedef struct {
@@ -355,7 +365,8 @@ static void reduce_share(const void *opaque, int64_t t, int64_t threads) {
     if (t >= chunks->count) return;
     for (int64_t c = t + (chunks->count - 1 - t) / threads * threads; c >= 0; c -= threads) {
         if (c >= threads) prefetch_start(chunks->starts[c - threads]);
-        work->results[c] = reduce_chunk(work->op, work->dtype, chunks->starts[c], chunks->lengths[c]);
+        work->results[t * work->per_thread + c / threads] =
+            reduce_chunk(work->op, work->dtype, chunks->starts[c], chunks->lengths[c]);
     }
 }
 
@@ -373,16 +384,20 @@ static void scale_share(const void *opaque, int64_t t, int64_t threads) {
     }
 }
 
-/* Runs share(work, t, threads) for t < threads on up to `threads` threads, the calling
+/* How many threads a pass over `chunks` is worth, at most `threads`. */
+static int share_count(const Chunks *chunks, int threads) {
+    int64_t useful = chunks->elements / PER_THREAD;
+    if (useful < threads) threads = useful < 1 ? 1 : (int)useful;
+    if (chunks->count < threads) threads = (int)chunks->count;
+    return threads < 1 ? 1 : threads;
+}
+
+/* Runs share(work, t, threads) for t < threads on `threads` threads, the calling
  * one included. OpenMP here is the runtime torch already loaded (the same
  * libgomp.so.1), so these are torch's own intra-op threads: a second pool would compete
  * with torch's spinning workers for the cores. */
 static void run_shares(void (*share)(const void *, int64_t, int64_t), const void *work,
-                       const Chunks *chunks, int threads) {
-    int64_t useful = chunks->elements / PER_THREAD;
-    if (useful < threads) threads = useful < 1 ? 1 : (int)useful;
-    if (chunks->count < threads) threads = (int)chunks->count;
-    if (threads < 1) threads = 1;
+                       int threads) {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
 #endif
@@ -533,17 +548,23 @@ done:
 
 /* One reduction over chunks: the float the Python functions return. */
 static PyObject *reduce_chunks(int op, int dtype, const Chunks *chunks, int threads) {
-    ChunkResult *results = PyMem_Malloc(sizeof(ChunkResult) * (size_t)(chunks->count ? chunks->count : 1));
+    threads = share_count(chunks, threads);
+    /* Each thread's results in cache lines of their own: interleaved, the threads' writes
+     * to neighbouring results moved one line back and forth between their cores for
+     * every small grad (many_small: reading on two threads took as long as on one). */
+    int64_t per_thread = ((chunks->count + threads - 1) / threads + 7) / 8 * 8;
+    ChunkResult *results = PyMem_Malloc(sizeof(ChunkResult) * (size_t)(threads * per_thread + 1));
     if (results == NULL) return PyErr_NoMemory();
-    ReduceWork work = {op, dtype, chunks, results};
+    ReduceWork work = {op, dtype, chunks, results, per_thread};
     Py_BEGIN_ALLOW_THREADS
-    run_shares(reduce_share, &work, chunks, threads);
+    run_shares(reduce_share, &work, threads);
     Py_END_ALLOW_THREADS
     double total = 0.0;
     uint64_t top = 0;
-    for (int64_t k = 0; k < chunks->count; k++) {
-        if (op == MAX_ABS) top = top > results[k].bits ? top : results[k].bits;
-        else total += results[k].sum;
+    for (int64_t c = 0; c < chunks->count; c++) {
+        ChunkResult r = results[c % threads * per_thread + c / threads];
+        if (op == MAX_ABS) top = top > r.bits ? top : r.bits;
+        else total += r.sum;
     }
     PyMem_Free(results);
     return PyFloat_FromDouble(op == MAX_ABS ? decode_max(top, dtype) : total);
@@ -573,7 +594,7 @@ static int scale_chunks(int dtype, const Chunks *chunks, unsigned long long coef
     if (*overlap < 0) *overlap = chunks_overlap(chunks, ELEMENT_SIZE[dtype]);
     /* Memory listed twice is scaled twice, in list order, as a loop of mul_ would. */
     if (*overlap) scale_share(&work, 0, 1);
-    else run_shares(scale_share, &work, chunks, threads);
+    else run_shares(scale_share, &work, share_count(chunks, threads));
     Py_END_ALLOW_THREADS
     return 1;
 }
