@@ -5,8 +5,8 @@
   cost is Python per tensor, not bytes. ``clipopt.clip_grad_norm_`` and the clip part of
   ``ClippedOptimizer.step()`` (its inner optimizer's step a no-op) against the memory
   floor; then both again with the kernels stubbed out (the C norm returns a tensor made
-  beforehand, the C scale does nothing), so that only the wrapper's own Python is
-  timed, against one ``.grad`` read per tensor.
+  beforehand, or 1.0 where the clip takes its float; the C scale does nothing), so that
+  only the wrapper's own Python is timed, against one ``.grad`` read per tensor.
 - ``compiled step``: PyTorch's compiled-optimizer recipe, ``torch.compile(opt.step)``,
   against the eager step, bare AdamW and ``ClippedOptimizer(AdamW)``: compiled vs eager,
   wrapper vs bare. The first calls compile (tens of seconds on the CPU) and are not
@@ -78,21 +78,25 @@ def host_contenders(params: list[Tensor], floor: Callable[[], object]) -> dict[s
 
 @contextlib.contextmanager
 def stubbed_kernels() -> Iterator[None]:
-    """The C norm and scale replaced by no-ops: the norm returns a tensor made here."""
+    """The C norm and scale replaced by no-ops: the norm returns a tensor made here (or,
+    as the float a one-run clip reads, 1.0)."""
     made = torch.ones(1, dtype=torch.float64)
-    saved = _cpu._reduce, _cpu._scale
+    saved = _cpu._reduce, _cpu.norm_value, _cpu._scale
 
     def reduce(run: _cpu.Run, p: float, threads: int) -> Tensor:
         return made
 
+    def value(run: _cpu.Run, p: float, threads: int = 0) -> float:
+        return 1.0
+
     def scale(run: _cpu.Run, coef: Tensor) -> None:
         return None
 
-    _cpu._reduce, _cpu._scale = reduce, scale  # type: ignore[assignment]
+    _cpu._reduce, _cpu.norm_value, _cpu._scale = reduce, value, scale  # type: ignore[assignment]
     try:
         yield
     finally:
-        _cpu._reduce, _cpu._scale = saved  # type: ignore[assignment]
+        _cpu._reduce, _cpu.norm_value, _cpu._scale = saved  # type: ignore[assignment]
 
 
 def stubbed_contenders(params: list[Tensor]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ __all__ = [
     "dense_flat_view",
     "disabled",
     "norm_partial",
+    "norm_value",
     "scale_",
     "scales",
     "split_dense",
@@ -170,14 +171,19 @@ def _run(dense: list[Tensor] | Run) -> Run:
     return dense if isinstance(dense, Run) else Run(dense)
 
 
-def _reduce(run: Run, p: float, threads: int) -> Tensor:
-    """The ``p``-norm of dense CPU tensors of one dtype, as a float64 1-vector, read by
-    ``threads`` of torch's threads (0: all of them; read here, which a compiled graph
-    cannot do)."""
+def norm_value(run: Run, p: float, threads: int = 0) -> float:
+    """The ``p``-norm of a run's tensors (1, 2 or ``math.inf``), read by ``threads`` of
+    torch's threads (0: all of them; read here, which a compiled graph cannot do).
+
+    Eager only: the value comes back to Python, as a float. NaN if any element is NaN.
+    """
     value: float = _kernels().reduce_layout(_OPS[p], run.layout, threads or torch.get_num_threads())
-    if p == 2.0:
-        value = math.sqrt(value)
-    return torch.tensor([value], dtype=torch.float64)
+    return math.sqrt(value) if p == 2.0 else value
+
+
+def _reduce(run: Run, p: float, threads: int) -> Tensor:
+    """:func:`norm_value` as a float64 1-vector."""
+    return torch.tensor([norm_value(run, p, threads)], dtype=torch.float64)
 
 
 @torch.library.custom_op("clipopt::dense_partial_norm", mutates_args=())

@@ -180,6 +180,9 @@ def grouped_total_norm(
         zero = torch.zeros((), dtype=result_dtype([t.dtype for t in tensors]), device=device)
         return zero, Groups({}, {}, {}, False)
     groups = group(tensors)
+    run = _one_run(groups, p)
+    if run is not None:
+        return _run_norm(run, p), groups
     out_dtype = result_dtype([dtype for _, dtype in (*groups.dense, *groups.sparse)])
     wide = combine_dtype(out_device)
     partials: list[Tensor] = []
@@ -189,6 +192,34 @@ def grouped_total_norm(
         partials += _sparse_partial_norms(tensors_of_key, p)
     moved = [part.to(device=out_device, dtype=wide) for part in partials]
     return _combine(torch.cat(moved), p).to(out_dtype), groups
+
+
+def _one_run(groups: Groups, p: float) -> _cpu.Run | None:
+    """The run of the C kernel that reads every tensor of ``groups``, if one does: a
+    single dense CPU group without gaps. None otherwise, and under ``torch.compile``."""
+    if len(groups.dense) != 1 or groups.sparse or torch.compiler.is_compiling():
+        return None
+    ((device, dtype),) = groups.dense
+    if device.type != "cpu" or not _cpu.supports(p, dtype):
+        return None
+    run, gappy = groups.split((device, dtype))
+    return run if run.tensors and not gappy else None
+
+
+def _run_norm(run: _cpu.Run, p: float) -> Tensor:
+    """The total norm of one run's tensors, as one 0-dim tensor.
+
+    The same bits as the general path, which squares the run's one float64 partial,
+    sums it (alone), takes the root (for p=2; for 1 and inf the partial is the norm) and
+    rounds to the result dtype: here the same double operations run on the host, on the
+    float the kernel returns, and one torch op makes the tensor. After the kernel's pass
+    over thousands of small grads each of those torch ops cost 20-30 us (many_small:
+    175 us for the five, against 55 us for this one).
+    """
+    value = _cpu.norm_value(run, p)
+    if p == 2.0:
+        value = math.sqrt(value * value)
+    return torch.tensor(value, dtype=result_dtype([run.tensors[0].dtype]))
 
 
 def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:

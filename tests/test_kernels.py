@@ -283,6 +283,31 @@ def test_random_layouts_match_the_reference(
     assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    shapes=shapes,
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    p=st.sampled_from([1.0, 2.0, math.inf]),
+    magnitude=st.sampled_from([1e-30, 1.0, 1e30]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_run_gives_the_bits_of_the_general_path(
+    shapes: list[tuple[int, ...]], dtype: torch.dtype, p: float, magnitude: float, seed: int
+) -> None:
+    """A list the C kernel reads in one call takes a shortcut from its float to the norm;
+    an empty tensor of another dtype beside it (a second group, a zero partial, the same
+    result dtype) sends the same grads down the general path of torch ops."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [(torch.randn(s, generator=generator) * magnitude).to(dtype) for s in shapes]
+    if all(t.numel() == 0 for t in tensors):
+        return
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    alone = _kernels.total_norm(tensors, p)
+    beside = _kernels.total_norm([*tensors, torch.empty(0, dtype=other)], p)
+    assert alone.dtype == beside.dtype and alone.shape == beside.shape == ()
+    assert torch.equal(alone.view(-1), beside.view(-1)) or (alone.isnan() & beside.isnan())
+
+
 # ---------------------------------------------------------------- memory
 
 
