@@ -54,6 +54,7 @@ __all__ = [
     "scales",
     "split_dense",
     "supports",
+    "tensor_norms",
 ]
 
 DISABLE_ENV = "CLIPOPT_DISABLE_NATIVE"
@@ -214,6 +215,18 @@ def norm_partial(dense: list[Tensor] | Run, p: float, threads: int | None = None
         partial: Tensor = _reduce_op(tensors, p, count)
         return partial
     return _reduce(_run(dense), p, count)
+
+
+def tensor_norms(run: Run, p: float) -> Tensor:
+    """The ``p``-norm of each tensor of a run, as a float64 1-D tensor (eager only).
+
+    One pass over all of them on torch's threads; each value has the bits that
+    :func:`norm_value` of a run of that tensor alone gives (chunks are combined per
+    tensor, in order, whatever thread read them). Empty tensors have norm 0.
+    """
+    out = torch.empty(len(run.tensors), dtype=torch.float64)
+    _kernels().norms_layout(_OPS[p], run.layout, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def _scale(run: Run, coef: Tensor) -> None:

@@ -211,15 +211,17 @@ def _run_norm(run: _cpu.Run, p: float) -> Tensor:
 
     The same bits as the general path, which squares the run's one float64 partial,
     sums it (alone), takes the root (for p=2; for 1 and inf the partial is the norm) and
-    rounds to the result dtype: here the same double operations run on the host, on the
-    float the kernel returns, and one torch op makes the tensor. After the kernel's pass
-    over thousands of small grads each of those torch ops cost 20-30 us (many_small:
-    175 us for the five, against 55 us for this one).
+    rounds to the result dtype: here the square is taken on the host, on the float the
+    kernel returns (a double product, as torch's), and the root by torch (whose double
+    ``sqrt`` is not always ``math.sqrt``'s, correctly rounded, result). After the
+    kernel's pass over thousands of small grads each torch op cost 20-30 us (many_small:
+    175 us for the general path's six, 80 us for these three).
     """
     value = _cpu.norm_value(run, p)
-    if p == 2.0:
-        value = math.sqrt(value * value)
-    return torch.tensor(value, dtype=result_dtype([run.tensors[0].dtype]))
+    dtype = result_dtype([run.tensors[0].dtype])
+    if p != 2.0:
+        return torch.tensor(value, dtype=dtype)
+    return torch.tensor(value * value, dtype=torch.float64).sqrt_().to(dtype)
 
 
 def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
@@ -228,15 +230,19 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
     One ``torch._foreach_norm`` per (device, dtype) group (one ``vector_norm`` per
     tensor with ``foreach=False``, and for sparse ones, by their values), accumulating
     as :func:`total_norm` does on CUDA; on the CPU, where the C reduction applies, one
-    call into it per tensor, whatever ``foreach`` says (as :func:`total_norm`). The
-    groups' norms are put back in order on the host (a list, no index tensor) and
-    stacked once on the first tensor's device, in float32 (float64 if any tensor is
-    double). Empty tensors have norm 0.
+    call into it per group, whatever ``foreach`` says (as :func:`total_norm`), which
+    reads every tensor of the group on torch's threads and gives each tensor's norm the
+    bits of a call for that tensor alone. The groups' norms are put back in order on the
+    host (a list, no index tensor) and stacked once on the first tensor's device, in
+    float32 (float64 if any tensor is double). Empty tensors have norm 0.
     """
     if not tensors:
         raise ValueError("per_tensor_norms needs at least one tensor")
     out_device = tensors[0].device
     out_dtype = result_dtype([t.dtype for t in tensors])
+    run = _one_readable_group(tensors, p)
+    if run is not None:
+        return _cpu.tensor_norms(run, p).to(out_dtype)
     norms: list[Tensor | None] = [None] * len(tensors)
     grouped: dict[GroupKey, list[int]] = {}
     for index, t in enumerate(tensors):
@@ -265,21 +271,36 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
     return torch.stack(ready)
 
 
-def _cpu_tensor_norms(group: list[Tensor], p: float, acc: torch.dtype | None) -> list[Tensor]:
-    """Each CPU tensor's norm by one call into the C reduction (``_foreach_norm`` on CPU
-    is a loop of ``vector_norm`` calls, each copying a float32 tensor to float64 first,
-    50 times slower); a tensor with gaps in memory by ``vector_norm``.
+def _one_readable_group(tensors: Sequence[Tensor], p: float) -> _cpu.Run | None:
+    """The tensors as one run of the C kernel, when it reads them all in eager mode: CPU
+    tensors of one dtype it supports, none sparse or with gaps in memory."""
+    dtype = tensors[0].dtype
+    if torch.compiler.is_compiling() or not _cpu.supports(p, dtype):
+        return None
+    if any(t.dtype != dtype or t.device.type != "cpu" or t.is_sparse for t in tensors):
+        return None
+    dense, gappy = _cpu.split_dense(list(tensors))
+    return None if gappy else _cpu.Run(dense)
 
-    One thread per call: each call's parallel region wakes torch's other threads, and on
-    a busy machine that wake-up cost milliseconds per tensor, 30 times a whole
-    single-threaded read of a 23M-parameter model's 75 grads (2-core VM, shared).
+
+def _cpu_tensor_norms(group: list[Tensor], p: float, acc: torch.dtype | None) -> list[Tensor]:
+    """Each CPU tensor's norm: the dense ones by one call into the C reduction
+    (``_foreach_norm`` on CPU is a loop of ``vector_norm`` calls, each copying a float32
+    tensor to float64 first, 50 times slower), a tensor with gaps in memory by
+    ``vector_norm``.
+
+    Under ``torch.compile``, one single-threaded call per tensor, each its own custom op:
+    a call per tensor on all threads would wake torch's other threads each time, which
+    on a busy machine cost milliseconds per tensor (2-core VM, shared).
     """
-    dense = {id(t) for t in _cpu.split_dense(group)[0]}
+    dense = _cpu.split_dense(group)[0]
+    if torch.compiler.is_compiling():
+        found = [_cpu.norm_partial([t], p, threads=1).reshape(()) for t in dense]
+    else:
+        found = list(_cpu.tensor_norms(_cpu.Run(dense), p).unbind()) if dense else []
+    by_id = dict(zip(map(id, dense), found, strict=True))
     return [
-        _cpu.norm_partial([t], p, threads=1).reshape(())
-        if id(t) in dense
-        else torch.linalg.vector_norm(t, p, dtype=acc)
-        for t in group
+        by_id[id(t)] if id(t) in by_id else torch.linalg.vector_norm(t, p, dtype=acc) for t in group
     ]
 
 

@@ -546,28 +546,47 @@ done:
     return ok;
 }
 
-/* One reduction over chunks: the float the Python functions return. */
-static PyObject *reduce_chunks(int op, int dtype, const Chunks *chunks, int threads) {
+/* Reduces every chunk, then combines in chunk order the chunks of each of `ranges`
+ * ranges into out[i]: range i ends before chunk ends[i], and starts where range i - 1
+ * ended (range 0 at chunk 0). A range's value is the same whatever the other ranges
+ * and the thread count: its chunks' results, added (or compared) first to last.
+ * 0 with an exception set. */
+static int reduce_ranges(int op, int dtype, const Chunks *chunks, int threads,
+                         const int64_t *ends, int64_t ranges, double *out) {
     threads = share_count(chunks, threads);
     /* Each thread's results in cache lines of their own: interleaved, the threads' writes
      * to neighbouring results moved one line back and forth between their cores for
      * every small grad (many_small: reading on two threads took as long as on one). */
     int64_t per_thread = ((chunks->count + threads - 1) / threads + 7) / 8 * 8;
     ChunkResult *results = PyMem_Malloc(sizeof(ChunkResult) * (size_t)(threads * per_thread + 1));
-    if (results == NULL) return PyErr_NoMemory();
+    if (results == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
     ReduceWork work = {op, dtype, chunks, results, per_thread};
     Py_BEGIN_ALLOW_THREADS
     run_shares(reduce_share, &work, threads);
     Py_END_ALLOW_THREADS
-    double total = 0.0;
-    uint64_t top = 0;
-    for (int64_t c = 0; c < chunks->count; c++) {
-        ChunkResult r = results[c % threads * per_thread + c / threads];
-        if (op == MAX_ABS) top = top > r.bits ? top : r.bits;
-        else total += r.sum;
+    int64_t c = 0;
+    for (int64_t i = 0; i < ranges; i++) {
+        double total = 0.0;
+        uint64_t top = 0;
+        for (; c < ends[i]; c++) {
+            ChunkResult r = results[c % threads * per_thread + c / threads];
+            if (op == MAX_ABS) top = top > r.bits ? top : r.bits;
+            else total += r.sum;
+        }
+        out[i] = op == MAX_ABS ? decode_max(top, dtype) : total;
     }
     PyMem_Free(results);
-    return PyFloat_FromDouble(op == MAX_ABS ? decode_max(top, dtype) : total);
+    return 1;
+}
+
+/* One reduction over chunks: the float the Python functions return. */
+static PyObject *reduce_chunks(int op, int dtype, const Chunks *chunks, int threads) {
+    double value;
+    if (!reduce_ranges(op, dtype, chunks, threads, &chunks->count, 1, &value)) return NULL;
+    return PyFloat_FromDouble(value);
 }
 
 /* Scales chunks in place by the coefficient at `coefficient_address`; `overlap` caches
@@ -654,14 +673,26 @@ static PyObject *native_scale(PyObject *self, PyObject *args) {
 typedef struct {
     Chunks chunks;
     int dtype;
-    int overlap; /* whether chunks share memory; -1 until a scale asks */
+    int overlap;     /* whether chunks share memory; -1 until a scale asks */
+    int64_t buffers; /* tensors */
+    int64_t *ends;   /* one past each tensor's last chunk */
 } Layout;
 
 static void free_layout(PyObject *capsule) {
     Layout *layout = PyCapsule_GetPointer(capsule, LAYOUT_NAME);
     if (layout == NULL) return;
     free_chunks(&layout->chunks);
+    PyMem_Free(layout->ends);
     PyMem_Free(layout);
+}
+
+/* Each buffer's end in a layout's chunks, from the element counts fill_chunks took. */
+static int64_t *chunk_ends(const int64_t *numels, Py_ssize_t buffers) {
+    int64_t *ends = PyMem_Malloc(sizeof(int64_t) * (size_t)(buffers ? buffers : 1));
+    if (ends == NULL) return (int64_t *)PyErr_NoMemory();
+    int64_t end = 0;
+    for (Py_ssize_t i = 0; i < buffers; i++) ends[i] = end += (numels[i] + CHUNK - 1) / CHUNK;
+    return ends;
 }
 
 static Layout *get_layout(PyObject *capsule) {
@@ -713,15 +744,23 @@ static PyObject *native_layout(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (!fill_chunks(addresses, numels, PySequence_Fast_GET_SIZE(tensors), dtype, &layout->chunks)) {
+    Py_ssize_t buffers = PySequence_Fast_GET_SIZE(tensors);
+    if (!fill_chunks(addresses, numels, buffers, dtype, &layout->chunks)) {
+        PyMem_Free(layout);
+        goto done;
+    }
+    if (!(layout->ends = chunk_ends(numels, buffers))) {
+        free_chunks(&layout->chunks);
         PyMem_Free(layout);
         goto done;
     }
     layout->dtype = dtype;
     layout->overlap = -1;
+    layout->buffers = buffers;
     capsule = PyCapsule_New(layout, LAYOUT_NAME, free_layout);
     if (capsule == NULL) {
         free_chunks(&layout->chunks);
+        PyMem_Free(layout->ends);
         PyMem_Free(layout);
     }
 done:
@@ -745,6 +784,32 @@ static PyObject *native_reduce_layout(PyObject *self, PyObject *args) {
     Layout *layout = get_layout(capsule);
     if (layout == NULL) return NULL;
     return reduce_chunks(op, layout->dtype, &layout->chunks, threads);
+}
+
+PyDoc_STRVAR(norms_layout_doc,
+             "norms_layout(op, layout, out_address, threads)\n\n"
+             "The norm of each tensor of a layout on its own, into the float64 array at\n"
+             "out_address (one per tensor): reduce() of that tensor alone, its square\n"
+             "root for op 0 (correctly rounded, as math.sqrt), from one pass over all of\n"
+             "them on `threads` threads.");
+
+static PyObject *native_norms_layout(PyObject *self, PyObject *args) {
+    (void)self;
+    int op, threads;
+    PyObject *capsule;
+    unsigned long long out_address;
+    if (!PyArg_ParseTuple(args, "iOKi", &op, &capsule, &out_address, &threads)) return NULL;
+    if (op < SUM_SQUARES || op > MAX_ABS)
+        return PyErr_Format(PyExc_ValueError, "op must be 0, 1 or 2, got %d", op);
+    Layout *layout = get_layout(capsule);
+    if (layout == NULL) return NULL;
+    double *out = (double *)(uintptr_t)out_address;
+    if (!reduce_ranges(op, layout->dtype, &layout->chunks, threads, layout->ends,
+                       layout->buffers, out))
+        return NULL;
+    if (op == SUM_SQUARES)
+        for (int64_t i = 0; i < layout->buffers; i++) out[i] = sqrt(out[i]);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(scale_layout_doc,
@@ -793,6 +858,7 @@ static PyMethodDef methods[] = {
     {"scale", native_scale, METH_VARARGS, scale_doc},
     {"layout", native_layout, METH_VARARGS, layout_doc},
     {"reduce_layout", native_reduce_layout, METH_VARARGS, reduce_layout_doc},
+    {"norms_layout", native_norms_layout, METH_VARARGS, norms_layout_doc},
     {"scale_layout", native_scale_layout, METH_VARARGS, scale_layout_doc},
     {"float16_by_f16c", native_float16_by_f16c, METH_O, float16_by_f16c_doc},
     {NULL, NULL, 0, NULL},

@@ -623,11 +623,12 @@ def test_a_per_tensor_rule_needs_the_same_grads_every_step() -> None:
 @pytest.mark.parametrize("p", [2.0, 3.0])
 def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch, p: float) -> None:
     """One ``_foreach_norm`` over the group; on the CPU, where the C reduction has the
-    order, one call into it per tensor instead (torch's CPU foreach is a loop anyway)."""
+    order, one call into it for the group instead (torch's CPU foreach is a loop)."""
     from clipopt import _cpu
 
     calls: list[tuple[str, int]] = []
     original, original_partial = torch._foreach_norm, _cpu.norm_partial
+    original_each = _cpu.tensor_norms
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(("foreach", len(args[0])))
@@ -637,11 +638,16 @@ def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch,
         calls.append(("C", len(tensors)))
         return original_partial(tensors, *args, **kwargs)
 
+    def counting_each(run: _cpu.Run, p: float) -> Tensor:
+        calls.append(("C each", len(run.tensors)))
+        return original_each(run, p)
+
     monkeypatch.setattr(torch, "_foreach_norm", counting)
     monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
+    monkeypatch.setattr(_cpu, "tensor_norms", counting_each)
     tensors = [torch.randn(s) for s in [(5,), (3, 3), (7,), (2, 2, 2)]]
     norms = _kernels.per_tensor_norms(tensors, p)
-    expected = [("C", 1)] * 4 if _cpu.supports(p, torch.float32) else [("foreach", 4)]
+    expected = [("C each", 4)] if _cpu.supports(p, torch.float32) else [("foreach", 4)]
     assert calls == expected
     torch.testing.assert_close(norms, torch.stack([t.norm(p) for t in tensors]))
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from clipopt import _kernels
+from clipopt import _cpu, _kernels
 from clipopt._torch_norms import CHUNK as _CHUNK
 from clipopt._torch_norms import PACK_BELOW as _PACK_BELOW
 from clipopt._torch_norms import PACK_RUN as _PACK_RUN
@@ -306,6 +306,31 @@ def test_one_run_gives_the_bits_of_the_general_path(
     beside = _kernels.total_norm([*tensors, torch.empty(0, dtype=other)], p)
     assert alone.dtype == beside.dtype and alone.shape == beside.shape == ()
     assert torch.equal(alone.view(-1), beside.view(-1)) or (alone.isnan() & beside.isnan())
+
+
+def _one_call_each(tensors: Sequence[Tensor], p: float) -> Tensor:
+    """Each tensor's norm by a call of the C reduction for it alone."""
+    dtype = _kernels.result_dtype([t.dtype for t in tensors])
+    return torch.stack([_cpu.norm_partial([t], p, threads=1)[0].to(dtype) for t in tensors])
+
+
+@pytest.mark.skipif(not _cpu.available(), reason="the C kernel is not in use")
+@pytest.mark.parametrize("p", [1.0, 2.0, math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_per_tensor_norms_have_the_bits_of_one_call_per_tensor(
+    dtype: torch.dtype, p: float
+) -> None:
+    """One pass over every tensor (chunks of many tensors shared out among threads) gives
+    each the value of a pass over it alone; empty, multi-chunk and permuted ones too, and
+    beside another dtype's group."""
+    generator = torch.Generator().manual_seed(4)
+    sizes = [0, 1, 3, 500, 65536, 65537, 200_000, *range(5, 300)]
+    tensors = [(torch.randn(n, generator=generator) * 10).to(dtype) for n in sizes]
+    tensors.append(torch.randn(40, 30, generator=generator).to(dtype).t())
+    got = _kernels.per_tensor_norms(tensors, p)
+    assert torch.equal(got, _one_call_each(tensors, p))
+    mixed = [*tensors, torch.randn(7, dtype=torch.float64)]
+    assert torch.equal(_kernels.per_tensor_norms(mixed, p), _one_call_each(mixed, p))
 
 
 # ---------------------------------------------------------------- memory

@@ -147,10 +147,11 @@ def test_groups_with_their_own_norm_types() -> None:
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
     """The ids of the grads each norm-kernel call reads (``_foreach_norm``, or on the CPU
-    the C reduction, one call per tensor), gathered per step by the test; the global
-    norm's own pass over the grads fails the test."""
+    the C reduction, one call per group of tensors), gathered per step by the test; the
+    global norm's own pass over the grads fails the test."""
     calls: list[list[int]] = []
     original_foreach, original_partial = torch._foreach_norm, _cpu.norm_partial
+    original_each = _cpu.tensor_norms
 
     def counting(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Any:
         calls.append([id(t) for t in tensors])
@@ -160,11 +161,16 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
         calls.append([id(t) for t in tensors])
         return original_partial(tensors, *args, **kwargs)
 
+    def counting_each(run: _cpu.Run, p: float) -> Tensor:
+        calls.append([id(t) for t in run.tensors])
+        return original_each(run, p)
+
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a second pass over the grads")
 
     monkeypatch.setattr(torch, "_foreach_norm", counting)
     monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
+    monkeypatch.setattr(_cpu, "tensor_norms", counting_each)
     monkeypatch.setattr(_kernels, "grouped_total_norm", forbidden)
     yield calls
 
