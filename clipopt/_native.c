@@ -699,13 +699,26 @@ static Layout *get_layout(PyObject *capsule) {
     return PyCapsule_GetPointer(capsule, LAYOUT_NAME);
 }
 
-/* The address of every tensor of `tensors`, by `data_ptr`; NULL with an exception set. */
-static int64_t *read_addresses(PyObject *tensors, PyObject *data_ptr) {
+/* torch's own reader of a tensor's data pointer, for C code without torch's headers (the
+ * one inductor's generated CPU wrappers call): void *(PyObject *). It is called only on
+ * tensors whose type is exactly `exact` (torch.Tensor): it throws a C++ exception, which
+ * nothing here could catch, on anything else, and the tensors whose data pointer torch
+ * refuses (fake and functional tensors) are all of subclasses. */
+typedef void *(*DataPtrFn)(PyObject *);
+
+/* The address of every tensor of `tensors`, by `raw` where it may be called, else by the
+ * `data_ptr` method; NULL with an exception set. */
+static int64_t *read_addresses(PyObject *tensors, PyObject *data_ptr, PyObject *exact,
+                               DataPtrFn raw) {
     Py_ssize_t count = PySequence_Fast_GET_SIZE(tensors);
     int64_t *addresses = PyMem_Malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
     if (addresses == NULL) return (int64_t *)PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *tensor = PySequence_Fast_GET_ITEM(tensors, i);
+        if (raw != NULL && (PyObject *)Py_TYPE(tensor) == exact) {
+            addresses[i] = (int64_t)(uintptr_t)raw(tensor);
+            continue;
+        }
         PyObject *address = PyObject_Vectorcall(data_ptr, &tensor, 1, NULL);
         addresses[i] = address ? PyLong_AsLongLong(address) : -1;
         Py_XDECREF(address);
@@ -718,15 +731,21 @@ static int64_t *read_addresses(PyObject *tensors, PyObject *data_ptr) {
 }
 
 PyDoc_STRVAR(layout_doc,
-             "layout(dtype, tensors, numels, data_ptr) -> capsule\n\n"
+             "layout(dtype, tensors, numels, data_ptr, exact=None, raw=0) -> capsule\n\n"
              "The chunks of dense buffers of one dtype: data_ptr(t) of each tensor and\n"
-             "its element count, for reduce_layout and scale_layout.");
+             "its element count, for reduce_layout and scale_layout. raw: the address of\n"
+             "torch's C function void *(PyObject *) giving the same pointer, called\n"
+             "instead for tensors of exactly the type `exact` (0: never).");
 
 static PyObject *native_layout(PyObject *self, PyObject *args) {
     (void)self;
     int dtype;
-    PyObject *tensors_in, *numels_in, *data_ptr;
-    if (!PyArg_ParseTuple(args, "iOOO", &dtype, &tensors_in, &numels_in, &data_ptr)) return NULL;
+    PyObject *tensors_in, *numels_in, *data_ptr, *exact = Py_None;
+    unsigned long long raw_address = 0;
+    if (!PyArg_ParseTuple(args, "iOOO|OK", &dtype, &tensors_in, &numels_in, &data_ptr, &exact,
+                          &raw_address))
+        return NULL;
+    DataPtrFn raw = exact == Py_None ? NULL : (DataPtrFn)(uintptr_t)raw_address;
     if (!check_dtype(dtype)) return NULL;
     PyObject *tensors = PySequence_Fast(tensors_in, "tensors must be a sequence");
     PyObject *numels_seq = tensors ? PySequence_Fast(numels_in, "numels must be a sequence") : NULL;
@@ -739,7 +758,7 @@ static PyObject *native_layout(PyObject *self, PyObject *args) {
         goto done;
     }
     if (!(numels = read_ints(numels_seq, "numels"))) goto done;
-    if (!(addresses = read_addresses(tensors, data_ptr))) goto done;
+    if (!(addresses = read_addresses(tensors, data_ptr, exact, raw))) goto done;
     if (!(layout = PyMem_Malloc(sizeof(Layout)))) {
         PyErr_NoMemory();
         goto done;

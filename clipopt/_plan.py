@@ -104,6 +104,8 @@ class Plan:
       first_with_values: the position of the first tensor with elements, -1 if none.
       inference_mode: whether inference mode was on when the plan was made.
       has_inference_tensors: whether any tensor is an inference tensor.
+      plain: whether every tensor is a strided ``torch.Tensor`` (no subclass) with
+        storage, whose address the C layout may read by torch's own C function.
       guard: the check that a list has this plan's metadata; None: used once.
     """
 
@@ -115,6 +117,7 @@ class Plan:
     first_with_values: int
     inference_mode: bool
     has_inference_tensors: bool
+    plain: bool = False
     guard: Any = None
 
     def fits(self, tensors: Sequence[Tensor], inference_mode: bool) -> bool:
@@ -143,6 +146,18 @@ def _by_group(tensors: Sequence[Tensor]) -> dict[GroupKey, list[int]]:
     grouped = torch._C._group_tensors_by_device_and_dtype([listed], True)
     ordered = sorted(grouped.items(), key=lambda item: item[1][1][0])
     return {key: list(indices) for key, (_, indices) in ordered}
+
+
+def _plain(t: Tensor) -> bool:
+    """A strided ``torch.Tensor`` with storage: not a subclass (fake, functional), not a
+    wrapper without storage (functorch's batched tensors), not sparse, MKL-DNN or nested.
+    The guard keeps it so: it checks the type, layout and dispatch keys."""
+    return (
+        type(t) is Tensor
+        and t.layout == torch.strided
+        and not t.is_nested
+        and torch._C._has_storage(t)
+    )
 
 
 def _guard(tensors: Sequence[Tensor]) -> Any:
@@ -177,6 +192,7 @@ def make_plan(tensors: Sequence[Tensor], guarded: bool = False) -> Plan:
         first,
         not traced and torch.is_inference_mode_enabled(),
         not traced and any(t.is_inference() for t in tensors),
+        not traced and all(map(_plain, tensors)),
         _guard(tensors) if guarded and _Guard is not None else None,
     )
 
@@ -264,7 +280,8 @@ def _planned(plan: Plan, tensors: Sequence[Tensor]) -> Groups:
         dense[key] = members
         if key[0].type == "cpu":
             readable = members if dense_at is None else [members[k] for k in dense_at]
-            cpu[key] = (_cpu.Run(readable, numels), [members[k] for k in gappy_at])
+            run = _cpu.Run(readable, numels, plan.plain)
+            cpu[key] = (run, [members[k] for k in gappy_at])
     return Groups(dense, {}, cpu, plan.has_inference_tensors)
 
 

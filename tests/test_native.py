@@ -385,6 +385,24 @@ def test_a_layout_reduces_as_the_address_lists_do(
     assert got == expected or (math.isnan(got) and math.isnan(expected))
 
 
+@pytest.mark.skipif(not _cpu._RAW_DATA_PTR, reason="this torch has no C data-pointer reader")
+@pytest.mark.parametrize("p", NORMS)
+def test_torchs_c_address_reader_gives_the_data_ptr_method_s_chunks(p: float) -> None:
+    """Given torch's C reader, a layout calls it for tensors of exactly the type named and
+    the data_ptr method for the others (a subclass, a Parameter): the same bits."""
+
+    class Marked(Tensor):
+        pass
+
+    generator = torch.Generator().manual_seed(9)
+    tensors: list[Tensor] = [torch.randn(n, generator=generator) for n in (3, 500, 70000)]
+    tensors += [torch.randn(9).as_subclass(Marked), torch.nn.Parameter(torch.randn(4))]
+    numels = [t.numel() for t in tensors]
+    raw = _native.layout(0, tensors, numels, Tensor.data_ptr, Tensor, _cpu._RAW_DATA_PTR)
+    by_method = _native.reduce(OPS[p], 0, [t.data_ptr() for t in tensors], numels, 2)
+    assert _native.reduce_layout(OPS[p], raw, 2) == by_method
+
+
 @pytest.mark.parametrize("dtype", list(SCALED))
 def test_a_layout_scales_as_mul_does_twice_over_for_memory_listed_twice(dtype: torch.dtype) -> None:
     """A layout is scaled more than once (its overlap verdict is kept): each time as a loop

@@ -113,6 +113,38 @@ def test_new_storage_under_the_same_grad_is_read(plans: list[_plan.Plan]) -> Non
     assert params[1].grad is grad
 
 
+def test_a_plan_of_plain_grads_reads_their_addresses_in_c(plans: list[_plan.Plan]) -> None:
+    """Plain strided grads get a plan whose runs read addresses by torch's C function."""
+    params = make_params((30, 7), (5,))
+    first = planned_twice(params, plans)
+    assert first.plain
+    groups = _plan.group([q.grad for q in params if q.grad is not None])
+    run, _ = groups.split((torch.device("cpu"), torch.float32))
+    assert run.plain
+
+
+def test_tensors_without_storage_raise_planned_or_not(plans: list[_plan.Plan]) -> None:
+    """MKL-DNN tensors are strided-looking torch.Tensors without storage: torch's C reader
+    would abort the process on them, so their plan is not plain and every clip raises the
+    data_ptr method's RuntimeError, the first (unplanned) and the later (planned) ones."""
+    tensors = [torch.ones(4).to_mkldnn(), torch.ones(3).to_mkldnn()]
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="storage"):
+            clipopt.get_total_norm(tensors)
+    assert plans and not any(plan.plain for plan in plans)
+
+
+def test_a_subclass_grad_makes_the_plan_not_plain(plans: list[_plan.Plan]) -> None:
+    class Marked(Tensor):
+        pass
+
+    grads = [torch.randn(5), torch.randn(7).as_subclass(Marked)]
+    expected = torch.cat([g.reshape(-1) for g in grads]).double().norm().item()
+    for _ in range(3):
+        assert clipopt.get_total_norm(grads).item() == pytest.approx(expected, rel=1e-6)
+    assert plans and not plans[0].plain
+
+
 Change = Callable[[list[nn.Parameter]], list[nn.Parameter]]
 
 
