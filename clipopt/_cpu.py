@@ -31,7 +31,7 @@ import contextlib
 import math
 import os
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -48,6 +48,7 @@ __all__ = [
     "available",
     "dense_flat_view",
     "disabled",
+    "grads_of",
     "norm_partial",
     "norm_value",
     "scale_",
@@ -93,6 +94,19 @@ _SUM_SQUARES, _SUM_ABS, _MAX_ABS = 0, 1, 2
 _OPS = {2.0: _SUM_SQUARES, 1.0: _SUM_ABS, math.inf: _MAX_ABS}
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _SCALED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def grads_of(params: Sequence[Tensor]) -> list[Tensor]:
+    """``[p.grad for p in params if p.grad is not None]``, each ``.grad`` read once.
+
+    In one C loop where the kernels are in use (2000 parameters: 175 us in Python, 137
+    us so), in Python under ``torch.compile``, which traces it.
+    """
+    if _ENABLED and _native is not None and not torch.compiler.is_compiling():
+        found: list[Tensor] = _native.grads(params)
+        return found
+    every = [p.grad for p in params]
+    return [g for g in every if g is not None]
 
 
 def supports(p: float, dtype: torch.dtype) -> bool:

@@ -850,6 +850,27 @@ static PyObject *native_scale_layout(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(grads_doc,
+             "grads(params) -> list\n\n"
+             "[p.grad for p in params if p.grad is not None], each p.grad read once.");
+
+static PyObject *native_grads(PyObject *self, PyObject *params_in) {
+    (void)self;
+    static PyObject *name = NULL;
+    if (name == NULL && !(name = PyUnicode_InternFromString("grad"))) return NULL;
+    PyObject *params = PySequence_Fast(params_in, "params must be a sequence");
+    if (params == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(params);
+    PyObject *grads = PyList_New(0);
+    for (Py_ssize_t i = 0; grads != NULL && i < count; i++) {
+        PyObject *grad = PyObject_GetAttr(PySequence_Fast_GET_ITEM(params, i), name);
+        if (grad == NULL || (grad != Py_None && PyList_Append(grads, grad) < 0)) Py_CLEAR(grads);
+        Py_XDECREF(grad);
+    }
+    Py_DECREF(params);
+    return grads;
+}
+
 static int cpu_has_f16c(void) {
 #if F16C_PATH
     __builtin_cpu_init();
@@ -880,6 +901,7 @@ static PyMethodDef methods[] = {
     {"norms_layout", native_norms_layout, METH_VARARGS, norms_layout_doc},
     {"scale_layout", native_scale_layout, METH_VARARGS, scale_layout_doc},
     {"float16_by_f16c", native_float16_by_f16c, METH_O, float16_by_f16c_doc},
+    {"grads", native_grads, METH_O, grads_doc},
     {NULL, NULL, 0, NULL},
 };
 

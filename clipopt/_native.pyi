@@ -1,4 +1,5 @@
 from collections.abc import Sequence
+from typing import Any
 
 def reduce(
     op: int, dtype: int, addresses: Sequence[int], numels: Sequence[int], threads: int
@@ -12,3 +13,4 @@ def scale(
     threads: int,
 ) -> None: ...
 def float16_by_f16c(enabled: bool) -> bool: ...
+def grads(params: Sequence[Any]) -> list[Any]: ...

@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _mesh, _per_tensor, _reduce
+from clipopt import _cpu, _kernels, _mesh, _per_tensor, _reduce
 from clipopt._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
@@ -126,8 +126,7 @@ def read_group_settings(
 
 def collect_grads(groups: Sequence[Mapping[str, Any]]) -> list[list[Tensor]]:
     """Each group's grads, parameters without one left out."""
-    every = [[p.grad for p in group["params"]] for group in groups]  # one read each
-    return [[g for g in group if g is not None] for group in every]
+    return [_cpu.grads_of(group["params"]) for group in groups]  # one read each
 
 
 def grad_dtypes(grads: list[list[Tensor]], measured: Measurement) -> set[torch.dtype]:

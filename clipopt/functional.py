@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _mesh, _reduce
+from clipopt import _cpu, _kernels, _mesh, _reduce
 from clipopt._errors import NonFiniteNormError
 from clipopt._validation import (
     MaxNorm,
@@ -72,8 +72,7 @@ def _present(tensors: MaybeTensors) -> list[Tensor]:
 
 
 def _grads(parameters: list[Tensor]) -> list[Tensor]:
-    every = [p.grad for p in parameters]  # read once each: a read costs a Python call
-    return [g for g in every if g is not None]
+    return _cpu.grads_of(parameters)  # read once each: a read costs a Python call
 
 
 def _replicated_grads(

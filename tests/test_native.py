@@ -561,3 +561,34 @@ def test_shares_torchs_openmp_runtime() -> None:
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+def test_grads_are_read_once_each_and_none_left_out() -> None:
+    """The C loop gives what the Python one does: present grads in order, the same
+    objects, each ``.grad`` read once, and the getter's errors."""
+
+    class Holder:
+        reads = 0
+
+        def __init__(self, grad: Tensor | None) -> None:
+            self._grad = grad
+
+        @property
+        def grad(self) -> Tensor | None:
+            Holder.reads += 1
+            return self._grad
+
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(5)]
+    for i in (0, 2, 3):
+        params[i].grad = torch.randn(3)
+    listed: list[Any] = [*params, Holder(torch.ones(2)), Holder(None)]
+    expected = [params[0].grad, params[2].grad, params[3].grad, listed[5].grad]
+    Holder.reads = 0
+    got = _cpu.grads_of(listed)
+    assert Holder.reads == 2
+    assert len(got) == 4 and all(a is b for a, b in zip(got, expected, strict=True))
+    with _cpu.disabled():
+        assert all(a is b for a, b in zip(_cpu.grads_of(listed), expected, strict=True))
+    assert _cpu.grads_of([]) == []
+    with pytest.raises(AttributeError, match="grad"):
+        _cpu.grads_of([object()])  # type: ignore[list-item]
