@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from clipopt import _cpu
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
@@ -58,7 +60,7 @@ def all_plain(tensors: Sequence[Tensor]) -> bool:
     if torch.compiler.is_compiling():
         return not any(isinstance(t, dtensor) for t in tensors)
     # By type, each distinct one once: thousands of grads share one or two types.
-    return not any(issubclass(kind, dtensor) for kind in set(map(type, tensors)))
+    return not _cpu.any_of_type(tensors, dtensor)
 
 
 def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor]) -> None:

@@ -871,6 +871,31 @@ static PyObject *native_grads(PyObject *self, PyObject *params_in) {
     return grads;
 }
 
+PyDoc_STRVAR(any_instance_doc,
+             "any_instance(objects, cls) -> bool\n\n"
+             "any(issubclass(type(o), cls) for o in objects): each run of objects of\n"
+             "one type is checked once.");
+
+static PyObject *native_any_instance(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objects_in, *cls;
+    if (!PyArg_ParseTuple(args, "OO", &objects_in, &cls)) return NULL;
+    PyObject *objects = PySequence_Fast(objects_in, "objects must be a sequence");
+    if (objects == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(objects);
+    PyTypeObject *last = NULL;
+    int found = 0;
+    for (Py_ssize_t i = 0; i < count && !found; i++) {
+        PyObject *object = PySequence_Fast_GET_ITEM(objects, i);
+        if (Py_TYPE(object) == last) continue;
+        last = Py_TYPE(object);
+        found = PyObject_IsSubclass((PyObject *)last, cls);
+    }
+    Py_DECREF(objects);
+    if (found < 0) return NULL;
+    return PyBool_FromLong(found);
+}
+
 static int cpu_has_f16c(void) {
 #if F16C_PATH
     __builtin_cpu_init();
@@ -902,6 +927,7 @@ static PyMethodDef methods[] = {
     {"scale_layout", native_scale_layout, METH_VARARGS, scale_layout_doc},
     {"float16_by_f16c", native_float16_by_f16c, METH_O, float16_by_f16c_doc},
     {"grads", native_grads, METH_O, grads_doc},
+    {"any_instance", native_any_instance, METH_VARARGS, any_instance_doc},
     {NULL, NULL, 0, NULL},
 };
 

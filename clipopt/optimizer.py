@@ -545,9 +545,7 @@ class ClippedOptimizer(OptimizerWrapper):
         their whole-tensor norms to the usual measurement."""
         default = float(self.defaults[NORM_TYPE_KEY])
         per_rule = self._rule is not None and self._rule.per_tensor
-        plain = self._norm_scope.process_group is None and _mesh.all_plain(
-            [g for group in grads for g in group]
-        )
+        plain = self._norm_scope.process_group is None and _mesh.all_plain(_step.flatten(grads))
         names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
         if plain and (self._track_tensor_norms or per_rule):
             return _monitor.measure_per_tensor(
@@ -561,6 +559,7 @@ class ClippedOptimizer(OptimizerWrapper):
             self._norm_scope,
             self._foreach,
             lambda: [p for group in self.param_groups for p in group["params"]],
+            plain,
         )
         if names is None:
             return measured

@@ -592,3 +592,25 @@ def test_grads_are_read_once_each_and_none_left_out() -> None:
     assert _cpu.grads_of([]) == []
     with pytest.raises(AttributeError, match="grad"):
         _cpu.grads_of([object()])  # type: ignore[list-item]
+
+
+def test_any_of_type_checks_each_run_of_one_type() -> None:
+    """As ``any(issubclass(type(o), cls) ...)``: a subclass anywhere in a long run of
+    other types is found, with and without the C loop."""
+
+    class Marked(Tensor):
+        pass
+
+    plain = [torch.zeros(1) for _ in range(5)]
+    cases = [
+        ([], False),
+        (plain, False),
+        ([*plain, torch.zeros(1).as_subclass(Marked)], True),
+        ([torch.zeros(1).as_subclass(Marked), *plain], True),
+        ([*plain, torch.nn.Parameter(torch.zeros(1)), *plain], False),
+    ]
+    for objects, expected in cases:
+        assert _cpu.any_of_type(objects, Marked) is expected
+        with _cpu.disabled():
+            assert _cpu.any_of_type(objects, Marked) is expected
+    assert _cpu.any_of_type([torch.nn.Parameter(torch.zeros(1))], Tensor)
