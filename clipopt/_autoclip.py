@@ -61,14 +61,19 @@ def replace_sorted_(ordered: Tensor, spare: Tensor, leaving: Tensor, entering: T
               [4.0000, 5.0000,    inf]])
     """
     columns = torch.arange(ordered.shape[1], device=ordered.device)
+    # The shifts run over the flat rows, so that every `out=` is contiguous (dynamo
+    # takes no other); a row's last slot reads the next row's first, then is reset.
+    flat, scratch = ordered.view(-1), spare.view(-1)
     # Out: from the first slot holding `leaving` on, each slot takes its right neighbour.
     out = torch.searchsorted(ordered, leaving[:, None])
-    torch.where(columns[:-1] >= out, ordered[:, 1:], ordered[:, :-1], out=spare[:, :-1])
+    shift = (columns >= out).view(-1)[:-1]
+    torch.where(shift, flat[1:], flat[:-1], out=scratch[:-1])
     spare[:, -1].fill_(math.inf)
     # In: after the slot `entering` goes to, each slot takes its left neighbour.
     into = torch.searchsorted(spare, entering[:, None])
-    torch.where(columns[1:] > into, spare[:, :-1], spare[:, 1:], out=ordered[:, 1:])
-    ordered[:, 0].copy_(spare[:, 0])
+    shift = (columns > into).view(-1)[1:]
+    torch.where(shift, scratch[:-1], scratch[1:], out=flat[1:])
+    flat[:1].copy_(scratch[:1])
     ordered.scatter_(1, into, entering[:, None])
 
 
