@@ -46,9 +46,9 @@ def replace_sorted_(ordered: Tensor, spare: Tensor, leaving: Tensor, entering: T
     slot); ``entering[r]`` equal to it leaves the row as it was.
 
     Args:
-      ordered: ``[rows, history]``, each row ascending, at least one ``+inf`` a row
-        after ``leaving`` is taken out.
-      spare: scratch of ``ordered``'s shape, dtype and device (overwritten).
+      ordered: ``[rows, history]``, contiguous, each row ascending, at least one
+        ``+inf`` a row after ``leaving`` is taken out.
+      spare: contiguous scratch of ``ordered``'s shape, dtype and device (overwritten).
       leaving: ``[rows]``, a value of each row.
       entering: ``[rows]``, not NaN.
 
