@@ -319,20 +319,16 @@ def unit_rule_coefficients(
     Each group gets a tuple with one coefficient per grad (None: left as it is), or None
     when the rule leaves all its grads alone; such coefficients never fold.
 
+    DTensor grads and parameters are handed over as they are: the rule measures whole
+    units across ranks (AGC) or refuses them.
+
     Raises:
-      ValueError: a grad or parameter is a DTensor: a unit's norm is taken on this rank,
-        and a shard may hold part of a unit. Or the rule refuses ``norm_type``.
+      ValueError: the rule refuses ``norm_type``, or its grads.
     """
     params = [p for group in groups for p in group["params"] if p.grad is not None]
     flat = [g for group in grads for g in group]
     if not flat:
         return [None] * len(grads), None
-    if not (_mesh.all_plain(flat) and _mesh.all_plain(params)):
-        raise ValueError(
-            f"{rule!r} measures each unit of each grad on this rank; DTensor grads "
-            "(FSDP2, tensor parallel) are sharded and would need their units' norms "
-            "reduced across ranks, which it does not do"
-        )
     rule.check_norm_type(norm_type)
     decision = rule.decide_units(params, flat, norm_type)
     if len(decision.per_grad) != len(flat):

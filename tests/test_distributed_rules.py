@@ -68,9 +68,6 @@ def spike_skip() -> dict[str, Any]:
 LAYOUTS = ("ddp", "fsdp2", "tp")
 """DDP and FSDP2 split the batch (each rank its rows); tensor parallelism splits the model."""
 
-PLAIN = ("ddp",)
-"""The layouts of a rule that refuses DTensor grads."""
-
 RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     "autoclip": (lambda: {"max_norm": clipopt.AutoClip(percentile=50.0, history=4)}, LAYOUTS),
     "autoclip_per_tensor": (
@@ -85,7 +82,7 @@ RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     ),
     "adagc": (lambda: {"max_norm": clipopt.AdaGC(ratio=1.02, beta=0.9, warmup_steps=3)}, LAYOUTS),
     "spike_skip": (spike_skip, LAYOUTS),
-    "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, PLAIN),  # units on one rank
+    "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, LAYOUTS),
 }
 """Each rule's ClippedOptimizer clip settings (made fresh for every run), and the layouts
 it runs under."""
@@ -168,11 +165,13 @@ def layout_model(layout: str) -> nn.Module:
 
 
 def expected_calls(layout: str, clip: dict[str, Any]) -> int:
-    """FSDP2, TP: the global norm's all_reduce, and one for all grads' norms if per tensor."""
+    """FSDP2, TP: the global norm's all_reduce, and one for all grads' norms if per tensor,
+    or for all units' norms (grads' and weights') with AGC."""
     if layout == "ddp":
         return 0
     rule = clip["max_norm"]
-    return 2 if isinstance(rule, clipopt.ClipRule) and rule.per_tensor else 1
+    per_part = isinstance(rule, clipopt.ClipRule) and rule.per_tensor
+    return 2 if per_part or isinstance(rule, clipopt.UnitWiseRule) else 1
 
 
 def rule_case(rule: str, layout: str) -> None:
