@@ -103,7 +103,8 @@ def local_rows(t: Tensor) -> Rows:
         return Rows(1, 0, 1)
     rows = _dtensor_rows(tuple(grad.shape), grad.device_mesh, tuple(grad.placements))
     if grad._local_tensor.shape[0] != rows.count:
-        raise ValueError(_layout_error(grad, f"its shard holds {grad._local_tensor.shape[0]} rows"))
+        held = grad._local_tensor.shape[0]
+        raise ValueError(_layout_error(grad, f"its shard holds {held} rows, not {rows.count}"))
     return rows
 
 
@@ -118,25 +119,44 @@ def _shard_dim(placement: Placement) -> int | None:
     raise ValueError(f"AGC cannot measure units of a tensor placed as {placement}")
 
 
+def _chunk(size: int, chunks: int, index: int) -> tuple[int, int]:
+    """The start and length of chunk ``index`` of ``size`` rows cut into ``chunks`` as
+    ``torch.chunk`` cuts them (DTensor's Shard and FSDP2 do): the last ones may be
+    shorter or empty."""
+    length = -(-size // chunks)
+    start = min(index * length, size)
+    return start, min(start + length, size) - start
+
+
 @functools.lru_cache(maxsize=4096)
 def _dtensor_rows(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
 ) -> Rows:
     """This rank's rows of a DTensor of ``shape`` (2 dims or more), from its layout alone;
     the same layout gives the same rows every step, so it is worked out once."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     dims = [_shard_dim(p) for p in placements]
-    if 0 not in dims:
-        return Rows(shape[0], 0, shape[0])
-    if not _rows_are_ranges(shape, tuple(mesh.shape), placements, dims):
-        raise ValueError(
-            f"AGC needs each rank's rows of a parameter to be one contiguous range; a "
-            f"parameter of shape {shape} with placements {placements} on {mesh} is "
-            "strided across ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
+    coordinate = cast(list[int], mesh.get_coordinate())
+    if any(isinstance(p, _StridedShard) and d == 0 for p, d in zip(placements, dims, strict=True)):
+        if not _rows_are_ranges(shape, tuple(mesh.shape), placements, dims):
+            raise ValueError(
+                f"AGC needs each rank's rows of a parameter to be one contiguous range; a "
+                f"parameter of shape {shape} with placements {placements} on {mesh} has "
+                "rows strided across ranks; exclude it (AGC(exclude=...)) or shard it "
+                "otherwise"
+            )
+        local, offset = _compute_local_shape_and_global_offset(
+            shape, tuple(mesh.shape), coordinate, placements
         )
-    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
-    return Rows(shape[0], offset[0], local[0])
+        return Rows(shape[0], offset[0], local[0])
+    start, count = 0, shape[0]
+    for mesh_dim, dim in enumerate(dims):  # left to right, as DTensor places them
+        if dim == 0:
+            begin, count = _chunk(count, mesh.size(mesh_dim), coordinate[mesh_dim])
+            start += begin
+    return Rows(shape[0], start, count)
 
 
 def _rows_are_ranges(
@@ -147,15 +167,10 @@ def _rows_are_ranges(
 ) -> bool:
     """Whether every rank's rows are ``[offset, offset + count)``, torch's first offset
     and count: true when those ranges, over the mesh coordinates that split dim 0, tile
-    the rows (a rank's rows are a set of ``count`` rows, the least of them ``offset``)."""
+    the rows (a rank's rows are a set of ``count`` rows, the least of them ``offset``,
+    and the ranks' sets tile them too)."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    strided = (
-        isinstance(p, _StridedShard) and d == 0 for p, d in zip(placements, dims, strict=True)
-    )
-    if not any(strided):
-        return True  # chunks of chunks of a range are ranges
     splitting = [m for m, d in enumerate(dims) if d == 0]
     ranges = []
     for flat in range(math.prod(mesh_shape[m] for m in splitting)):
@@ -166,9 +181,11 @@ def _rows_are_ranges(
             shape, mesh_shape, coordinate, placements
         )
         if local[0]:
-            ranges.append((offset[0], local[0]))
-    ends = [start + count for start, count in sorted(ranges)]
-    starts = [start for start, _ in sorted(ranges)]
+            ranges.append((offset[0], offset[0] + local[0]))
+    if not ranges:
+        return True  # no rows at all
+    ranges.sort()
+    starts, ends = [start for start, _ in ranges], [end for _, end in ranges]
     return starts[:1] == [0] and starts[1:] == ends[:-1] and ends[-1:] == [shape[0]]
 
 

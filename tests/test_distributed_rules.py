@@ -68,6 +68,9 @@ def spike_skip() -> dict[str, Any]:
 LAYOUTS = ("ddp", "fsdp2", "tp")
 """DDP and FSDP2 split the batch (each rank its rows); tensor parallelism splits the model."""
 
+SPLIT_MODEL = ("tp", "fsdp2_tp")
+"""The layouts that split the model, not the batch: FSDP2 over TP here has one dp rank."""
+
 RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     "autoclip": (lambda: {"max_norm": clipopt.AutoClip(percentile=50.0, history=4)}, LAYOUTS),
     "autoclip_per_tensor": (
@@ -82,7 +85,7 @@ RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     ),
     "adagc": (lambda: {"max_norm": clipopt.AdaGC(ratio=1.02, beta=0.9, warmup_steps=3)}, LAYOUTS),
     "spike_skip": (spike_skip, LAYOUTS),
-    "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, LAYOUTS),
+    "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, (*LAYOUTS, "fsdp2_tp")),
 }
 """Each rule's ClippedOptimizer clip settings (made fresh for every run), and the layouts
 it runs under."""
@@ -138,7 +141,7 @@ def single_model(layout: str) -> nn.Module:
     """The model the layout splits, in float64: over ten steps with momentum, float32's
     rounding of the differently ordered sums (DDP's average, FSDP2's reduce-scatter, TP's
     matmuls) alone reaches 1e-5; in float64 any difference left is the clipping's."""
-    return (tp_model(3) if layout == "tp" else mlp()).double()
+    return (tp_model(3) if layout in SPLIT_MODEL else mlp()).double()
 
 
 def layout_model(layout: str) -> nn.Module:
@@ -149,6 +152,8 @@ def layout_model(layout: str) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
+    if layout == "fsdp2_tp":
+        return fsdp2_over_tp(model)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     if layout == "tp":
         from torch.distributed.tensor.parallel import (
@@ -164,6 +169,24 @@ def layout_model(layout: str) -> nn.Module:
     return model
 
 
+def fsdp2_over_tp(model: nn.Module) -> nn.Module:
+    """FSDP2 over TP on a (1, 2) mesh: the Colwise weight's rows are a _StridedShard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, WORLD_SIZE), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    first = model[0].weight.placements  # type: ignore[index, union-attr]
+    assert "_StridedShard" in type(first[0]).__name__, first
+    return model
+
+
 def expected_calls(layout: str, clip: dict[str, Any]) -> int:
     """FSDP2, TP: the global norm's all_reduce, and one for all grads' norms if per tensor,
     or for all units' norms (grads' and weights') with AGC."""
@@ -175,14 +198,14 @@ def expected_calls(layout: str, clip: dict[str, Any]) -> int:
 
 
 def rule_case(rule: str, layout: str) -> None:
-    width = 4 if layout == "tp" else 3
+    width = 4 if layout in SPLIT_MODEL else 3
     inputs = [x.double() for x in batches(STEPS, 8, width)]
     make = RULES[rule][0]
     reference, ref_norms, ref_thresholds, _ = run(single_model(layout), make(), inputs)
     assert_reacts_to_spikes(reference)
     model = layout_model(layout)
     clip = make()
-    mine = inputs if layout == "tp" else [local_rows(x) for x in inputs]
+    mine = inputs if layout in SPLIT_MODEL else [local_rows(x) for x in inputs]
     ours, norms, thresholds, calls = run(model, clip, mine)
     assert calls == [expected_calls(layout, clip)] * STEPS, f"all_reduce calls per step {calls}"
     for step in range(STEPS):
