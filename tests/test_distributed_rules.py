@@ -49,7 +49,7 @@ from test_distributed import (
 from torch import Tensor, nn
 
 import clipopt
-from clipopt import _per_tensor
+from clipopt import _per_tensor, _units
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
@@ -319,6 +319,114 @@ def fsdp2_with_tp_norms_case() -> None:
     assert_whole_tensor_norms([grads[0], grads[-1], *grads[1:-1]], "fsdp2+tp")
 
 
+# --------------------------------------------------------------------------- unit cases
+
+
+def whole_units(t: Tensor) -> Tensor:
+    """Every unit's float64 norm of one tensor gathered whole: its rows, or all of it."""
+    whole = full(t.detach()).double()
+    if whole.dim() <= 1:
+        return torch.linalg.vector_norm(whole).reshape(1)
+    return torch.linalg.vector_norm(whole.flatten(1), dim=1)
+
+
+def assert_rows_in_place(t: Tensor, rows: Any) -> None:
+    """The shard's rows are the whole tensor's ``[start, start + count)``: some window of
+    its columns (a Shard(1) shard holds a few) equals the shard."""
+    shard = t.detach().to_local().flatten(1)  # type: ignore[attr-defined]
+    block = full(t.detach())[rows.start : rows.start + rows.count].flatten(1)
+    width = shard.shape[1]
+    windows = [block[:, k : k + width] for k in range(block.shape[1] - width + 1)]
+    assert any(torch.equal(shard, w) for w in windows), f"rows {rows} of {tuple(t.shape)}"
+
+
+def assert_whole_unit_norms(model: nn.Module, x: Tensor, what: str) -> None:
+    """One all_reduce for every unit of every grad and weight, every rank the same, each
+    norm the whole unit's; this rank's rows are where the layout says."""
+    weights = list(model.parameters())
+    grads = grads_of(model, x)
+    with CountAllReduce() as counter:
+        norms, weight_norms, rows = _units.whole_unit_norms(grads, weights, torch.float64)
+    assert counter.calls == 1, f"{what}: {counter.calls} all_reduce calls"
+    assert_same_on_every_rank((norms, weight_norms), what)
+    expected = torch.cat([whole_units(g) for g in grads])
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0.0, msg=what)
+    expected = torch.cat([whole_units(w) for w in weights])
+    torch.testing.assert_close(weight_norms, expected, rtol=1e-6, atol=0.0, msg=what)
+    for g, r in zip(grads, rows, strict=True):
+        if g.dim() >= 2:
+            assert_rows_in_place(g, r)
+
+
+def fsdp2_units_case() -> None:
+    """Shard(0) rows, uneven and an empty shard: each rank's rows at their offsets."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = mlp()
+    fully_shard_mlp(model, init_device_mesh("cpu", (WORLD_SIZE,)))
+    assert_whole_unit_norms(model, local_rows(batches(1, 8, 3)[0]), "fsdp2")
+
+
+def hsdp_units_case() -> None:
+    """(Replicate, Shard(0)) on a (2, 1) mesh: each replica's rows count once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE, 1), mesh_dim_names=("replicate", "shard"))
+    model = mlp()
+    fully_shard_mlp(model, mesh)
+    assert_whole_unit_norms(model, local_rows(batches(1, 8, 3)[0]), "hsdp")
+
+
+def tp_units_case() -> None:
+    """Colwise Shard(0), Rowwise Shard(1) (every row split), a Replicate bias."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = tp_model(3)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    assert_whole_unit_norms(model, batches(1, 6, 4, seed=11)[0], "tp")
+
+
+def fsdp2_with_tp_units_case() -> None:
+    """FSDP2 over TP: _StridedShard rows, and a LayerNorm on the dp sub-mesh."""
+    model = fsdp2_over_tp(tp_model(4, nn.LayerNorm(3)))
+    assert_whole_unit_norms(model, batches(1, 6, 4, seed=17)[0], "fsdp2+tp")
+
+
+def strided_rows_case() -> None:
+    """Rows strided across the ranks ({0, 2} and {1, 3}) are refused, on every rank,
+    before any grad changes; a 1-D tensor strided alike is one unit and is measured."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    placements = [_StridedShard(0, split_factor=2)]
+
+    def strided(local: Tensor, shape: tuple[int, ...]) -> Tensor:
+        stride = torch.empty(shape).stride()
+        return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
+
+    w = nn.Parameter(strided(torch.ones(2, 3), (4, 3)))
+    w.grad = strided(torch.full((2, 3), 5.0), (4, 3))
+    optimizer = clipopt.ClippedOptimizer(sgd([w]), max_norm=clipopt.AGC())
+    try:
+        optimizer.step()
+    except ValueError as error:
+        assert "(4, 3)" in str(error) and "_StridedShard" in str(error), error
+    else:
+        raise AssertionError("rows strided across ranks were not refused")
+    assert torch.equal(w.grad.to_local(), torch.full((2, 3), 5.0))  # type: ignore[union-attr]
+    bias = strided(torch.full((2,), 3.0 + dist.get_rank()), (4,))
+    norms, _, _ = _units.whole_unit_norms([bias], [bias], torch.float64)
+    torch.testing.assert_close(norms, torch.tensor([(2 * 9.0 + 2 * 16.0) ** 0.5]).double())
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -338,6 +446,11 @@ CASES: dict[str, Callable[[], None]] = {
     "hsdp_norms": hsdp_norms_case,
     "tp_norms": tp_norms_case,
     "fsdp2_with_tp_norms": fsdp2_with_tp_norms_case,
+    "fsdp2_units": fsdp2_units_case,
+    "hsdp_units": hsdp_units_case,
+    "tp_units": tp_units_case,
+    "fsdp2_with_tp_units": fsdp2_with_tp_units_case,
+    "strided_rows": strided_rows_case,
     **_rule_cases(),
 }
 
