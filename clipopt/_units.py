@@ -93,12 +93,14 @@ def local_rows(t: Tensor) -> Rows:
 
     Raises:
       ValueError: the rows a DTensor's shard holds are not one contiguous range of the
-        whole tensor's (a ``_StridedShard`` of dim 0 other than FSDP2's over TP), or its
-        placements are not Shard, _StridedShard or Replicate.
+        whole tensor's (a ``_StridedShard`` of dim 0 other than FSDP2's over TP), or not
+        as many as its layout says, or a placement is Partial (or not Shard,
+        _StridedShard or Replicate).
     """
     if not _mesh.dtensors([t]):
         return Rows(*((t.shape[0], 0, t.shape[0]) if t.dim() >= 2 else (1, 0, 1)))
     grad = cast("DTensor", t)
+    _check_placements(grad)
     if grad.dim() <= 1:
         return Rows(1, 0, 1)
     rows = _dtensor_rows(tuple(grad.shape), grad.device_mesh, tuple(grad.placements))
@@ -108,15 +110,23 @@ def local_rows(t: Tensor) -> Rows:
     return rows
 
 
-def _shard_dim(placement: Placement) -> int | None:
-    """The tensor dim a Shard or _StridedShard splits, None for Replicate."""
+def _check_placements(t: DTensor) -> None:
+    """Only Shard, _StridedShard and Replicate say which part of each unit a rank holds."""
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-    if isinstance(placement, (Shard, _StridedShard)):
-        return int(placement.dim)
-    if isinstance(placement, Replicate):
-        return None
-    raise ValueError(f"AGC cannot measure units of a tensor placed as {placement}")
+    for placement in t.placements:
+        if placement.is_partial():
+            why = "a Partial tensor has no norm until it is reduced; redistribute it first"
+            raise ValueError(_layout_error(t, why))
+        if not isinstance(placement, (Shard, _StridedShard, Replicate)):
+            raise ValueError(_layout_error(t, "only Shard and Replicate say where its units are"))
+
+
+def _shard_dim(placement: Placement) -> int | None:
+    """The tensor dim a Shard or _StridedShard splits, None for Replicate."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    return int(placement.dim) if isinstance(placement, (Shard, _StridedShard)) else None
 
 
 def _chunk(size: int, chunks: int, index: int) -> tuple[int, int]:

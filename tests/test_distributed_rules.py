@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from helpers import assert_identical, sync_is_an_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_agc import timm_agc
 from test_distributed import (
     WORLD_SIZE,
     CountAllReduce,
@@ -635,3 +637,142 @@ def test_cuda_dtensor_per_tensor_norms_stay_on_the_device(
             optimizer.step()
         assert counter.calls == 2
     assert rule.last_threshold is not None and rule.last_threshold.device.type == "cuda"
+
+
+# --------------------------------------------------------------------------- AGC, one process
+
+
+def agc_dtensors(mesh: Any, shapes: list[tuple[int, ...]], kinds: list[str]) -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        nn.Parameter(dtensor(torch.randn(s, generator=gen), mesh, kind))
+        for s, kind in zip(shapes, kinds, strict=True)
+    ]
+
+
+def test_an_agc_step_on_dtensors_is_timms_and_reads_nothing_on_the_host(
+    mesh_of_one: Any, no_host_sync: Any
+) -> None:
+    """Shard(0) and Replicate weights of 1, 2 and 4 dims: the grads and last_threshold of
+    timm's AGC in float64, every unit of every tensor; two all_reduces (the global
+    norm's and the units'), no host read."""
+    shapes = [(4, 3), (5,), (2, 3, 2, 2), (3, 2)]
+    kinds = ["shard", "shard", "shard", "replicate"]
+    params = agc_dtensors(mesh_of_one, shapes, kinds)
+    rule = clipopt.AGC(clipping=0.05)
+    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.0), max_norm=rule)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(3):
+        values = [torch.randn(s, generator=gen) * 10.0**step for s in shapes]
+        for q, v, kind in zip(params, values, kinds, strict=True):
+            q.grad = dtensor(v.clone(), mesh_of_one, kind)
+        with CountAllReduce() as counter, no_host_sync():
+            optimizer.step()
+        assert counter.calls == 2
+        weights = [q.detach().to_local() for q in params]  # type: ignore[attr-defined]
+        clipped, thresholds, scaled = timm_agc(weights, values, 0.05, 1e-3, torch.float64)
+        for q, expected in zip(params, clipped, strict=True):
+            got = q.grad.to_local().double()  # type: ignore[union-attr]
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0)
+        assert rule.last_threshold is not None
+        torch.testing.assert_close(rule.last_threshold.double(), torch.cat(thresholds))
+    assert int(rule.clipped_count) >= 2 and scaled
+
+
+def test_agc_refuses_a_grad_laid_out_otherwise_than_its_parameter(mesh_of_one: Any) -> None:
+    """Before any grad changes, naming the parameter's shape and both placements."""
+    (w,) = agc_dtensors(mesh_of_one, [(4, 3)], ["shard"])
+    w.grad = dtensor(torch.full((4, 3), 5.0), mesh_of_one, "replicate")
+    optimizer = clipopt.ClippedOptimizer(sgd([w]), max_norm=clipopt.AGC())
+    with pytest.raises(ValueError, match=r"shape \(4, 3\) with placements \(Shard\(dim=0\),\)"):
+        optimizer.step()
+    assert torch.equal(w.grad.to_local(), torch.full((4, 3), 5.0))  # type: ignore[union-attr]
+    assert optimizer.last_norm is None and optimizer.rule is not None
+    assert int(optimizer.rule.clipped_count) == 0
+
+
+def test_agc_refuses_a_shard_whose_rows_are_not_its_layouts(mesh_of_one: Any) -> None:
+    """A shard of 3 rows said to be all 5 rows of its tensor on a mesh of one."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def wrong(value: float) -> Tensor:
+        local = torch.full((3, 2), value)
+        return DTensor.from_local(local, mesh_of_one, [Shard(0)], shape=(5, 2), stride=(2, 1))
+
+    w = nn.Parameter(wrong(1.0))
+    w.grad = wrong(5.0)
+    optimizer = clipopt.ClippedOptimizer(sgd([w]), max_norm=clipopt.AGC())
+    with pytest.raises(ValueError, match=r"shape \(5, 2\).*holds 3 rows, not 5"):
+        optimizer.step()
+    assert torch.equal(w.grad.to_local(), torch.full((3, 2), 5.0))  # type: ignore[union-attr]
+
+
+def test_unit_norms_refuse_partial_and_mixed_tensors(mesh_of_one: Any) -> None:
+    """A Partial grad has no norm until reduced (1-D and 2-D); a plain weight beside a
+    DTensor grad carries no placement to match it with."""
+    for shape in ((3,), (3, 2)):
+        partial = dtensor(torch.ones(shape), mesh_of_one, "partial")
+        with pytest.raises(ValueError, match=re.escape(f"shape {shape}") + ".*Partial"):
+            _units.whole_unit_norms([partial], [partial], torch.float32)
+    shard = dtensor(torch.ones(3, 2), mesh_of_one, "shard")
+    with pytest.raises(ValueError, match="DTensor and plain"):
+        _units.whole_unit_norms([shard], [torch.ones(3, 2)], torch.float32)
+
+
+def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
+    """On a (2, 2) mesh, _StridedShard on dp then Shard on tp (FSDP2 over TP) gives each
+    rank a range of rows; the other order, or a _StridedShard alone, strides them."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    strided = _StridedShard(0, split_factor=2)
+    for rows in (8, 7, 5, 4, 1, 0):
+        shape = (rows, 3)
+        assert _units._rows_are_ranges(shape, (2, 2), (strided, Shard(0)), [0, 0])
+        if rows >= 4:  # rows {0, 2} and {1, 3} of 4, {0, 1, 3} and {2, 4} of 5
+            assert not _units._rows_are_ranges(shape, (2,), (strided,), [0])
+        if rows >= 7:  # each half cut as the 4 rows above
+            assert not _units._rows_are_ranges(shape, (2, 2), (Shard(0), strided), [0, 0])
+
+
+@given(size=st.integers(0, 40), chunks=st.integers(1, 9), data=st.data())
+def test_chunks_are_torch_chunks(size: int, chunks: int, data: Any) -> None:
+    """Each rank's rows, as torch.chunk cuts them (the missing last chunks empty)."""
+    index = data.draw(st.integers(0, chunks - 1))
+    pieces = list(torch.arange(size).chunk(chunks)) if size else []
+    piece = pieces[index] if index < len(pieces) else torch.zeros(0)
+    start, count = _units._chunk(size, chunks, index)
+    assert count == piece.numel()
+    if count:
+        assert start == int(piece[0])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and NCCL")
+def test_cuda_agc_step_on_dtensors_stays_on_the_device(mesh_of_one: Any) -> None:
+    """After a first step (NCCL's set-up), an AGC step waits for nothing on the GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (1,))
+    shapes, kinds = [(4, 3), (5,), (3, 2)], ["shard", "shard", "replicate"]
+    gen = torch.Generator().manual_seed(5)
+    params = [
+        nn.Parameter(dtensor(torch.randn(s, generator=gen).cuda(), mesh, kind))
+        for s, kind in zip(shapes, kinds, strict=True)
+    ]
+    rule = clipopt.AGC(clipping=0.05)
+    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.0), max_norm=rule)
+    for step in range(3):
+        values = [torch.randn(s, generator=gen).cuda() * 10.0**step for s in shapes]
+        for q, v, kind in zip(params, values, kinds, strict=True):
+            q.grad = dtensor(v.clone(), mesh, kind)
+        if step == 0:
+            optimizer.step()
+            continue
+        with sync_is_an_error():
+            optimizer.step()
+    weights = [q.detach().to_local().cpu() for q in params]  # type: ignore[attr-defined]
+    clipped, thresholds, _ = timm_agc(weights, [v.cpu() for v in values], 0.05, 1e-3, torch.float64)
+    for q, expected in zip(params, clipped, strict=True):
+        got = q.grad.to_local().double().cpu()  # type: ignore[union-attr]
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0)
+    assert rule.last_threshold is not None and rule.last_threshold.device.type == "cuda"
+    torch.testing.assert_close(rule.last_threshold.double().cpu(), torch.cat(thresholds))
