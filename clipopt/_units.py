@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["Rows", "local_rows", "unit_norms", "unit_shape", "whole_unit_norms"]
+__all__ = ["Rows", "local_rows", "rows_at", "unit_norms", "unit_shape", "whole_unit_norms"]
 
 
 def unit_shape(t: Tensor) -> tuple[int, ...]:
@@ -144,27 +144,40 @@ def _dtensor_rows(
 ) -> Rows:
     """This rank's rows of a DTensor of ``shape`` (2 dims or more), from its layout alone;
     the same layout gives the same rows every step, so it is worked out once."""
+    coordinate = tuple(cast(list[int], mesh.get_coordinate()))
+    rows = rows_at(shape, tuple(mesh.shape), coordinate, placements)
+    if rows is None:
+        raise ValueError(
+            f"AGC needs each rank's rows of a parameter to be one contiguous range; a "
+            f"parameter of shape {shape} with placements {placements} on {mesh} has "
+            "rows strided across ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
+        )
+    return rows
+
+
+def rows_at(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    placements: tuple[Placement, ...],
+) -> Rows | None:
+    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` of a
+    mesh of ``mesh_shape`` holds, or None when some rank's rows are not one range."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
     dims = [_shard_dim(p) for p in placements]
-    coordinate = cast(list[int], mesh.get_coordinate())
     if any(isinstance(p, _StridedShard) and d == 0 for p, d in zip(placements, dims, strict=True)):
-        if not _rows_are_ranges(shape, tuple(mesh.shape), placements, dims):
-            raise ValueError(
-                f"AGC needs each rank's rows of a parameter to be one contiguous range; a "
-                f"parameter of shape {shape} with placements {placements} on {mesh} has "
-                "rows strided across ranks; exclude it (AGC(exclude=...)) or shard it "
-                "otherwise"
-            )
+        if not _rows_are_ranges(shape, mesh_shape, placements, dims):
+            return None
         local, offset = _compute_local_shape_and_global_offset(
-            shape, tuple(mesh.shape), coordinate, placements
+            shape, mesh_shape, list(coordinate), placements
         )
-        return Rows(shape[0], offset[0], local[0])
+        return Rows(shape[0], offset[0] if local[0] else shape[0], local[0])
     start, count = 0, shape[0]
     for mesh_dim, dim in enumerate(dims):  # left to right, as DTensor places them
         if dim == 0:
-            begin, count = _chunk(count, mesh.size(mesh_dim), coordinate[mesh_dim])
+            begin, count = _chunk(count, mesh_shape[mesh_dim], coordinate[mesh_dim])
             start += begin
     return Rows(shape[0], start, count)
 

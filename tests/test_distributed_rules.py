@@ -734,6 +734,105 @@ def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
             assert not _units._rows_are_ranges(shape, (2, 2), (Shard(0), strided), [0, 0])
 
 
+def pieces(ids: Tensor, count: int) -> list[Tensor]:
+    """``ids`` cut by torch.chunk into ``count`` pieces, the missing last ones empty."""
+    found = list(ids.chunk(count)) if ids.numel() else []
+    return found + [ids[:0]] * (count - len(found))
+
+
+def simulated_rows(
+    rows: int, mesh_shape: tuple[int, ...], at: tuple[int, ...], kinds: Any
+) -> Tensor:
+    """The rows the rank at ``at`` holds, cut as DTensor documents its placements: Shard
+    takes its chunk of the rows left; _StridedShard(sf) cuts them into sf chunks first
+    and takes its piece of each (what TP then FSDP2 leave on a rank)."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    ids = torch.arange(rows)
+    for size, index, kind in zip(mesh_shape, at, kinds, strict=True):
+        if isinstance(kind, _StridedShard) and kind.dim == 0:
+            parts = pieces(ids, kind.split_factor)
+            ids = torch.cat([pieces(part, size)[index] for part in parts])
+        elif isinstance(kind, Shard) and kind.dim == 0:
+            ids = pieces(ids, size)[index]
+    return ids
+
+
+def placement_kinds() -> Any:
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    strided = [_StridedShard(0, split_factor=f) for f in (2, 3)]
+    return st.sampled_from([Replicate(), Shard(0), Shard(1), *strided])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(0, 12),
+    mesh_shape=st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple),
+    data=st.data(),
+)
+def test_each_ranks_rows_are_where_the_placements_put_them(
+    rows: int, mesh_shape: tuple[int, ...], data: Any
+) -> None:
+    """Over every coordinate of a mesh of up to 3 dims: the rows each rank holds are the
+    range found, and a layout is refused exactly when some rank's rows are not a range."""
+    import itertools
+
+    kinds = tuple(data.draw(placement_kinds()) for _ in mesh_shape)
+    shape = (rows, 4)
+    coordinates = list(itertools.product(*(range(n) for n in mesh_shape)))
+    held = [simulated_rows(rows, mesh_shape, at, kinds) for at in coordinates]
+    ranges = all(
+        torch.equal(h, torch.arange(int(h[0]), int(h[0]) + len(h))) for h in held if len(h)
+    )
+    for at, ids in zip(coordinates, held, strict=True):
+        found = _units.rows_at(shape, mesh_shape, at, kinds)
+        if not ranges:
+            assert found is None, (at, kinds, held)
+            continue
+        assert found is not None and found.units == rows and found.count == len(ids), (at, kinds)
+        if len(ids):
+            assert found.start == int(ids[0]), (at, kinds, held)
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "kinds"),
+    [
+        ((2, 2), ("shard0", "shard1")),
+        ((2, 2), ("replicate", "shard1")),
+        ((3, 2), ("shard0", "shard0")),
+    ],
+)
+def test_placed_shares_of_four_or_six_ranks_sum_to_each_rows_norm(
+    mesh_shape: tuple[int, int], kinds: tuple[str, str]
+) -> None:
+    """What the one all_reduce sums, for layouts two ranks cannot make: rows and columns
+    split on a 2-D mesh, replicas, rows split twice (uneven, some ranks empty)."""
+    import itertools
+
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    placements = tuple(
+        {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}[k] for k in kinds
+    )
+    whole = torch.randn(5, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    replicas = math.prod(n for n, k in zip(mesh_shape, kinds, strict=True) if k == "replicate")
+    total = torch.zeros(5, dtype=torch.float64)
+    for at in itertools.product(*(range(n) for n in mesh_shape)):
+        ids = simulated_rows(5, mesh_shape, at, placements)
+        columns = torch.arange(7)
+        for n, index, k in zip(mesh_shape, at, kinds, strict=True):
+            if k == "shard1":
+                columns = pieces(columns, n)[index]
+        local = whole[ids][:, columns]
+        rows = _units.rows_at((5, 7), mesh_shape, at, placements)
+        assert rows is not None
+        share = torch.linalg.vector_norm(local, dim=1).square() if local.numel() else local.sum(1)
+        total += _units._placed(share, rows, replicas)
+    expected = torch.linalg.vector_norm(whole, dim=1).square()
+    torch.testing.assert_close(total, expected, rtol=1e-12, atol=0.0)
+
+
 @given(size=st.integers(0, 40), chunks=st.integers(1, 9), data=st.data())
 def test_chunks_are_torch_chunks(size: int, chunks: int, data: Any) -> None:
     """Each rank's rows, as torch.chunk cuts them (the missing last chunks empty)."""
