@@ -98,7 +98,7 @@ def local_rows(t: Tensor) -> Rows:
         _StridedShard or Replicate).
     """
     if not _mesh.dtensors([t]):
-        return Rows(*((t.shape[0], 0, t.shape[0]) if t.dim() >= 2 else (1, 0, 1)))
+        return _plain_rows(t)
     grad = cast("DTensor", t)
     _check_placements(grad)
     if grad.dim() <= 1:
@@ -108,6 +108,11 @@ def local_rows(t: Tensor) -> Rows:
         held = grad._local_tensor.shape[0]
         raise ValueError(_layout_error(grad, f"its shard holds {held} rows, not {rows.count}"))
     return rows
+
+
+def _plain_rows(t: Tensor) -> Rows:
+    units = t.shape[0] if t.dim() >= 2 else 1
+    return Rows(units, 0, units)
 
 
 def _check_placements(t: DTensor) -> None:
@@ -280,12 +285,12 @@ def whole_unit_norms(
     """
     tensors = [*grads, *weights]
     device = grads[0].device
-    rows = [local_rows(g) for g in grads]
     found = _mesh.dtensors(tensors)
     if not found:
         norms = unit_norms([*grads, *(w.detach() for w in weights)], device, dtype)
         half = norms.numel() // 2
-        return norms[:half], norms[half:], rows
+        return norms[:half], norms[half:], [_plain_rows(g) for g in grads]
+    rows = [local_rows(g) for g in grads]
     _mesh.check_unmixed(tensors, found)
     _check_pairs(found[: len(grads)], found[len(grads) :])
     mesh = _mesh.reduction_mesh(found)

@@ -719,6 +719,26 @@ def test_unit_norms_refuse_partial_and_mixed_tensors(mesh_of_one: Any) -> None:
         _units.whole_unit_norms([shard], [torch.ones(3, 2)], torch.float32)
 
 
+def test_unit_norms_refuse_a_grad_shard_unlike_its_weights_and_unrelated_meshes(
+    mesh_of_one: Any,
+) -> None:
+    """A 1-D grad whose shard is not its weight's shard; tensors on two meshes built
+    apart (which ranks of which root they span is unknown)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = mesh_of_one
+    weight = DTensor.from_local(torch.ones(3), mesh, [Shard(0)], shape=(3,), stride=(1,))
+    grad = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], shape=(3,), stride=(1,))
+    with pytest.raises(ValueError, match=r"shape \(3,\).*grad's shard is \(2,\), not \(3,\)"):
+        _units.whole_unit_norms([grad], [weight], torch.float32)
+    one = init_device_mesh("cpu", (1,), mesh_dim_names=("one",))
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
+    pair = [dtensor(torch.ones(2), one, "shard"), dtensor(torch.ones(2), other, "shard")]
+    with pytest.raises(ValueError, match="sub-meshes of one root mesh"):
+        _units.whole_unit_norms(pair, pair, torch.float32)
+
+
 def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
     """On a (2, 2) mesh, _StridedShard on dp then Shard on tp (FSDP2 over TP) gives each
     rank a range of rows; the other order, or a _StridedShard alone, strides them."""
