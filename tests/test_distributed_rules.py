@@ -10,9 +10,12 @@ and record "ok" or the traceback; one parametrized test per case reads the recor
   (the rule's state and counters) to 1e-5 relative; the entry must also be bit-identical
   on both ranks. It counts each step's ``all_reduce`` calls: none under DDP; under FSDP2
   and TP one for the global norm, and one more for every grad's norm with a per-tensor
-  rule.
+  rule, or for every unit's grad and weight norms with AGC (which runs under FSDP2
+  over TP too).
 - A norm case checks :func:`clipopt._per_tensor.global_per_tensor_norms` against the
-  float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP.
+  float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP;
+  a unit case checks :func:`clipopt._units.whole_unit_norms` alike, and each rank's rows
+  against the gathered tensor.
 
 A new rule is one entry in ``RULES``, with the layouts it runs under.
 """
