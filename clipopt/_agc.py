@@ -11,9 +11,9 @@ from torch import Tensor
 
 from clipopt._kernels import EPS, result_dtype
 from clipopt._rule import UnitDecision, UnitWiseRule, number
-from clipopt._units import Rows, unit_norms, unit_shape, whole_unit_norms
+from clipopt._units import Rows, whole_unit_norms
 
-__all__ = ["AGC", "unit_norms", "unit_shape"]
+__all__ = ["AGC"]
 
 
 def _local_part(coefficients: Tensor, rows: Rows, dim: int) -> Tensor:
@@ -63,10 +63,10 @@ class AGC(UnitWiseRule):
         measured at all. The rule holds them: a copy of the optimizer excludes its copies.
 
     ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
-    in the order of the param groups and their params, with :func:`unit_shape` entries
-    per grad (excluded params and params without a grad have none); ``clipped_count``
-    counts the steps in which some unit was scaled. Only the L2 norm is supported
-    (``norm_type=2``, the paper's).
+    in the order of the param groups and their params, with
+    :func:`clipopt._units.unit_shape` entries per grad (excluded params and params
+    without a grad have none); ``clipped_count`` counts the steps in which some unit was
+    scaled. Only the L2 norm is supported (``norm_type=2``, the paper's).
 
     DTensor params and grads (FSDP2, HSDP, tensor parallel, FSDP2 over TP) are measured
     by the whole unit across ranks, every unit's grad and weight shares in one float64
