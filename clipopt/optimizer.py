@@ -197,7 +197,7 @@ class ClippedOptimizer(OptimizerWrapper):
       track_tensor_norms: keep each grad's pre-clip norm of the last step, by name, in
         :attr:`last_tensor_norms`. They are measured in the step's one read of the grads
         (the global norm is derived from them), not by a second pass; DTensor grads
-        (FSDP2, TP) take one more pass and one collective for their whole-tensor norms.
+        (FSDP2, TP) are measured whole across ranks in the step's one collective.
         Not with a ``process_group`` (a split tensor's rows differ by rank).
 
     Raises:
