@@ -72,8 +72,6 @@ def _placed(values: Tensor, positions: Sequence[int], size: int) -> Tensor:
     (no index tensor, which would be a host-to-device copy)."""
     if list(positions) == list(range(size)):
         return values
-    if size == 0:
-        return values.new_zeros(0)
     where = dict(zip(positions, values.unbind(), strict=True))
     zero = values.new_zeros(())
     return torch.stack([where.get(slot, zero) for slot in range(size)])
@@ -217,13 +215,26 @@ def global_tensor_powers(
 
 
 def root(powers: Tensor, p: float) -> Tensor:
-    """Each norm from its ``norm**p`` (the inf-norm's values are norms already)."""
+    """Each norm from its ``norm**p`` (the inf-norm's values are norms already).
+
+    Example:
+      >>> import torch
+      >>> root(torch.tensor([25.0, 4.0], dtype=torch.float64), 2.0)
+      tensor([5., 2.], dtype=torch.float64)
+    """
     return powers if p == math.inf else powers.pow(1.0 / p)
 
 
 def total_root(powers: Tensor, p: float) -> Tensor:
     """The p-norm of all the tensors ``powers`` measured: the root of their sum (max), 0
-    for none; a NaN among them is a NaN here."""
+    for none; a NaN among them is a NaN here. The sum is of the reduced float64 powers,
+    so no precision is lost to the per-tensor roots.
+
+    Example:
+      >>> import torch
+      >>> total_root(torch.tensor([9.0, 16.0], dtype=torch.float64), 2.0)
+      tensor(5., dtype=torch.float64)
+    """
     if p != math.inf:
         return powers.sum().pow(1.0 / p)
     return powers.amax() if powers.numel() else powers.new_zeros(())
