@@ -275,6 +275,10 @@ def case_per_tensor_rank_without_grads() -> None:
         with pytest.raises(clipopt.NonFiniteNormError):
             strict.step()
         assert all(torch.equal(a, b) for a, b in zip(mine, before, strict=True))
+        skipping = clipopt.ClippedOptimizer(sgd(params), rule, p, nonfinite="skip")
+        skipping.step()
+        assert int(skipping.skip_count) == 1 and int(skipping.step_count) == 0
+        assert all(torch.equal(a, b) for a, b in zip(mine, before, strict=True))
         flowing = clipopt.ClippedOptimizer(sgd(params), clipopt.AdaGC(), p)
         flowing.step()
         assert flowing.last_norm is not None and bool(flowing.last_norm.isnan()), "not NaN"
