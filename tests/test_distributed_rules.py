@@ -9,9 +9,9 @@ and record "ok" or the traceback; one parametrized test per case reads the recor
   ``last_threshold``, the parameters after the steps and the whole ``"clip"`` state entry
   (the rule's state and counters) to 1e-5 relative; the entry must also be bit-identical
   on both ranks. It counts each step's ``all_reduce`` calls: none under DDP; under FSDP2
-  and TP one for the global norm, and one more for every grad's norm with a per-tensor
-  rule, or for every unit's grad and weight norms with AGC (which runs under FSDP2
-  over TP too).
+  and TP one, which with a per-tensor rule (or tracked norms) carries every grad's norm
+  and gives the global norm too; AGC (which runs under FSDP2 over TP too) adds one more
+  for every unit's grad and weight norms.
 - A norm case checks :func:`clipopt._per_tensor.global_per_tensor_norms` against the
   float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP;
   a unit case checks :func:`clipopt._units.whole_unit_norms` alike, and each rank's rows
@@ -91,6 +91,14 @@ RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     "adagc": (lambda: {"max_norm": clipopt.AdaGC(ratio=1.02, beta=0.9, warmup_steps=3)}, LAYOUTS),
     "spike_skip": (spike_skip, LAYOUTS),
     "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, (*LAYOUTS, "fsdp2_tp")),
+    "adagc_tracked": (
+        lambda: {
+            "max_norm": clipopt.AdaGC(ratio=1.02, beta=0.9, warmup_steps=3),
+            "track_tensor_norms": True,
+        },
+        LAYOUTS,
+    ),
+    "fixed_tracked": (lambda: {"max_norm": 0.5, "track_tensor_norms": True}, LAYOUTS),
 }
 """Each rule's ClippedOptimizer clip settings (made fresh for every run), and the layouts
 it runs under."""
@@ -111,7 +119,8 @@ def clip_entry(optimizer: clipopt.ClippedOptimizer) -> Any:
 def run(
     model: nn.Module, clip: dict[str, Any], inputs: list[Tensor]
 ) -> tuple[clipopt.ClippedOptimizer, list[Tensor], list[Any], list[int]]:
-    """Clipped steps; each step's last_norm, last_threshold and all_reduce calls in step()."""
+    """Clipped steps; each step's last_norm, last_threshold (and tracked norms, if any)
+    and all_reduce calls in step()."""
     optimizer = clipopt.ClippedOptimizer(sgd(model.parameters()), **clip)
     rule = optimizer.rule
     norms, thresholds, calls = [], [], []
@@ -123,7 +132,8 @@ def run(
         calls.append(counter.calls)
         assert optimizer.last_norm is not None
         norms.append(optimizer.last_norm.clone())
-        thresholds.append(None if rule is None else rule.last_threshold)
+        seen = None if rule is None else rule.last_threshold
+        thresholds.append((seen, optimizer.last_tensor_norms))
     return optimizer, norms, thresholds, calls
 
 
@@ -193,13 +203,11 @@ def fsdp2_over_tp(model: nn.Module) -> nn.Module:
 
 
 def expected_calls(layout: str, clip: dict[str, Any]) -> int:
-    """FSDP2, TP: the global norm's all_reduce, and one for all grads' norms if per tensor,
-    or for all units' norms (grads' and weights') with AGC."""
+    """FSDP2, TP: one all_reduce (per-tensor rules and tracked norms included), and one
+    more for all units' norms (grads' and weights') with AGC."""
     if layout == "ddp":
         return 0
-    rule = clip["max_norm"]
-    per_part = isinstance(rule, clipopt.ClipRule) and rule.per_tensor
-    return 2 if per_part or isinstance(rule, clipopt.UnitWiseRule) else 1
+    return 2 if isinstance(clip["max_norm"], clipopt.UnitWiseRule) else 1
 
 
 def rule_case(rule: str, layout: str) -> None:
@@ -208,6 +216,7 @@ def rule_case(rule: str, layout: str) -> None:
     make = RULES[rule][0]
     reference, ref_norms, ref_thresholds, _ = run(single_model(layout), make(), inputs)
     assert_reacts_to_spikes(reference)
+    assert max(float(n) for n in ref_norms) > 1.0, "no step for a fixed max_norm to clip"
     model = layout_model(layout)
     clip = make()
     mine = inputs if layout in SPLIT_MODEL else [local_rows(x) for x in inputs]
@@ -215,7 +224,8 @@ def rule_case(rule: str, layout: str) -> None:
     assert calls == [expected_calls(layout, clip)] * STEPS, f"all_reduce calls per step {calls}"
     for step in range(STEPS):
         assert_identical(norms[step], ref_norms[step], f"last_norm at step {step}", True, RTOL)
-        assert_identical(thresholds[step], ref_thresholds[step], f"threshold {step}", True, RTOL)
+        where = f"threshold and tracked norms at step {step}"
+        assert_identical(thresholds[step], ref_thresholds[step], where, True, RTOL)
     entry = clip_entry(ours)
     assert_same_on_every_rank(entry, "the clip state")
     assert_identical(entry, clip_entry(reference), "clip state", nan_equal=True, rtol=RTOL)
@@ -432,6 +442,92 @@ def strided_rows_case() -> None:
     torch.testing.assert_close(norms, torch.tensor([(2 * 9.0 + 2 * 16.0) ** 0.5]).double())
 
 
+def whole_norm(grads: list[Tensor], p: float) -> Tensor:
+    """All grads gathered whole (a collective), then the float64 norm of them together."""
+    return torch.linalg.vector_norm(torch.cat([full(g).double().flatten() for g in grads]), p)
+
+
+def sharded_models() -> list[tuple[str, nn.Module, Tensor]]:
+    """FSDP2 (an empty and uneven shards) and TP models, each with its rank's batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    fsdp = mlp()
+    fully_shard_mlp(fsdp, mesh)
+    tp = parallelize_module(tp_model(3), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fsdp_x, tp_x = local_rows(batches(1, 8, 3)[0]), batches(1, 6, 4, seed=11)[0]
+    return [("fsdp2", fsdp, fsdp_x), ("tp", tp, tp_x)]
+
+
+def step_norms_case() -> None:
+    """A step's norms with DTensor grads, from ONE all_reduce: a per-tensor rule's, tracked
+    by name, the global norm, and per group (finite orders; inf beside finite needs a
+    MAX too), each to 1e-6 of the float64 norm of the gathered whole grads."""
+    for layout, model, x in sharded_models():
+        params = list(model.parameters())
+        for p in (1.0, 2.0, 3.0, math.inf):
+            model.zero_grad()
+            grads = grads_of(model, x)
+            each, total = whole_norms(grads, p), whole_norm(grads, p)
+            rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
+            optimizer = clipopt.ClippedOptimizer(
+                torch.optim.SGD(params, lr=0.0), rule, p, track_tensor_norms=True
+            )
+            with CountAllReduce() as counter:
+                optimizer.step()
+            what = f"{layout} p={p}"
+            assert counter.calls == 1, f"{what}: {counter.calls} all_reduce calls"
+            tracked = optimizer.last_tensor_norms
+            assert tracked is not None and list(tracked) == [str(i) for i in range(len(grads))]
+            assert optimizer.last_norm is not None and rule.last_threshold is not None
+            torch.testing.assert_close(
+                torch.stack(list(tracked.values())).double(), each, rtol=1e-6, atol=0.0, msg=what
+            )
+            torch.testing.assert_close(
+                optimizer.last_norm.double(), total, rtol=1e-6, atol=0.0, msg=what
+            )
+            assert_same_on_every_rank(optimizer.state_dict()["clip"], what)
+        for orders, collectives in (((1.0, 3.0), 1), ((2.0, math.inf), 2)):
+            model.zero_grad()
+            grads = grads_of(model, x)
+            half = len(params) // 2
+            expected = [
+                whole_norm(grads[:half], orders[0]),
+                whole_norm(grads[half:], orders[1]),
+            ]
+            groups = [
+                {"params": params[:half], "clip_norm_type": orders[0]},
+                {"params": params[half:], "clip_norm_type": orders[1]},
+            ]
+            optimizer = clipopt.ClippedOptimizer(
+                torch.optim.SGD(groups, lr=0.0), 1e9, per_group=True, track_tensor_norms=True
+            )
+            with CountAllReduce() as counter:
+                optimizer.step()
+            what = f"{layout} per group {orders}"
+            assert counter.calls == collectives, f"{what}: {counter.calls} all_reduce calls"
+            assert optimizer.last_group_norms is not None and optimizer.last_norm is not None
+            torch.testing.assert_close(
+                optimizer.last_group_norms.double(),
+                torch.stack(expected),
+                rtol=1e-6,
+                atol=0.0,
+                msg=what,
+            )
+            torch.testing.assert_close(
+                optimizer.last_norm.double(),
+                torch.linalg.vector_norm(torch.stack(expected)),
+                rtol=1e-6,
+                atol=0.0,
+                msg=what,
+            )
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -456,6 +552,7 @@ CASES: dict[str, Callable[[], None]] = {
     "tp_units": tp_units_case,
     "fsdp2_with_tp_units": fsdp2_with_tp_units_case,
     "strided_rows": strided_rows_case,
+    "step_norms": step_norms_case,
     **_rule_cases(),
 }
 
@@ -555,6 +652,94 @@ def test_per_tensor_norms_of_dtensors_match_float64(
     torch.testing.assert_close(norms.double(), expected, rtol=1e-6, atol=0.0)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=2), min_size=1, max_size=6),
+    kinds=st.lists(st.sampled_from(["shard", "replicate", "none"]), min_size=6, max_size=6),
+    orders=st.lists(st.sampled_from([1.0, 1.5, 2.0, 3.0, math.inf]), min_size=3, max_size=3),
+    per_group=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+)
+def test_a_dtensor_step_measurement_matches_float64(
+    mesh_of_one: Any,
+    float64_norm: Any,
+    sizes: list[list[int]],
+    kinds: list[str],
+    orders: list[float],
+    per_group: bool,
+    dtype: torch.dtype,
+) -> None:
+    """Each grad's norm, each group's and the total, in groups with grads missing ("none"),
+    from the reduced sums of powers: one all_reduce (a MAX as well where inf and finite
+    orders mix across groups), each norm to 1e-6 of float64."""
+    from clipopt import _monitor, _step
+
+    gen = torch.Generator().manual_seed(len(sizes) * 7 + len(sizes[0]))
+    locals_ = [(torch.randn(tuple(s), generator=gen) * 3).to(dtype) for s in sizes]
+    params, grads_of_param = [], []
+    for t, kind in zip(locals_, kinds, strict=False):
+        placement = "shard" if kind == "none" else kind
+        q = nn.Parameter(dtensor(torch.zeros_like(t), mesh_of_one, placement))
+        q.grad = None if kind == "none" else dtensor(t, mesh_of_one, placement)
+        params.append(q)
+        grads_of_param.append(None if kind == "none" else t)
+    split = [params[0::3], params[1::3], params[2::3]]
+    kept = [grads_of_param[0::3], grads_of_param[1::3], grads_of_param[2::3]]
+    if not per_group:
+        orders = [orders[0]] * 3
+    groups = [{"params": group} for group in split]
+    grads = _step.collect_grads(groups)
+    with CountAllReduce() as counter:
+        measured = _monitor.measure_per_tensor(
+            grads, None, orders, 2.0, per_group, None, lambda: split, strict=True
+        )
+    finite = {p != math.inf for p in orders}
+    assert counter.calls == len(finite)
+    each = [
+        float64_norm([t], p)
+        for ts, p in zip(kept, orders, strict=True)
+        for t in ts
+        if t is not None
+    ]
+    assert measured.tensor_norms is not None and measured.tensor_norms.shape == (len(each),)
+    torch.testing.assert_close(
+        measured.tensor_norms.double(), torch.tensor(each, dtype=torch.float64), rtol=1e-6, atol=0
+    )
+    wanted = [float64_norm(ts, p) for ts, p in zip(kept, orders, strict=True)]
+    if per_group:
+        total = float(torch.linalg.vector_norm(torch.tensor(wanted, dtype=torch.float64)))
+        assert measured.stacked is not None
+        torch.testing.assert_close(
+            measured.stacked.double(), torch.tensor(wanted, dtype=torch.float64), rtol=1e-6, atol=0
+        )
+    else:
+        total = float64_norm([t for ts in kept for t in ts], orders[0])
+    double = dtype == torch.float64 and any(grads)  # no grad: float32, as the global norm
+    assert measured.norm.dtype == (torch.float64 if double else torch.float32)
+    torch.testing.assert_close(
+        measured.norm.double(), torch.tensor(total, dtype=torch.float64), rtol=1e-6, atol=0
+    )
+
+
+def test_mixed_plain_and_dtensor_grads_are_refused_per_tensor(mesh_of_one: Any) -> None:
+    """A per-tensor rule or tracked norms: the ValueError of the global norm, before any
+    grad or state changes."""
+    sharded = nn.Parameter(dtensor(torch.zeros(2), mesh_of_one, "shard"))
+    plain = nn.Parameter(torch.zeros(3))
+    for clip in (
+        {"max_norm": clipopt.AdaGC(warmup_steps=0)},
+        {"max_norm": 1.0, "track_tensor_norms": True},
+    ):
+        optimizer = clipopt.ClippedOptimizer(sgd([sharded, plain]), **clip)
+        sharded.grad = dtensor(torch.full((2,), 5.0), mesh_of_one, "shard")
+        plain.grad = torch.full((3,), 5.0)
+        with pytest.raises(ValueError, match="DTensor and plain"):
+            optimizer.step()
+        assert torch.equal(plain.grad, torch.full((3,), 5.0))
+        assert optimizer.last_norm is None and int(optimizer.step_count) == 0
+        assert optimizer.rule is None or optimizer.rule.last_threshold is None
+
+
 def test_plain_grads_take_no_collective(mesh_of_one: Any) -> None:
     """DDP's case: whole grads on every rank, each norm local, as in one process."""
     params = [nn.Parameter(torch.zeros(s)) for s in ((3,), (2, 2))]
@@ -572,7 +757,7 @@ def test_plain_grads_take_no_collective(mesh_of_one: Any) -> None:
 def test_a_per_tensor_step_on_dtensors_reads_nothing_on_the_host(
     mesh_of_one: Any, no_host_sync: Any
 ) -> None:
-    """Two all_reduces (the global norm, then every grad's) and no host read."""
+    """One all_reduce (every grad's norm, and from them the global norm), no host read."""
     params = [nn.Parameter(dtensor(torch.zeros(s), mesh_of_one, "shard")) for s in (3, 4)]
     rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
     optimizer = clipopt.ClippedOptimizer(sgd(params), max_norm=rule)
@@ -581,7 +766,7 @@ def test_a_per_tensor_step_on_dtensors_reads_nothing_on_the_host(
             q.grad = dtensor(torch.full(q.shape, value), mesh_of_one, "shard")
         with CountAllReduce() as counter, no_host_sync():
             optimizer.step()
-        assert counter.calls == 2
+        assert counter.calls == 1
     assert rule.last_threshold is not None
     # The median of the last norms, 3 * sqrt(3) and 4 * sqrt(3), for the first grad.
     threshold = 3.5 * 3.0**0.5
@@ -638,7 +823,7 @@ def test_cuda_dtensor_per_tensor_norms_stay_on_the_device(
             q.grad = dtensor(t * (step + 1), mesh, "shard")
         with CountAllReduce() as counter, no_host_sync():
             optimizer.step()
-        assert counter.calls == 2
+        assert counter.calls == 1
     assert rule.last_threshold is not None and rule.last_threshold.device.type == "cuda"
 
 
