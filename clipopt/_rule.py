@@ -345,7 +345,10 @@ class UnitWiseRule(ClipRule):
         Args:
           params: the parameters that have a grad, in the order of the param groups and
             their params.
-          grads: their grads, in the same order (plain tensors, not DTensors).
+          grads: their grads, in the same order; DTensors under FSDP2 and tensor
+            parallelism (a coefficient then scales the grad's local shard, so it must be
+            broadcastable to that shard), which a rule that cannot measure them refuses
+            with ``ValueError``.
           norm_type: the wrapper's norm order, as :meth:`check_norm_type` accepted.
 
         It must read nothing on the host.
