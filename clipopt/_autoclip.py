@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt._rule import ClipRule, checked, integer, number
+from clipopt._rule import ClipRule, checked, integer, number, saved
 
 __all__ = ["AutoClip", "replace_sorted_", "sorted_history"]
 
@@ -189,9 +189,7 @@ class AutoClip(ClipRule):
         return {"buffer": self._buffer.clone(), "count": self._count.clone()}
 
     def load_rule_state(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or set(state) not in (set(), {"buffer", "count"}):
-            raise ValueError(f"AutoClip state must have the keys buffer and count, got {state!r}")
-        if not state:
+        if not saved("AutoClip", state, ("buffer", "count")):
             self._buffer = self._count = self._sorted = self._spare = None
             return
         buffer = checked("buffer", state["buffer"], None, floating=True)
