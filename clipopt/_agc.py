@@ -4,57 +4,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from clipopt._kernels import EPS, result_dtype
 from clipopt._rule import UnitDecision, UnitWiseRule, number
-from clipopt._torch_norms import accumulate_dtype
+from clipopt._units import Rows, whole_unit_norms
 
-__all__ = ["AGC", "unit_norms", "unit_shape"]
-
-
-def unit_shape(t: Tensor) -> tuple[int, ...]:
-    """The shape of one coefficient per unit of ``t``, broadcastable to it: ``(rows, 1,
-    ...)`` for a tensor of 2 dims or more (a unit is a slice along dim 0: a row of a
-    linear weight, an output channel of a conv kernel), ``()`` for the whole of a 0- or
-    1-D tensor."""
-    return (t.shape[0],) + (1,) * (t.dim() - 1) if t.dim() >= 2 else ()
+__all__ = ["AGC"]
 
 
-def unit_norms(tensors: Sequence[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """The L2 norm of every unit of every tensor, in one 1-D tensor in order.
-
-    A tensor of 2 dims or more has one unit per index of dim 0, measured over all its
-    other dims by one ``vector_norm`` (no copy, whatever the strides); 0- and 1-D tensors
-    are one unit each, measured by one ``torch._foreach_norm`` per device and dtype.
-    Half types accumulate in float32, others in their own dtype, as timm's
-    ``unitwise_norm`` (``Tensor.norm``) does; the result is on ``device`` in ``dtype``.
-
-    Example:
-      >>> import torch
-      >>> from clipopt._agc import unit_norms
-      >>> unit_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([6.0, 8.0])],
-      ...            torch.device("cpu"), torch.float32)
-      tensor([ 5.,  1., 10.])
-    """
-    parts: list[Tensor | None] = [None] * len(tensors)
-    whole: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.dim() <= 1 and t.numel() > 0:
-            whole.setdefault((t.device, t.dtype), []).append(i)
-        else:
-            dims = tuple(range(1, t.dim())) if t.dim() >= 2 else None
-            parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
-    for (_, kind), indices in whole.items():
-        group = [tensors[i] for i in indices]
-        found = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
-        for i, norm in zip(indices, found, strict=True):
-            parts[i] = norm
-    ready = [cast(Tensor, part).reshape(-1).to(device=device, dtype=dtype) for part in parts]
-    return torch.cat(ready)
+def _local_part(coefficients: Tensor, rows: Rows, dim: int) -> Tensor:
+    """The coefficients of this rank's units of a tensor of ``dim`` dims, broadcastable to
+    its local shard: ``(count, 1, ...)`` for 2 dims or more, ``()`` for 0 or 1."""
+    if dim <= 1:
+        return coefficients.reshape(())
+    return coefficients.narrow(0, rows.start, rows.count).reshape((rows.count,) + (1,) * (dim - 1))
 
 
 def _parameters(exclude: Iterable[Tensor]) -> list[Tensor]:
@@ -96,10 +63,17 @@ class AGC(UnitWiseRule):
         measured at all. The rule holds them: a copy of the optimizer excludes its copies.
 
     ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
-    in the order of the param groups and their params, with :func:`unit_shape` entries
-    per grad (excluded params and params without a grad have none); ``clipped_count``
-    counts the steps in which some unit was scaled. Only the L2 norm is supported
-    (``norm_type=2``, the paper's), and plain (non-DTensor) grads.
+    in the order of the param groups and their params, with
+    :func:`clipopt._units.unit_shape` entries per grad (excluded params and params
+    without a grad have none); ``clipped_count`` counts the steps in which some unit was
+    scaled. Only the L2 norm is supported (``norm_type=2``, the paper's).
+
+    DTensor params and grads (FSDP2, HSDP, tensor parallel, FSDP2 over TP) are measured
+    by the whole unit across ranks, every unit's grad and weight shares in one float64
+    ``all_reduce`` (:mod:`clipopt._units`), and each rank scales the part of each unit it
+    holds; ``last_threshold`` then still holds every unit of every tensor, the same on
+    every rank and as in one process. A parameter whose rows a rank holds are not one
+    contiguous range is refused with ``ValueError`` before any grad changes.
 
     Example:
       >>> import torch, clipopt
@@ -153,17 +127,17 @@ class AGC(UnitWiseRule):
         if not chosen:
             empty = torch.zeros(0, device=device, dtype=dtype)
             return UnitDecision([None] * len(grads), empty, empty, empty)
-        weights = [params[i].detach() for i in chosen]
+        weights = [params[i] for i in chosen]
+        norms, weight_norms, rows = whole_unit_norms([grads[i] for i in chosen], weights, dtype)
         # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
         # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.
-        thresholds = unit_norms(weights, device, dtype).clamp(min=self.eps).mul(self.clipping)
-        norms = unit_norms([grads[i] for i in chosen], device, dtype)
+        thresholds = weight_norms.clamp(min=self.eps).mul(self.clipping)
         ratio = thresholds / norms.clamp(min=EPS)
         coefficients = torch.where(norms < thresholds, 1.0, ratio)
-        sizes = [math.prod(unit_shape(w)) for w in weights]
         per_grad: list[Tensor | None] = [None] * len(grads)
-        for i, w, part in zip(chosen, weights, torch.split(coefficients, sizes), strict=True):
-            per_grad[i] = part.reshape(unit_shape(w))
+        parts = torch.split(coefficients, [r.units for r in rows])
+        for i, w, r, part in zip(chosen, weights, rows, parts, strict=True):
+            per_grad[i] = _local_part(part, r, w.dim())
         return UnitDecision(per_grad, norms, coefficients, thresholds)
 
     def update(self, norms: Tensor) -> None:

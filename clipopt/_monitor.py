@@ -3,6 +3,8 @@
 With ``track_tensor_norms=True`` (or a per-tensor rule) the step reads every grad once,
 by one batched :func:`clipopt._kernels.per_tensor_norms` call, and derives the global
 norm (and each group's) from those norms: a p-norm is the p-norm of its parts' p-norms.
+DTensor grads (FSDP2, tensor parallel) take each whole tensor's norm across ranks in one
+collective, and the totals from the same reduced sums of p-th powers.
 A name is the group's ``param_names`` entry, which torch (>= 2.6) stores when the
 optimizer is built from ``model.named_parameters()``, else the parameter's index over
 all groups, as the optimizer's ``state_dict()["state"]`` numbers it.
@@ -10,7 +12,6 @@ all groups, as the optimizer's ``state_dict()["state"]`` numbers it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,9 +21,7 @@ from torch import Tensor
 from clipopt import _kernels, _mesh, _per_tensor
 from clipopt._step import Measurement
 
-__all__ = ["TensorNorms", "grad_names", "measure_per_tensor", "with_tensor_norms"]
-
-Norms = Callable[[Sequence[Tensor], float, bool | None], Tensor]
+__all__ = ["TensorNorms", "grad_names", "measure_per_tensor"]
 
 
 def grad_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -65,72 +64,108 @@ def measure_per_tensor(
     default_norm_type: float,
     per_group: bool,
     foreach: bool | None,
+    params: Callable[[], Sequence[Sequence[Tensor]]] = lambda: (),
+    strict: bool = False,
 ) -> Measurement:
-    """:func:`clipopt._step.measure` (local grads only) with each grad's norm kept, and
-    its name where ``names`` (from :func:`grad_names`) are given.
+    """:func:`clipopt._step.measure` (without a process group) with each grad's norm
+    kept, and its name where ``names`` (from :func:`grad_names`) are given.
 
-    One :func:`~clipopt._kernels.per_tensor_norms` call (one per distinct group order
-    with ``per_group``); the global and group norms are derived from its output, so
-    every grad is read once. The per-tensor norms are float32 (float64 for double
-    grads), so a float32 global norm can differ from the direct one by an ulp.
+    Plain grads: one :func:`~clipopt._kernels.per_tensor_norms` call (one per distinct
+    group order with ``per_group``), and the global and group norms derived from its
+    output, so every grad is read once. The per-tensor norms are float32 (float64 for
+    double grads), so a float32 global norm can differ from the direct one by an ulp.
+
+    DTensor grads (or none here, with DTensor parameters): each whole tensor's norm
+    across ranks, in one collective (:func:`clipopt._per_tensor.global_tensor_powers`),
+    and the totals from the reduced sums of p-th powers before their roots are taken.
+
+    Args:
+      params: each group's parameters, asked for where a grad is a DTensor or there is
+        none: one slot each in the reduction, so that ranks line up whatever grads they
+        hold (a grad this rank lacks is a zero here), and their mesh.
+      strict: with DTensor grads, the ranks must hold as many grads (a per-tensor rule's
+        norms must line up): where they do not, every norm is NaN on every rank.
 
     Raises:
-      ValueError: a DTensor grad (a shard's norm is not the tensor's): see
-        :func:`with_tensor_norms`.
+      ValueError: DTensor grads mixed with plain ones, or on meshes that cannot be
+        reduced together; a Partial DTensor grad.
     """
     flat = [g for group in grads for g in group]
-    if not _mesh.all_plain(flat):
-        raise ValueError("measure_per_tensor takes plain grads; with_tensor_norms DTensors")
     flat_names = () if names is None else tuple(n for group in names for n in group)
-    if not flat:
+    groups = () if flat and _mesh.all_plain(flat) else params()
+    if not _mesh.all_plain(flat) or (not flat and _any_sharded(groups)):
+        norms, totals = _sharded_norms(grads, norm_types, per_group, foreach, groups, strict)
+    elif flat:
+        norms, totals = _local_norms(grads, norm_types, per_group, foreach)
+    else:
         zero = torch.zeros((), dtype=torch.float32)
         return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
-    norms = _each_norm(grads, norm_types, foreach, _kernels.per_tensor_norms)
     if not per_group:
-        norm = _combined(norms, norm_types[0], norms.dtype)
-        return Measurement(norm, [norm] * len(grads), None, norms, flat_names)
+        return Measurement(totals[0], [totals[0]] * len(grads), None, norms, flat_names)
+    stacked = torch.stack(totals)
+    norm = _combined(stacked, default_norm_type, norms.dtype)
+    return Measurement(norm, totals, stacked, norms, flat_names)
+
+
+def _flat(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    return [t for group in groups for t in group]
+
+
+def _any_sharded(groups: Sequence[Sequence[Tensor]]) -> bool:
+    """Whether a parameter that requires grad is a DTensor: then a rank without grads
+    still joins the other ranks' reduction."""
+    return any(q.requires_grad for q in _mesh.dtensors(_flat(groups)))
+
+
+def _local_norms(
+    grads: list[list[Tensor]], norm_types: list[float], per_group: bool, foreach: bool | None
+) -> tuple[Tensor, list[Tensor]]:
+    """Each plain grad's norm, and the total of all (of each group, with ``per_group``)."""
+    norms = _each_norm(grads, norm_types, foreach)
+    if not per_group:
+        return norms, [_combined(norms, norm_types[0], norms.dtype)]
     parts = torch.split(norms, [len(group) for group in grads])
     pairs = zip(parts, norm_types, strict=True)
-    group_norms = [_combined(part, p, norms.dtype) for part, p in pairs]
-    stacked = torch.stack(group_norms)
-    norm = _combined(stacked, default_norm_type, norms.dtype)
-    return Measurement(norm, group_norms, stacked, norms, flat_names)
+    return norms, [_combined(part, p, norms.dtype) for part, p in pairs]
 
 
-def _each_norm(
-    grads: list[list[Tensor]], norm_types: list[float], foreach: bool | None, norms_of: Norms
-) -> Tensor:
-    """Each grad's norm, by one call of ``norms_of`` (one per group where their orders
-    differ), on the first grad's device."""
+def _sharded_norms(
+    grads: list[list[Tensor]],
+    norm_types: list[float],
+    per_group: bool,
+    foreach: bool | None,
+    params: Sequence[Sequence[Tensor]],
+    strict: bool,
+) -> tuple[Tensor, list[Tensor]]:
+    """Each whole DTensor grad's norm, and the totals, from one reduction of p-th powers."""
+    slots: list[list[Tensor | None]] = [[q.grad for q in group] for group in params]
+    orders = norm_types
+    if not per_group:
+        slots, orders = [[t for group in slots for t in group]], norm_types[:1]
+    powers = _per_tensor.global_tensor_powers(
+        slots, orders, foreach, params=_flat(params), strict=strict
+    )
+    dtype = _kernels.result_dtype([g.dtype for g in _flat(grads)])
+    triples = list(zip(powers, slots, orders, strict=True))
+    mine = torch.cat([_per_tensor.root(_per_tensor.held(pw, own), p) for pw, own, p in triples])
+    totals = [_per_tensor.total_root(pw, p).to(dtype) for pw, _, p in triples]
+    return mine.to(dtype), totals
+
+
+def _each_norm(grads: list[list[Tensor]], norm_types: list[float], foreach: bool | None) -> Tensor:
+    """Each plain grad's norm, by one :func:`~clipopt._kernels.per_tensor_norms` call (one
+    per group where their orders differ), on the first grad's device."""
     flat = [g for group in grads for g in group]
     if len(set(norm_types)) == 1:
-        return norms_of(flat, norm_types[0], foreach)
-    device = _mesh.local_tensors(flat[:1])[0].device
-    dtype = _kernels.result_dtype([g.dtype for g in flat])
+        return _kernels.per_tensor_norms(flat, norm_types[0], foreach)
+    device, dtype = flat[0].device, _kernels.result_dtype([g.dtype for g in flat])
     return torch.cat(
         [
-            norms_of(group, p, foreach).to(device, dtype)
+            _kernels.per_tensor_norms(group, p, foreach).to(device, dtype)
             for group, p in zip(grads, norm_types, strict=True)
             if group
         ]
     )
-
-
-def with_tensor_norms(
-    measured: Measurement,
-    grads: list[list[Tensor]],
-    names: list[list[str]],
-    norm_types: list[float],
-    foreach: bool | None,
-) -> Measurement:
-    """``measured`` with each whole grad's norm across ranks added, for DTensor grads,
-    whose global norm comes from the usual reduction: one more pass over the grads and
-    one collective (:func:`clipopt._per_tensor.global_per_tensor_norms`)."""
-    flat_names = tuple(n for group in names for n in group)
-    if not any(grads):
-        return dataclasses.replace(measured, tensor_norms=measured.norm.new_zeros(0))
-    norms = _each_norm(grads, norm_types, foreach, _per_tensor.global_per_tensor_norms)
-    return dataclasses.replace(measured, tensor_norms=norms, tensor_names=flat_names)
 
 
 class TensorNorms:

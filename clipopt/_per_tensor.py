@@ -8,11 +8,15 @@ each grad's local shard norm is raised to ``p`` and divided by its replica count
 mesh sizes over its Replicate dims, and the reduction mesh's dims its mesh lacks), and
 the sums over the ranks of the reduction mesh give ``norm**p`` of each grad; for the
 inf-norm the maximum is taken, with no weight. Every grad's share travels in ONE 1-D
-float64 tensor, so a step adds one ``all_reduce`` (``SUM``, or ``MAX`` for the inf-norm)
-over the mesh, whatever the number of grads; or one per mesh dimension when the mesh is
-an N-D strict subset of the world (:func:`clipopt._mesh.mesh_groups`). Grads on several
-named sub-meshes of one root (FSDP2 over TP) are reduced over the part of the root they
-span, in that same one collective.
+float64 tensor, so a step makes one ``all_reduce`` (``SUM``, or ``MAX`` for the
+inf-norm) over the mesh, whatever the number of grads; or one per mesh dimension when
+the mesh is an N-D strict subset of the world (:func:`clipopt._mesh.mesh_groups`). Grads
+on several named sub-meshes of one root (FSDP2 over TP) are reduced over the part of the
+root they span, in that same one collective.
+
+The reduced sums are kept before their roots are taken (:func:`global_tensor_powers`):
+the step's global norm is their sum's root, so the per-tensor norms and the total come
+from the one collective without a digit lost.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-__all__ = ["global_per_tensor_norms"]
+__all__ = ["global_per_tensor_norms", "global_tensor_powers", "held", "root", "total_root"]
 
 
 def _by_replica_count(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[int]]:
@@ -63,14 +67,177 @@ def _local_shares(
     return shares, order
 
 
-def _in_given_order(values: Tensor, order: list[int]) -> Tensor:
-    """``values[k]`` is the grad ``order[k]``'s: put back in the grads' order (no index
-    tensor, which would be a host-to-device copy)."""
-    if order == list(range(len(order))):
+def _placed(values: Tensor, positions: Sequence[int], size: int) -> Tensor:
+    """A 1-D tensor of ``size`` with ``values[k]`` at ``positions[k]`` and zeros elsewhere
+    (no index tensor, which would be a host-to-device copy)."""
+    if list(positions) == list(range(size)):
         return values
-    where = {index: k for k, index in enumerate(order)}
+    where = dict(zip(positions, values.unbind(), strict=True))
+    zero = values.new_zeros(())
+    return torch.stack([where.get(slot, zero) for slot in range(size)])
+
+
+def held(values: Tensor, slots: Sequence[Tensor | None]) -> Tensor:
+    """The entries of ``values`` (one per slot) whose slot holds a tensor, in order.
+
+    Example:
+      >>> import torch
+      >>> held(torch.tensor([1.0, 2.0, 3.0]), [torch.ones(1), None, torch.ones(1)])
+      tensor([1., 3.])
+    """
+    positions = [slot for slot, t in enumerate(slots) if t is not None]
+    if len(positions) == len(slots):
+        return values
+    if not positions:
+        return values.new_zeros(0)
     parts = values.unbind()
-    return torch.stack([parts[where[index]] for index in range(len(order))])
+    return torch.stack([parts[slot] for slot in positions])
+
+
+def _slot_shares(
+    slots: Sequence[Tensor | None],
+    mesh: DeviceMesh,
+    p: float,
+    foreach: bool | None,
+    device: torch.device,
+) -> Tensor:
+    """This rank's share of each slot's ``norm**p`` (max for inf) on ``device``; 0 where
+    the slot is None here."""
+    positions = [slot for slot, t in enumerate(slots) if t is not None]
+    if not positions:
+        return torch.zeros(len(slots), dtype=REDUCE_DTYPE, device=device)
+    grads = _mesh.dtensors([t for t in slots if t is not None])
+    shares, order = _local_shares(grads, mesh, p, foreach)
+    values = torch.cat([share.to(device) for share in shares])
+    return _placed(values, [positions[k] for k in order], len(slots))
+
+
+def _count_tail(count: int, summed: bool, device: torch.device) -> Tensor:
+    """Two slots that say, once reduced, whether the ranks hold the same number of
+    tensors: ``[n, n**2]`` summed (all equal iff ``ranks * sum(n**2) == sum(n)**2``), or
+    ``[n, -n]`` maxed (all equal iff ``max(n) == min(n)``)."""
+    second = count * count if summed else -count
+    return torch.cat(
+        [
+            torch.full((1,), float(count), dtype=REDUCE_DTYPE, device=device),
+            torch.full((1,), float(second), dtype=REDUCE_DTYPE, device=device),
+        ]
+    )
+
+
+def _counts_differ(tail: Tensor, summed: bool, ranks: int) -> Tensor:
+    """From a reduced :func:`_count_tail`: a 0-dim bool, True where the counts differ."""
+    first, second = tail.unbind()
+    if summed:
+        return second * ranks != first * first
+    return first + second != 0
+
+
+def _reduced(
+    contributions: list[Tensor],
+    summed: bool,
+    groups: Sequence[object],
+    device: torch.device,
+    tail: Tensor | None,
+    ranks: int,
+) -> list[Tensor]:
+    """The contributions reduced in one collective, split back; all NaN when ``tail``
+    (the ranks' counts) says the ranks disagree."""
+    sizes = [c.numel() for c in contributions]
+    sent = contributions if tail is None else [*contributions, tail]
+    values = (reduce_sum if summed else reduce_max)(sent, groups, device)
+    if tail is not None:
+        differ = _counts_differ(values[-2:], summed, ranks)
+        values = torch.where(differ, math.nan, values[:-2])
+    return list(torch.split(values, sizes))
+
+
+def global_tensor_powers(
+    buckets: Sequence[Sequence[Tensor | None]],
+    norm_types: Sequence[float],
+    foreach: bool | None = None,
+    *,
+    params: Sequence[Tensor] = (),
+    strict: bool = False,
+) -> list[Tensor]:
+    """Each slot's whole-tensor ``norm**p`` across ranks (its max ``|x|`` for the inf-norm).
+
+    A bucket is a list of slots, one per parameter (its grad, or None where this rank has
+    none), measured in one order. Every finite-order bucket travels in one
+    ``all_reduce(SUM)``, every inf-order one in one ``all_reduce(MAX)``: one collective
+    unless the orders mix finite and inf. Slots, not grads, are what line up across
+    ranks, so a rank that lacks some grads, or has none, joins with zeros there and every
+    sum is still the sum of the grads that exist.
+
+    Args:
+      buckets: the slots of each bucket; every rank must pass as many slots per bucket,
+        in the same order. The tensors are DTensors (on named sub-meshes of one root).
+      norm_types: each bucket's validated order, ``> 0`` or ``math.inf``.
+      foreach: as in :func:`clipopt.get_total_norm`.
+      params: the parameters; those that are DTensors and require grad decide the mesh
+        with the grads present, so a rank without grads reduces over the same ranks.
+      strict: the ranks must hold the same number of grads (a per-tensor rule's norms
+        must line up on every rank): where they do not, every value is NaN, on every
+        rank. Two more values travel in each collective.
+
+    Returns:
+      One 1-D float64 tensor per bucket, one value per slot, on the grads' (local)
+      device, identical on every rank. Not the roots: :func:`root` and
+      :func:`total_root` take them.
+
+    Raises:
+      ValueError: DTensors mixed with plain tensors, no DTensor among the grads and
+        ``params``, a Partial DTensor, or meshes that are not named sub-meshes of one
+        root.
+    """
+    flat = [t for bucket in buckets for t in bucket if t is not None]
+    grads = _mesh.dtensors(flat)
+    if flat:
+        _mesh.check_unmixed(flat, grads)
+    spanned = grads + [q for q in _mesh.dtensors(params) if q.requires_grad]
+    if not spanned:
+        raise ValueError("global_tensor_powers needs DTensor grads or parameters")
+    mesh = _mesh.reduction_mesh(spanned)
+    groups = _mesh.mesh_groups(mesh, None)
+    device = collective_device(flat, groups)
+    shares = [
+        _slot_shares(bucket, mesh, p, foreach, device)
+        for bucket, p in zip(buckets, norm_types, strict=True)
+    ]
+    reduced: dict[int, Tensor] = {}
+    for summed in (True, False):
+        at = [i for i, p in enumerate(norm_types) if (p != math.inf) == summed]
+        if at:
+            tail = _count_tail(len(flat), summed, device) if strict else None
+            parts = _reduced([shares[i] for i in at], summed, groups, device, tail, mesh.size())
+            reduced.update(zip(at, parts, strict=True))
+    return [reduced[i] for i in range(len(buckets))]
+
+
+def root(powers: Tensor, p: float) -> Tensor:
+    """Each norm from its ``norm**p`` (the inf-norm's values are norms already).
+
+    Example:
+      >>> import torch
+      >>> root(torch.tensor([25.0, 4.0], dtype=torch.float64), 2.0)
+      tensor([5., 2.], dtype=torch.float64)
+    """
+    return powers if p == math.inf else powers.pow(1.0 / p)
+
+
+def total_root(powers: Tensor, p: float) -> Tensor:
+    """The p-norm of all the tensors ``powers`` measured: the root of their sum (max), 0
+    for none; a NaN among them is a NaN here. The sum is of the reduced float64 powers,
+    so no precision is lost to the per-tensor roots.
+
+    Example:
+      >>> import torch
+      >>> total_root(torch.tensor([9.0, 16.0], dtype=torch.float64), 2.0)
+      tensor(5., dtype=torch.float64)
+    """
+    if p != math.inf:
+        return powers.sum().pow(1.0 / p)
+    return powers.amax() if powers.numel() else powers.new_zeros(())
 
 
 def global_per_tensor_norms(
@@ -80,9 +247,10 @@ def global_per_tensor_norms(
 
     Plain tensors are measured locally by :func:`clipopt._kernels.per_tensor_norms`, with
     no collective: under DDP each rank holds whole (averaged) grads. DTensors are measured
-    as the module says, in one collective. Every rank of the mesh must call this with
-    grads of the same parameters in the same order (FSDP2 and TP give every rank a grad,
-    an empty shard included, for each parameter that got one), since it is a collective.
+    as the module says, in one collective (:func:`global_tensor_powers`). Every rank of
+    the mesh must call this with grads of the same parameters in the same order (FSDP2
+    and TP give every rank a grad, an empty shard included, for each parameter that got
+    one), since it is a collective.
 
     Args:
       tensors: grads, all plain or all DTensors (on named sub-meshes of one root mesh);
@@ -105,17 +273,9 @@ def global_per_tensor_norms(
       >>> global_per_tensor_norms([torch.tensor([3.0, 4.0]), torch.tensor([-2.0])], 2.0)
       tensor([5., 2.])
     """
-    grads = _mesh.dtensors(tensors)
-    if not grads:
+    if not _mesh.dtensors(tensors):
         return _kernels.per_tensor_norms(tensors, p, foreach)
-    _mesh.check_unmixed(tensors, grads)
-    mesh = _mesh.reduction_mesh(grads)
-    groups = _mesh.mesh_groups(mesh, None)
-    shares, order = _local_shares(grads, mesh, p, foreach)
-    device = collective_device(shares, groups)
-    if p == math.inf:
-        reduced = reduce_max(shares, groups, device)
-    else:
-        reduced = reduce_sum(shares, groups, device).pow(1.0 / p)
+    powers = global_tensor_powers([tensors], [p], foreach)[0]
+    device = _mesh.local_tensors(tensors[:1])[0].device
     dtype = _kernels.result_dtype([t.dtype for t in tensors])
-    return _in_given_order(reduced, order).to(device=shares[0].device, dtype=dtype)
+    return root(powers, p).to(device=device, dtype=dtype)

@@ -105,6 +105,15 @@ def checked(name: str, value: Any, shape: tuple[int, ...] | None, floating: bool
     return tensor
 
 
+def saved(rule: str, state: Any, keys: tuple[str, ...]) -> bool:
+    """Whether a rule's saved ``state`` holds its tensors: True for exactly ``keys``,
+    False for an empty mapping (the rule had not stepped), else a ValueError."""
+    if not isinstance(state, Mapping) or set(state) not in (set(), set(keys)):
+        names = " and ".join(keys) if len(keys) <= 2 else ", ".join(keys)
+        raise ValueError(f"{rule} state must have the keys {names}, got {state!r}")
+    return bool(state)
+
+
 def count_or_zero(counter: Tensor | None) -> Tensor:
     """A counter made on the grads' device at its first step; a zero before it."""
     return torch.zeros((), dtype=torch.int64) if counter is None else counter
@@ -345,7 +354,10 @@ class UnitWiseRule(ClipRule):
         Args:
           params: the parameters that have a grad, in the order of the param groups and
             their params.
-          grads: their grads, in the same order (plain tensors, not DTensors).
+          grads: their grads, in the same order; DTensors under FSDP2 and tensor
+            parallelism (a coefficient then scales the grad's local shard, so it must be
+            broadcastable to that shard), which a rule that cannot measure them refuses
+            with ``ValueError``.
           norm_type: the wrapper's norm order, as :meth:`check_norm_type` accepted.
 
         It must read nothing on the host.

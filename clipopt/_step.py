@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _cpu, _kernels, _mesh, _per_tensor, _reduce
+from clipopt import _cpu, _kernels, _mesh, _reduce
 from clipopt._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
@@ -151,7 +151,6 @@ def measure(
     scope: _reduce.NormScope,
     foreach: bool | None,
     params: Callable[[], Sequence[Tensor]],
-    plain: bool | None = None,
 ) -> Measurement:
     """The global norm of all grads, or of each group's, across ranks where needed.
 
@@ -165,14 +164,10 @@ def measure(
       params: every parameter, when asked; their DTensor meshes decide the reduction's,
         so a rank holding no grad, or grads on only some meshes, joins the same
         collective as the other ranks.
-      plain: whether no grad is a DTensor and ``scope`` has no process group, if the
-        caller knows; None: found out here.
     """
     if not per_group:
         flat = flatten(grads)
-        if plain is None:
-            plain = scope.process_group is None and _mesh.all_plain(flat)
-        if plain and flat:
+        if scope.process_group is None and flat and _mesh.all_plain(flat):
             # A norm of this rank's grads alone: keep their grouping for the scale.
             norm, grouped = _kernels.grouped_total_norm(flat, norm_types[0], foreach)
             return Measurement(norm, [norm] * len(grads), None, groups=grouped)
@@ -289,26 +284,27 @@ def rule_coefficients(
     grads: list[list[Tensor]],
     measured: Measurement,
     norm_type: float,
-    foreach: bool | None,
 ) -> tuple[list[Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
     """The rule's coefficient per group and what it decided (to commit after the step).
 
     A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
-    rule one per grad, from each whole grad's norm: measured in one batched pass, and
-    for DTensor grads reduced across ranks in one collective (``measured``'s own
-    ``tensor_norms`` where the step has them, so that no grad is read twice).
+    rule one per grad, from each whole grad's norm: ``measured.tensor_norms``, which
+    the step measured with the global norm (one pass, and for DTensor grads one
+    collective: :func:`clipopt._monitor.measure_per_tensor`).
+
+    Raises:
+      ValueError: a per-tensor rule and a measurement without per-tensor norms.
     """
     rule.norm_type = norm_type
     if not rule.per_tensor:
         coefficient, threshold = rule.decide(measured.norm)
         shared: list[Coefficient] = [coefficient] * len(grads)
         return shared, (measured.norm, coefficient, threshold)
-    flat = [g for group in grads for g in group]
-    if not flat:
+    if not any(grads):
         return [None] * len(grads), None
     norms = measured.tensor_norms
     if norms is None:
-        norms = _per_tensor.global_per_tensor_norms(flat, norm_type, foreach)
+        raise ValueError(f"{rule!r} is per tensor, but the step measured no per-tensor norms")
     coefficients, thresholds = rule.decide(norms)
     parts = coefficients.unbind()
     per_group: list[Coefficient] = []
@@ -330,20 +326,16 @@ def unit_rule_coefficients(
     Each group gets a tuple with one coefficient per grad (None: left as it is), or None
     when the rule leaves all its grads alone; such coefficients never fold.
 
+    DTensor grads and parameters are handed over as they are: the rule measures whole
+    units across ranks (AGC) or refuses them.
+
     Raises:
-      ValueError: a grad or parameter is a DTensor: a unit's norm is taken on this rank,
-        and a shard may hold part of a unit. Or the rule refuses ``norm_type``.
+      ValueError: the rule refuses ``norm_type``, or its grads.
     """
     params = [p for group in groups for p in group["params"] if p.grad is not None]
     flat = [g for group in grads for g in group]
     if not flat:
         return [None] * len(grads), None
-    if not (_mesh.all_plain(flat) and _mesh.all_plain(params)):
-        raise ValueError(
-            f"{rule!r} measures each unit of each grad on this rank; DTensor grads "
-            "(FSDP2, tensor parallel) are sharded and would need their units' norms "
-            "reduced across ranks, which it does not do"
-        )
     rule.check_norm_type(norm_type)
     decision = rule.decide_units(params, flat, norm_type)
     if len(decision.per_grad) != len(flat):

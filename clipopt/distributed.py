@@ -18,10 +18,11 @@ Three layouts, one rule: every element of the model's gradient counts exactly on
   declared replicated across it (tied embeddings, layer norms under tensor parallel)
   are weighted by ``1 / group size`` so they count once.
 
-A per-tensor clip rule (``AutoClip(per_tensor=True)``) clips each grad by its whole
-tensor's norm: local under DDP; for DTensor grads each shard's share, weighted as above,
-in one more ``all_reduce`` carrying every grad's (:mod:`clipopt._per_tensor`). It refuses
-a ``process_group``: plain tensors split across a group are other tensors on each rank.
+A per-tensor clip rule (``AutoClip(per_tensor=True)``, ``AdaGC``) clips each grad by its
+whole tensor's norm: local under DDP; for DTensor grads each shard's share, weighted as
+above, in the step's one ``all_reduce``, which carries every grad's and gives the global
+norm too (:mod:`clipopt._per_tensor`). It refuses a ``process_group``: plain tensors
+split across a group are other tensors on each rank.
 
 The reduction runs in float64 whatever the grads' dtype: every rank must send the same
 dtype (gloo aborts otherwise), and ``norm**p`` of a float32 norm overflows float32 from

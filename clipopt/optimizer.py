@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _hooks, _mesh, _monitor, _step
+from clipopt import _fused, _hooks, _monitor, _step
 from clipopt._clip_state import (
     CLIP_KEY,
     MAX_NORM_KEY,
@@ -197,7 +197,7 @@ class ClippedOptimizer(OptimizerWrapper):
       track_tensor_norms: keep each grad's pre-clip norm of the last step, by name, in
         :attr:`last_tensor_norms`. They are measured in the step's one read of the grads
         (the global norm is derived from them), not by a second pass; DTensor grads
-        (FSDP2, TP) take one more pass and one collective for their whole-tensor norms.
+        (FSDP2, TP) are measured whole across ranks in the step's one collective.
         Not with a ``process_group`` (a split tensor's rows differ by rank).
 
     Raises:
@@ -505,7 +505,7 @@ class ClippedOptimizer(OptimizerWrapper):
                 )
             else:
                 coefficients, outcome = _step.rule_coefficients(
-                    self._rule, grads, measured, settings.norm_types[0], self._foreach
+                    self._rule, grads, measured, settings.norm_types[0]
                 )
         spike = None
         spikes = self._skip_spikes
@@ -541,17 +541,23 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def _measure(self, grads: list[list[Tensor]], norm_types: list[float]) -> _step.Measurement:
         """The step's norms: with per-tensor norms wanted (tracked, or for a per-tensor
-        rule) and plain grads, all of them from one per-tensor pass; DTensor grads add
-        their whole-tensor norms to the usual measurement."""
+        rule), all of them from one per-tensor pass, and for DTensor grads one collective
+        (the constructor refuses a process_group then)."""
         default = float(self.defaults[NORM_TYPE_KEY])
         per_rule = self._rule is not None and self._rule.per_tensor
-        plain = self._norm_scope.process_group is None and _mesh.all_plain(_step.flatten(grads))
-        names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
-        if plain and (self._track_tensor_norms or per_rule):
+        if self._norm_scope.process_group is None and (self._track_tensor_norms or per_rule):
+            names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
             return _monitor.measure_per_tensor(
-                grads, names, norm_types, default, self._per_group, self._foreach
+                grads,
+                names,
+                norm_types,
+                default,
+                self._per_group,
+                self._foreach,
+                lambda: [group["params"] for group in self.param_groups],
+                strict=per_rule,
             )
-        measured = _step.measure(
+        return _step.measure(
             grads,
             norm_types,
             default,
@@ -559,11 +565,7 @@ class ClippedOptimizer(OptimizerWrapper):
             self._norm_scope,
             self._foreach,
             lambda: [p for group in self.param_groups for p in group["params"]],
-            plain,
         )
-        if names is None:
-            return measured
-        return _monitor.with_tensor_norms(measured, grads, names, norm_types, self._foreach)
 
     def _apply_folded(
         self, decision: _step.ClipDecision, closure: Closure | None, loss: Any

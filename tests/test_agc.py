@@ -239,7 +239,7 @@ def test_coefficients_are_in_0_1_and_clipped_units_within_their_threshold(
     decision = clipopt.AGC(clipping=clipping).decide_units(params, grads, 2.0)
     assert bool(((decision.coefficients > 0) & (decision.coefficients <= 1)).all())
     after = [g * c for g, c in zip(grads, decision.per_grad, strict=True) if c is not None]
-    from clipopt._agc import unit_norms
+    from clipopt._units import unit_norms
 
     norms = unit_norms([a.double() for a in after], torch.device("cpu"), torch.float64)
     limit = decision.thresholds.double() * (1 + 1e-6)

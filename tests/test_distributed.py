@@ -904,17 +904,6 @@ def test_mixed_dtensor_and_plain_grads_are_refused(mesh: Any) -> None:
         clipopt.get_total_norm(grads, math.inf)
 
 
-def test_agc_refuses_dtensor_grads_before_anything_is_touched(mesh: Any) -> None:
-    w = nn.Parameter(dtensor(torch.ones(4, 3), mesh))
-    w.grad = dtensor(torch.full((4, 3), 5.0), mesh)
-    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.1), clipopt.AGC())
-    with pytest.raises(ValueError, match=r"AGC\(.*DTensor grads"):
-        optimizer.step()
-    assert torch.equal(w.grad.to_local(), torch.full((4, 3), 5.0))  # type: ignore[union-attr]
-    assert optimizer.last_norm is None and optimizer.rule is not None
-    assert int(optimizer.rule.clipped_count) == 0
-
-
 def test_dtensors_on_two_meshes_are_refused(world_of_one: Any) -> None:
     """Separately built, unnamed or flattened meshes: which root dims they span is
     unknown. Named sub-meshes of one root reduce together."""

@@ -245,12 +245,56 @@ def case_process_group_rank_without_grads() -> None:
             assert_rel(norm, gathered_norm(mine, p), f"get_total_norm empty {empty} p={p}")
 
 
+def case_per_tensor_rank_without_grads() -> None:
+    """FSDP2, rank 1 without any grad: the per-tensor reduction has one slot per parameter,
+    so rank 1 joins it. Tracked norms are those of the grads that exist (rank 0's
+    shards); a per-tensor rule's norms cannot line up, so the step's norms are NaN on
+    every rank and ``nonfinite`` rules on it; with no grad anywhere they are 0."""
+    for p in (2.0, math.inf):
+        _, params = fsdp2_mlp_with_grads()
+        if dist.get_rank() == 1:
+            for q in params:
+                q.grad = None
+        mine = [local(q.grad) for q in params if q.grad is not None]
+        expected = gathered_norm(mine, p)
+        tracked = clipopt.ClippedOptimizer(sgd(params), 1e9, p, track_tensor_norms=True)
+        with CountAllReduce() as counter:
+            tracked.step()
+        assert counter.calls == 1, counter.calls
+        assert tracked.last_norm is not None and tracked.last_tensor_norms is not None
+        assert_same_on_all_ranks(tracked.last_norm, f"tracked p={p}")
+        assert_rel(tracked.last_norm, expected, f"tracked p={p}")
+        each = [torch.linalg.vector_norm(t.double(), p) for t in mine]
+        norms = list(tracked.last_tensor_norms.values())
+        assert len(norms) == len(each), (len(norms), len(each))
+        for index, (norm, e) in enumerate(zip(norms, each, strict=True)):
+            assert_rel(norm, e, f"tracked p={p} tensor {index}")
+        before = [t.clone() for t in mine]
+        rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
+        strict = clipopt.ClippedOptimizer(sgd(params), rule, p, nonfinite="raise")
+        with pytest.raises(clipopt.NonFiniteNormError):
+            strict.step()
+        assert all(torch.equal(a, b) for a, b in zip(mine, before, strict=True))
+        skipping = clipopt.ClippedOptimizer(sgd(params), rule, p, nonfinite="skip")
+        skipping.step()
+        assert int(skipping.skip_count) == 1 and int(skipping.step_count) == 0
+        assert all(torch.equal(a, b) for a, b in zip(mine, before, strict=True))
+        flowing = clipopt.ClippedOptimizer(sgd(params), clipopt.AdaGC(), p)
+        flowing.step()
+        assert flowing.last_norm is not None and bool(flowing.last_norm.isnan()), "not NaN"
+        for q in params:
+            q.grad = None
+        flowing.step()
+        assert flowing.last_norm is not None and float(flowing.last_norm) == 0.0
+
+
 CASES: dict[str, Callable[[], None]] = {
     "only_empty_shards": case_only_empty_shards,
     "no_grads_get_total_norm": case_no_grads_get_total_norm,
     "per_group_some_groups_empty": case_per_group_some_groups_empty,
     "only_some_meshes": case_only_some_meshes,
     "process_group_rank_without_grads": case_process_group_rank_without_grads,
+    "per_tensor_rank_without_grads": case_per_tensor_rank_without_grads,
 }
 
 

@@ -9,10 +9,13 @@ and record "ok" or the traceback; one parametrized test per case reads the recor
   ``last_threshold``, the parameters after the steps and the whole ``"clip"`` state entry
   (the rule's state and counters) to 1e-5 relative; the entry must also be bit-identical
   on both ranks. It counts each step's ``all_reduce`` calls: none under DDP; under FSDP2
-  and TP one for the global norm, and one more for every grad's norm with a per-tensor
-  rule.
+  and TP one, which with a per-tensor rule (or tracked norms) carries every grad's norm
+  and gives the global norm too; AGC (which runs under FSDP2 over TP too) adds one more
+  for every unit's grad and weight norms.
 - A norm case checks :func:`clipopt._per_tensor.global_per_tensor_norms` against the
-  float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP.
+  float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP;
+  a unit case checks :func:`clipopt._units.whole_unit_norms` alike, and each rank's rows
+  against the gathered tensor.
 
 A new rule is one entry in ``RULES``, with the layouts it runs under.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from helpers import assert_identical, sync_is_an_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_agc import timm_agc
 from test_distributed import (
     WORLD_SIZE,
     CountAllReduce,
@@ -49,7 +54,7 @@ from test_distributed import (
 from torch import Tensor, nn
 
 import clipopt
-from clipopt import _per_tensor
+from clipopt import _per_tensor, _units
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
@@ -68,8 +73,8 @@ def spike_skip() -> dict[str, Any]:
 LAYOUTS = ("ddp", "fsdp2", "tp")
 """DDP and FSDP2 split the batch (each rank its rows); tensor parallelism splits the model."""
 
-PLAIN = ("ddp",)
-"""The layouts of a rule that refuses DTensor grads."""
+SPLIT_MODEL = ("tp", "fsdp2_tp")
+"""The layouts that split the model, not the batch: FSDP2 over TP here has one dp rank."""
 
 RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     "autoclip": (lambda: {"max_norm": clipopt.AutoClip(percentile=50.0, history=4)}, LAYOUTS),
@@ -85,7 +90,15 @@ RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     ),
     "adagc": (lambda: {"max_norm": clipopt.AdaGC(ratio=1.02, beta=0.9, warmup_steps=3)}, LAYOUTS),
     "spike_skip": (spike_skip, LAYOUTS),
-    "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, PLAIN),  # units on one rank
+    "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, (*LAYOUTS, "fsdp2_tp")),
+    "adagc_tracked": (
+        lambda: {
+            "max_norm": clipopt.AdaGC(ratio=1.02, beta=0.9, warmup_steps=3),
+            "track_tensor_norms": True,
+        },
+        LAYOUTS,
+    ),
+    "fixed_tracked": (lambda: {"max_norm": 0.5, "track_tensor_norms": True}, LAYOUTS),
 }
 """Each rule's ClippedOptimizer clip settings (made fresh for every run), and the layouts
 it runs under."""
@@ -106,7 +119,8 @@ def clip_entry(optimizer: clipopt.ClippedOptimizer) -> Any:
 def run(
     model: nn.Module, clip: dict[str, Any], inputs: list[Tensor]
 ) -> tuple[clipopt.ClippedOptimizer, list[Tensor], list[Any], list[int]]:
-    """Clipped steps; each step's last_norm, last_threshold and all_reduce calls in step()."""
+    """Clipped steps; each step's last_norm, last_threshold (and tracked norms, if any)
+    and all_reduce calls in step()."""
     optimizer = clipopt.ClippedOptimizer(sgd(model.parameters()), **clip)
     rule = optimizer.rule
     norms, thresholds, calls = [], [], []
@@ -118,7 +132,8 @@ def run(
         calls.append(counter.calls)
         assert optimizer.last_norm is not None
         norms.append(optimizer.last_norm.clone())
-        thresholds.append(None if rule is None else rule.last_threshold)
+        seen = None if rule is None else rule.last_threshold
+        thresholds.append((seen, optimizer.last_tensor_norms))
     return optimizer, norms, thresholds, calls
 
 
@@ -141,7 +156,7 @@ def single_model(layout: str) -> nn.Module:
     """The model the layout splits, in float64: over ten steps with momentum, float32's
     rounding of the differently ordered sums (DDP's average, FSDP2's reduce-scatter, TP's
     matmuls) alone reaches 1e-5; in float64 any difference left is the clipping's."""
-    return (tp_model(3) if layout == "tp" else mlp()).double()
+    return (tp_model(3) if layout in SPLIT_MODEL else mlp()).double()
 
 
 def layout_model(layout: str) -> nn.Module:
@@ -152,6 +167,8 @@ def layout_model(layout: str) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
+    if layout == "fsdp2_tp":
+        return fsdp2_over_tp(model)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     if layout == "tp":
         from torch.distributed.tensor.parallel import (
@@ -167,28 +184,48 @@ def layout_model(layout: str) -> nn.Module:
     return model
 
 
+def fsdp2_over_tp(model: nn.Module) -> nn.Module:
+    """FSDP2 over TP on a (1, 2) mesh: the Colwise weight's rows are a _StridedShard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, WORLD_SIZE), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    first = model[0].weight.placements  # type: ignore[index, union-attr]
+    assert "_StridedShard" in type(first[0]).__name__, first
+    return model
+
+
 def expected_calls(layout: str, clip: dict[str, Any]) -> int:
-    """FSDP2, TP: the global norm's all_reduce, and one for all grads' norms if per tensor."""
+    """FSDP2, TP: one all_reduce (per-tensor rules and tracked norms included), and one
+    more for all units' norms (grads' and weights') with AGC."""
     if layout == "ddp":
         return 0
-    rule = clip["max_norm"]
-    return 2 if isinstance(rule, clipopt.ClipRule) and rule.per_tensor else 1
+    return 2 if isinstance(clip["max_norm"], clipopt.UnitWiseRule) else 1
 
 
 def rule_case(rule: str, layout: str) -> None:
-    width = 4 if layout == "tp" else 3
+    width = 4 if layout in SPLIT_MODEL else 3
     inputs = [x.double() for x in batches(STEPS, 8, width)]
     make = RULES[rule][0]
     reference, ref_norms, ref_thresholds, _ = run(single_model(layout), make(), inputs)
     assert_reacts_to_spikes(reference)
+    assert max(float(n) for n in ref_norms) > 1.0, "no step for a fixed max_norm to clip"
     model = layout_model(layout)
     clip = make()
-    mine = inputs if layout == "tp" else [local_rows(x) for x in inputs]
+    mine = inputs if layout in SPLIT_MODEL else [local_rows(x) for x in inputs]
     ours, norms, thresholds, calls = run(model, clip, mine)
     assert calls == [expected_calls(layout, clip)] * STEPS, f"all_reduce calls per step {calls}"
     for step in range(STEPS):
         assert_identical(norms[step], ref_norms[step], f"last_norm at step {step}", True, RTOL)
-        assert_identical(thresholds[step], ref_thresholds[step], f"threshold {step}", True, RTOL)
+        where = f"threshold and tracked norms at step {step}"
+        assert_identical(thresholds[step], ref_thresholds[step], where, True, RTOL)
     entry = clip_entry(ours)
     assert_same_on_every_rank(entry, "the clip state")
     assert_identical(entry, clip_entry(reference), "clip state", nan_equal=True, rtol=RTOL)
@@ -297,6 +334,200 @@ def fsdp2_with_tp_norms_case() -> None:
     assert_whole_tensor_norms([grads[0], grads[-1], *grads[1:-1]], "fsdp2+tp")
 
 
+# --------------------------------------------------------------------------- unit cases
+
+
+def whole_units(t: Tensor) -> Tensor:
+    """Every unit's float64 norm of one tensor gathered whole: its rows, or all of it."""
+    whole = full(t.detach()).double()
+    if whole.dim() <= 1:
+        return torch.linalg.vector_norm(whole).reshape(1)
+    return torch.linalg.vector_norm(whole.flatten(1), dim=1)
+
+
+def assert_rows_in_place(t: Tensor, rows: Any) -> None:
+    """The shard's rows are the whole tensor's ``[start, start + count)``: some window of
+    its columns (a Shard(1) shard holds a few) equals the shard."""
+    shard = t.detach().to_local().flatten(1)  # type: ignore[attr-defined]
+    block = full(t.detach())[rows.start : rows.start + rows.count].flatten(1)
+    width = shard.shape[1]
+    windows = [block[:, k : k + width] for k in range(block.shape[1] - width + 1)]
+    assert any(torch.equal(shard, w) for w in windows), f"rows {rows} of {tuple(t.shape)}"
+
+
+def assert_whole_unit_norms(model: nn.Module, x: Tensor, what: str) -> None:
+    """One all_reduce for every unit of every grad and weight, every rank the same, each
+    norm the whole unit's; this rank's rows are where the layout says."""
+    weights = list(model.parameters())
+    grads = grads_of(model, x)
+    with CountAllReduce() as counter:
+        norms, weight_norms, rows = _units.whole_unit_norms(grads, weights, torch.float64)
+    assert counter.calls == 1, f"{what}: {counter.calls} all_reduce calls"
+    assert_same_on_every_rank((norms, weight_norms), what)
+    expected = torch.cat([whole_units(g) for g in grads])
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0.0, msg=what)
+    expected = torch.cat([whole_units(w) for w in weights])
+    torch.testing.assert_close(weight_norms, expected, rtol=1e-6, atol=0.0, msg=what)
+    for g, r in zip(grads, rows, strict=True):
+        if g.dim() >= 2:
+            assert_rows_in_place(g, r)
+
+
+def fsdp2_units_case() -> None:
+    """Shard(0) rows, uneven and an empty shard: each rank's rows at their offsets."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = mlp()
+    fully_shard_mlp(model, init_device_mesh("cpu", (WORLD_SIZE,)))
+    assert_whole_unit_norms(model, local_rows(batches(1, 8, 3)[0]), "fsdp2")
+
+
+def hsdp_units_case() -> None:
+    """(Replicate, Shard(0)) on a (2, 1) mesh: each replica's rows count once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE, 1), mesh_dim_names=("replicate", "shard"))
+    model = mlp()
+    fully_shard_mlp(model, mesh)
+    assert_whole_unit_norms(model, local_rows(batches(1, 8, 3)[0]), "hsdp")
+
+
+def tp_units_case() -> None:
+    """Colwise Shard(0), Rowwise Shard(1) (every row split), a Replicate bias."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = tp_model(3)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    assert_whole_unit_norms(model, batches(1, 6, 4, seed=11)[0], "tp")
+
+
+def fsdp2_with_tp_units_case() -> None:
+    """FSDP2 over TP: _StridedShard rows, and a LayerNorm on the dp sub-mesh."""
+    model = fsdp2_over_tp(tp_model(4, nn.LayerNorm(3)))
+    assert_whole_unit_norms(model, batches(1, 6, 4, seed=17)[0], "fsdp2+tp")
+
+
+def strided_rows_case() -> None:
+    """Rows strided across the ranks ({0, 2} and {1, 3}) are refused, on every rank,
+    before any grad changes; a 1-D tensor strided alike is one unit and is measured."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    placements = [_StridedShard(0, split_factor=2)]
+
+    def strided(local: Tensor, shape: tuple[int, ...]) -> Tensor:
+        stride = torch.empty(shape).stride()
+        return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
+
+    w = nn.Parameter(strided(torch.ones(2, 3), (4, 3)))
+    w.grad = strided(torch.full((2, 3), 5.0), (4, 3))
+    optimizer = clipopt.ClippedOptimizer(sgd([w]), max_norm=clipopt.AGC())
+    try:
+        optimizer.step()
+    except ValueError as error:
+        assert "(4, 3)" in str(error) and "_StridedShard" in str(error), error
+    else:
+        raise AssertionError("rows strided across ranks were not refused")
+    assert torch.equal(w.grad.to_local(), torch.full((2, 3), 5.0))  # type: ignore[union-attr]
+    bias = strided(torch.full((2,), 3.0 + dist.get_rank()), (4,))
+    norms, _, _ = _units.whole_unit_norms([bias], [bias], torch.float64)
+    torch.testing.assert_close(norms, torch.tensor([(2 * 9.0 + 2 * 16.0) ** 0.5]).double())
+
+
+def whole_norm(grads: list[Tensor], p: float) -> Tensor:
+    """All grads gathered whole (a collective), then the float64 norm of them together."""
+    return torch.linalg.vector_norm(torch.cat([full(g).double().flatten() for g in grads]), p)
+
+
+def sharded_models() -> list[tuple[str, nn.Module, Tensor]]:
+    """FSDP2 (an empty and uneven shards) and TP models, each with its rank's batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    fsdp = mlp()
+    fully_shard_mlp(fsdp, mesh)
+    tp = parallelize_module(tp_model(3), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fsdp_x, tp_x = local_rows(batches(1, 8, 3)[0]), batches(1, 6, 4, seed=11)[0]
+    return [("fsdp2", fsdp, fsdp_x), ("tp", tp, tp_x)]
+
+
+def step_norms_case() -> None:
+    """A step's norms with DTensor grads, from ONE all_reduce: a per-tensor rule's, tracked
+    by name, the global norm, and per group (finite orders; inf beside finite needs a
+    MAX too), each to 1e-6 of the float64 norm of the gathered whole grads."""
+    for layout, model, x in sharded_models():
+        params = list(model.parameters())
+        for p in (1.0, 2.0, 3.0, math.inf):
+            model.zero_grad()
+            grads = grads_of(model, x)
+            each, total = whole_norms(grads, p), whole_norm(grads, p)
+            rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
+            optimizer = clipopt.ClippedOptimizer(
+                torch.optim.SGD(params, lr=0.0), rule, p, track_tensor_norms=True
+            )
+            with CountAllReduce() as counter:
+                optimizer.step()
+            what = f"{layout} p={p}"
+            assert counter.calls == 1, f"{what}: {counter.calls} all_reduce calls"
+            tracked = optimizer.last_tensor_norms
+            assert tracked is not None and list(tracked) == [str(i) for i in range(len(grads))]
+            assert optimizer.last_norm is not None and rule.last_threshold is not None
+            torch.testing.assert_close(
+                torch.stack(list(tracked.values())).double(), each, rtol=1e-6, atol=0.0, msg=what
+            )
+            torch.testing.assert_close(
+                optimizer.last_norm.double(), total, rtol=1e-6, atol=0.0, msg=what
+            )
+            assert_same_on_every_rank(optimizer.state_dict()["clip"], what)
+        for orders, collectives in (((1.0, 3.0), 1), ((2.0, math.inf), 2)):
+            model.zero_grad()
+            grads = grads_of(model, x)
+            half = len(params) // 2
+            expected = [
+                whole_norm(grads[:half], orders[0]),
+                whole_norm(grads[half:], orders[1]),
+            ]
+            groups = [
+                {"params": params[:half], "clip_norm_type": orders[0]},
+                {"params": params[half:], "clip_norm_type": orders[1]},
+            ]
+            optimizer = clipopt.ClippedOptimizer(
+                torch.optim.SGD(groups, lr=0.0), 1e9, per_group=True, track_tensor_norms=True
+            )
+            with CountAllReduce() as counter:
+                optimizer.step()
+            what = f"{layout} per group {orders}"
+            assert counter.calls == collectives, f"{what}: {counter.calls} all_reduce calls"
+            assert optimizer.last_group_norms is not None and optimizer.last_norm is not None
+            torch.testing.assert_close(
+                optimizer.last_group_norms.double(),
+                torch.stack(expected),
+                rtol=1e-6,
+                atol=0.0,
+                msg=what,
+            )
+            torch.testing.assert_close(
+                optimizer.last_norm.double(),
+                torch.linalg.vector_norm(torch.stack(expected)),
+                rtol=1e-6,
+                atol=0.0,
+                msg=what,
+            )
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -316,6 +547,12 @@ CASES: dict[str, Callable[[], None]] = {
     "hsdp_norms": hsdp_norms_case,
     "tp_norms": tp_norms_case,
     "fsdp2_with_tp_norms": fsdp2_with_tp_norms_case,
+    "fsdp2_units": fsdp2_units_case,
+    "hsdp_units": hsdp_units_case,
+    "tp_units": tp_units_case,
+    "fsdp2_with_tp_units": fsdp2_with_tp_units_case,
+    "strided_rows": strided_rows_case,
+    "step_norms": step_norms_case,
     **_rule_cases(),
 }
 
@@ -415,6 +652,94 @@ def test_per_tensor_norms_of_dtensors_match_float64(
     torch.testing.assert_close(norms.double(), expected, rtol=1e-6, atol=0.0)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=2), min_size=1, max_size=6),
+    kinds=st.lists(st.sampled_from(["shard", "replicate", "none"]), min_size=6, max_size=6),
+    orders=st.lists(st.sampled_from([1.0, 1.5, 2.0, 3.0, math.inf]), min_size=3, max_size=3),
+    per_group=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+)
+def test_a_dtensor_step_measurement_matches_float64(
+    mesh_of_one: Any,
+    float64_norm: Any,
+    sizes: list[list[int]],
+    kinds: list[str],
+    orders: list[float],
+    per_group: bool,
+    dtype: torch.dtype,
+) -> None:
+    """Each grad's norm, each group's and the total, in groups with grads missing ("none"),
+    from the reduced sums of powers: one all_reduce (a MAX as well where inf and finite
+    orders mix across groups), each norm to 1e-6 of float64."""
+    from clipopt import _monitor, _step
+
+    gen = torch.Generator().manual_seed(len(sizes) * 7 + len(sizes[0]))
+    locals_ = [(torch.randn(tuple(s), generator=gen) * 3).to(dtype) for s in sizes]
+    params, grads_of_param = [], []
+    for t, kind in zip(locals_, kinds, strict=False):
+        placement = "shard" if kind == "none" else kind
+        q = nn.Parameter(dtensor(torch.zeros_like(t), mesh_of_one, placement))
+        q.grad = None if kind == "none" else dtensor(t, mesh_of_one, placement)
+        params.append(q)
+        grads_of_param.append(None if kind == "none" else t)
+    split = [params[0::3], params[1::3], params[2::3]]
+    kept = [grads_of_param[0::3], grads_of_param[1::3], grads_of_param[2::3]]
+    if not per_group:
+        orders = [orders[0]] * 3
+    groups = [{"params": group} for group in split]
+    grads = _step.collect_grads(groups)
+    with CountAllReduce() as counter:
+        measured = _monitor.measure_per_tensor(
+            grads, None, orders, 2.0, per_group, None, lambda: split, strict=True
+        )
+    finite = {p != math.inf for p in orders}
+    assert counter.calls == len(finite)
+    each = [
+        float64_norm([t], p)
+        for ts, p in zip(kept, orders, strict=True)
+        for t in ts
+        if t is not None
+    ]
+    assert measured.tensor_norms is not None and measured.tensor_norms.shape == (len(each),)
+    torch.testing.assert_close(
+        measured.tensor_norms.double(), torch.tensor(each, dtype=torch.float64), rtol=1e-6, atol=0
+    )
+    wanted = [float64_norm(ts, p) for ts, p in zip(kept, orders, strict=True)]
+    if per_group:
+        total = float(torch.linalg.vector_norm(torch.tensor(wanted, dtype=torch.float64)))
+        assert measured.stacked is not None
+        torch.testing.assert_close(
+            measured.stacked.double(), torch.tensor(wanted, dtype=torch.float64), rtol=1e-6, atol=0
+        )
+    else:
+        total = float64_norm([t for ts in kept for t in ts], orders[0])
+    double = dtype == torch.float64 and any(grads)  # no grad: float32, as the global norm
+    assert measured.norm.dtype == (torch.float64 if double else torch.float32)
+    torch.testing.assert_close(
+        measured.norm.double(), torch.tensor(total, dtype=torch.float64), rtol=1e-6, atol=0
+    )
+
+
+def test_mixed_plain_and_dtensor_grads_are_refused_per_tensor(mesh_of_one: Any) -> None:
+    """A per-tensor rule or tracked norms: the ValueError of the global norm, before any
+    grad or state changes."""
+    sharded = nn.Parameter(dtensor(torch.zeros(2), mesh_of_one, "shard"))
+    plain = nn.Parameter(torch.zeros(3))
+    for clip in (
+        {"max_norm": clipopt.AdaGC(warmup_steps=0)},
+        {"max_norm": 1.0, "track_tensor_norms": True},
+    ):
+        optimizer = clipopt.ClippedOptimizer(sgd([sharded, plain]), **clip)
+        sharded.grad = dtensor(torch.full((2,), 5.0), mesh_of_one, "shard")
+        plain.grad = torch.full((3,), 5.0)
+        with pytest.raises(ValueError, match="DTensor and plain"):
+            optimizer.step()
+        assert torch.equal(plain.grad, torch.full((3,), 5.0))
+        assert optimizer.last_norm is None and int(optimizer.step_count) == 0
+        assert optimizer.rule is None or optimizer.rule.last_threshold is None
+
+
 def test_plain_grads_take_no_collective(mesh_of_one: Any) -> None:
     """DDP's case: whole grads on every rank, each norm local, as in one process."""
     params = [nn.Parameter(torch.zeros(s)) for s in ((3,), (2, 2))]
@@ -432,7 +757,7 @@ def test_plain_grads_take_no_collective(mesh_of_one: Any) -> None:
 def test_a_per_tensor_step_on_dtensors_reads_nothing_on_the_host(
     mesh_of_one: Any, no_host_sync: Any
 ) -> None:
-    """Two all_reduces (the global norm, then every grad's) and no host read."""
+    """One all_reduce (every grad's norm, and from them the global norm), no host read."""
     params = [nn.Parameter(dtensor(torch.zeros(s), mesh_of_one, "shard")) for s in (3, 4)]
     rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
     optimizer = clipopt.ClippedOptimizer(sgd(params), max_norm=rule)
@@ -441,7 +766,7 @@ def test_a_per_tensor_step_on_dtensors_reads_nothing_on_the_host(
             q.grad = dtensor(torch.full(q.shape, value), mesh_of_one, "shard")
         with CountAllReduce() as counter, no_host_sync():
             optimizer.step()
-        assert counter.calls == 2
+        assert counter.calls == 1
     assert rule.last_threshold is not None
     # The median of the last norms, 3 * sqrt(3) and 4 * sqrt(3), for the first grad.
     threshold = 3.5 * 3.0**0.5
@@ -498,5 +823,263 @@ def test_cuda_dtensor_per_tensor_norms_stay_on_the_device(
             q.grad = dtensor(t * (step + 1), mesh, "shard")
         with CountAllReduce() as counter, no_host_sync():
             optimizer.step()
-        assert counter.calls == 2
+        assert counter.calls == 1
     assert rule.last_threshold is not None and rule.last_threshold.device.type == "cuda"
+
+
+# --------------------------------------------------------------------------- AGC, one process
+
+
+def agc_dtensors(mesh: Any, shapes: list[tuple[int, ...]], kinds: list[str]) -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        nn.Parameter(dtensor(torch.randn(s, generator=gen), mesh, kind))
+        for s, kind in zip(shapes, kinds, strict=True)
+    ]
+
+
+def test_an_agc_step_on_dtensors_is_timms_and_reads_nothing_on_the_host(
+    mesh_of_one: Any, no_host_sync: Any
+) -> None:
+    """Shard(0) and Replicate weights of 1, 2 and 4 dims: the grads and last_threshold of
+    timm's AGC in float64, every unit of every tensor; two all_reduces (the global
+    norm's and the units'), no host read."""
+    shapes = [(4, 3), (5,), (2, 3, 2, 2), (3, 2)]
+    kinds = ["shard", "shard", "shard", "replicate"]
+    params = agc_dtensors(mesh_of_one, shapes, kinds)
+    rule = clipopt.AGC(clipping=0.05)
+    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.0), max_norm=rule)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(3):
+        values = [torch.randn(s, generator=gen) * 10.0**step for s in shapes]
+        for q, v, kind in zip(params, values, kinds, strict=True):
+            q.grad = dtensor(v.clone(), mesh_of_one, kind)
+        with CountAllReduce() as counter, no_host_sync():
+            optimizer.step()
+        assert counter.calls == 2
+        weights = [q.detach().to_local() for q in params]  # type: ignore[attr-defined]
+        clipped, thresholds, scaled = timm_agc(weights, values, 0.05, 1e-3, torch.float64)
+        for q, expected in zip(params, clipped, strict=True):
+            got = q.grad.to_local().double()  # type: ignore[union-attr]
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0)
+        assert rule.last_threshold is not None
+        torch.testing.assert_close(rule.last_threshold.double(), torch.cat(thresholds))
+    assert int(rule.clipped_count) >= 2 and scaled
+
+
+def test_agc_refuses_a_grad_laid_out_otherwise_than_its_parameter(mesh_of_one: Any) -> None:
+    """Before any grad changes, naming the parameter's shape and both placements."""
+    (w,) = agc_dtensors(mesh_of_one, [(4, 3)], ["shard"])
+    w.grad = dtensor(torch.full((4, 3), 5.0), mesh_of_one, "replicate")
+    optimizer = clipopt.ClippedOptimizer(sgd([w]), max_norm=clipopt.AGC())
+    with pytest.raises(ValueError, match=r"shape \(4, 3\) with placements \(Shard\(dim=0\),\)"):
+        optimizer.step()
+    assert torch.equal(w.grad.to_local(), torch.full((4, 3), 5.0))  # type: ignore[union-attr]
+    assert optimizer.last_norm is None and optimizer.rule is not None
+    assert int(optimizer.rule.clipped_count) == 0
+
+
+def test_agc_refuses_a_shard_whose_rows_are_not_its_layouts(mesh_of_one: Any) -> None:
+    """A shard of 3 rows said to be all 5 rows of its tensor on a mesh of one."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def wrong(value: float) -> Tensor:
+        local = torch.full((3, 2), value)
+        return DTensor.from_local(local, mesh_of_one, [Shard(0)], shape=(5, 2), stride=(2, 1))
+
+    w = nn.Parameter(wrong(1.0))
+    w.grad = wrong(5.0)
+    optimizer = clipopt.ClippedOptimizer(sgd([w]), max_norm=clipopt.AGC())
+    with pytest.raises(ValueError, match=r"shape \(5, 2\).*holds 3 rows, not 5"):
+        optimizer.step()
+    assert torch.equal(w.grad.to_local(), torch.full((3, 2), 5.0))  # type: ignore[union-attr]
+
+
+def test_unit_norms_refuse_partial_and_mixed_tensors(mesh_of_one: Any) -> None:
+    """A Partial grad has no norm until reduced (1-D and 2-D); a plain weight beside a
+    DTensor grad carries no placement to match it with."""
+    for shape in ((3,), (3, 2)):
+        partial = dtensor(torch.ones(shape), mesh_of_one, "partial")
+        with pytest.raises(ValueError, match=re.escape(f"shape {shape}") + ".*Partial"):
+            _units.whole_unit_norms([partial], [partial], torch.float32)
+    shard = dtensor(torch.ones(3, 2), mesh_of_one, "shard")
+    with pytest.raises(ValueError, match="DTensor and plain"):
+        _units.whole_unit_norms([shard], [torch.ones(3, 2)], torch.float32)
+
+
+def test_unit_norms_refuse_a_grad_shard_unlike_its_weights_and_unrelated_meshes(
+    mesh_of_one: Any,
+) -> None:
+    """A 1-D grad whose shard is not its weight's shard; tensors on two meshes built
+    apart (which ranks of which root they span is unknown)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = mesh_of_one
+    weight = DTensor.from_local(torch.ones(3), mesh, [Shard(0)], shape=(3,), stride=(1,))
+    grad = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], shape=(3,), stride=(1,))
+    with pytest.raises(ValueError, match=r"shape \(3,\).*grad's shard is \(2,\), not \(3,\)"):
+        _units.whole_unit_norms([grad], [weight], torch.float32)
+    one = init_device_mesh("cpu", (1,), mesh_dim_names=("one",))
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
+    pair = [dtensor(torch.ones(2), one, "shard"), dtensor(torch.ones(2), other, "shard")]
+    with pytest.raises(ValueError, match="sub-meshes of one root mesh"):
+        _units.whole_unit_norms(pair, pair, torch.float32)
+
+
+def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
+    """On a (2, 2) mesh, _StridedShard on dp then Shard on tp (FSDP2 over TP) gives each
+    rank a range of rows; the other order, or a _StridedShard alone, strides them."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    strided = _StridedShard(0, split_factor=2)
+    for rows in (8, 7, 5, 4, 1, 0):
+        shape = (rows, 3)
+        assert _units._rows_are_ranges(shape, (2, 2), (strided, Shard(0)), [0, 0])
+        if rows >= 4:  # rows {0, 2} and {1, 3} of 4, {0, 1, 3} and {2, 4} of 5
+            assert not _units._rows_are_ranges(shape, (2,), (strided,), [0])
+        if rows >= 7:  # each half cut as the 4 rows above
+            assert not _units._rows_are_ranges(shape, (2, 2), (Shard(0), strided), [0, 0])
+
+
+def pieces(ids: Tensor, count: int) -> list[Tensor]:
+    """``ids`` cut by torch.chunk into ``count`` pieces, the missing last ones empty."""
+    found = list(ids.chunk(count)) if ids.numel() else []
+    return found + [ids[:0]] * (count - len(found))
+
+
+def simulated_rows(
+    rows: int, mesh_shape: tuple[int, ...], at: tuple[int, ...], kinds: Any
+) -> Tensor:
+    """The rows the rank at ``at`` holds, cut as DTensor documents its placements: Shard
+    takes its chunk of the rows left; _StridedShard(sf) cuts them into sf chunks first
+    and takes its piece of each (what TP then FSDP2 leave on a rank)."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    ids = torch.arange(rows)
+    for size, index, kind in zip(mesh_shape, at, kinds, strict=True):
+        if isinstance(kind, _StridedShard) and kind.dim == 0:
+            parts = pieces(ids, kind.split_factor)
+            ids = torch.cat([pieces(part, size)[index] for part in parts])
+        elif isinstance(kind, Shard) and kind.dim == 0:
+            ids = pieces(ids, size)[index]
+    return ids
+
+
+def placement_kinds() -> Any:
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    strided = [_StridedShard(0, split_factor=f) for f in (2, 3)]
+    return st.sampled_from([Replicate(), Shard(0), Shard(1), *strided])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(0, 12),
+    mesh_shape=st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple),
+    data=st.data(),
+)
+def test_each_ranks_rows_are_where_the_placements_put_them(
+    rows: int, mesh_shape: tuple[int, ...], data: Any
+) -> None:
+    """Over every coordinate of a mesh of up to 3 dims: the rows each rank holds are the
+    range found, and a layout is refused exactly when some rank's rows are not a range."""
+    import itertools
+
+    kinds = tuple(data.draw(placement_kinds()) for _ in mesh_shape)
+    shape = (rows, 4)
+    coordinates = list(itertools.product(*(range(n) for n in mesh_shape)))
+    held = [simulated_rows(rows, mesh_shape, at, kinds) for at in coordinates]
+    ranges = all(
+        torch.equal(h, torch.arange(int(h[0]), int(h[0]) + len(h))) for h in held if len(h)
+    )
+    for at, ids in zip(coordinates, held, strict=True):
+        found = _units.rows_at(shape, mesh_shape, at, kinds)
+        if not ranges:
+            assert found is None, (at, kinds, held)
+            continue
+        assert found is not None and found.units == rows and found.count == len(ids), (at, kinds)
+        if len(ids):
+            assert found.start == int(ids[0]), (at, kinds, held)
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "kinds"),
+    [
+        ((2, 2), ("shard0", "shard1")),
+        ((2, 2), ("replicate", "shard1")),
+        ((3, 2), ("shard0", "shard0")),
+    ],
+)
+def test_placed_shares_of_four_or_six_ranks_sum_to_each_rows_norm(
+    mesh_shape: tuple[int, int], kinds: tuple[str, str]
+) -> None:
+    """What the one all_reduce sums, for layouts two ranks cannot make: rows and columns
+    split on a 2-D mesh, replicas, rows split twice (uneven, some ranks empty)."""
+    import itertools
+
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    placements = tuple(
+        {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}[k] for k in kinds
+    )
+    whole = torch.randn(5, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    replicas = math.prod(n for n, k in zip(mesh_shape, kinds, strict=True) if k == "replicate")
+    total = torch.zeros(5, dtype=torch.float64)
+    for at in itertools.product(*(range(n) for n in mesh_shape)):
+        ids = simulated_rows(5, mesh_shape, at, placements)
+        columns = torch.arange(7)
+        for n, index, k in zip(mesh_shape, at, kinds, strict=True):
+            if k == "shard1":
+                columns = pieces(columns, n)[index]
+        local = whole[ids][:, columns]
+        rows = _units.rows_at((5, 7), mesh_shape, at, placements)
+        assert rows is not None
+        share = torch.linalg.vector_norm(local, dim=1).square() if local.numel() else local.sum(1)
+        total += _units._placed(share, rows, replicas)
+    expected = torch.linalg.vector_norm(whole, dim=1).square()
+    torch.testing.assert_close(total, expected, rtol=1e-12, atol=0.0)
+
+
+@given(size=st.integers(0, 40), chunks=st.integers(1, 9), data=st.data())
+def test_chunks_are_torch_chunks(size: int, chunks: int, data: Any) -> None:
+    """Each rank's rows, as torch.chunk cuts them (the missing last chunks empty)."""
+    index = data.draw(st.integers(0, chunks - 1))
+    pieces = list(torch.arange(size).chunk(chunks)) if size else []
+    piece = pieces[index] if index < len(pieces) else torch.zeros(0)
+    start, count = _units._chunk(size, chunks, index)
+    assert count == piece.numel()
+    if count:
+        assert start == int(piece[0])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and NCCL")
+def test_cuda_agc_step_on_dtensors_stays_on_the_device(mesh_of_one: Any) -> None:
+    """After a first step (NCCL's set-up), an AGC step waits for nothing on the GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (1,))
+    shapes, kinds = [(4, 3), (5,), (3, 2)], ["shard", "shard", "replicate"]
+    gen = torch.Generator().manual_seed(5)
+    params = [
+        nn.Parameter(dtensor(torch.randn(s, generator=gen).cuda(), mesh, kind))
+        for s, kind in zip(shapes, kinds, strict=True)
+    ]
+    rule = clipopt.AGC(clipping=0.05)
+    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.0), max_norm=rule)
+    for step in range(3):
+        values = [torch.randn(s, generator=gen).cuda() * 10.0**step for s in shapes]
+        for q, v, kind in zip(params, values, kinds, strict=True):
+            q.grad = dtensor(v.clone(), mesh, kind)
+        if step == 0:
+            optimizer.step()
+            continue
+        with sync_is_an_error():
+            optimizer.step()
+    weights = [q.detach().to_local().cpu() for q in params]  # type: ignore[attr-defined]
+    clipped, thresholds, _ = timm_agc(weights, [v.cpu() for v in values], 0.05, 1e-3, torch.float64)
+    for q, expected in zip(params, clipped, strict=True):
+        got = q.grad.to_local().double().cpu()  # type: ignore[union-attr]
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0)
+    assert rule.last_threshold is not None and rule.last_threshold.device.type == "cuda"
+    torch.testing.assert_close(rule.last_threshold.double().cpu(), torch.cat(thresholds))

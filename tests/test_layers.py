@@ -20,8 +20,8 @@ LAYERS: list[set[str]] = [
     {"_cpu"},  # the C kernels' Python side
     {"_torch_norms", "_plan"},  # partial norms of CPU grads by torch ops; kept groupings
     {"_kernels", "_mesh", "_collective"},  # local norms, scales; DTensor shards; collectives
-    # across ranks, of the total and per tensor; settings; skips; the rule protocol
-    {"_reduce", "_per_tensor", "_clip_state", "_nonfinite", "_rule"},
+    # across ranks, of the total, per tensor and per unit; settings; skips; the rule protocol
+    {"_reduce", "_per_tensor", "_units", "_clip_state", "_nonfinite", "_rule"},
     # the API; the step; the fold; one module per rule
     {"functional", "_step", "_fused", "_adagc", "_agc", "_autoclip", "_zclip", "_spike_skip"},
     {"_wrapper", "rules", "_monitor"},  # the wrapper; the rules' facade; per-tensor norms

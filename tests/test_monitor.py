@@ -285,26 +285,3 @@ def test_bad_settings_are_refused_naming_the_value() -> None:
             process_group=object(),  # type: ignore[arg-type]
             track_tensor_norms=True,
         )
-
-
-def test_the_dtensor_path_adds_the_same_norms_to_the_usual_measurement() -> None:
-    """``with_tensor_norms`` (what DTensor grads take: the usual global norm plus each
-    whole tensor's norm across ranks) gives, on plain grads, what the one-pass path gives."""
-    from clipopt import _monitor, _reduce, _step
-
-    net = model()
-    params = list(net.parameters())
-    inner = torch.optim.SGD(net.named_parameters(), lr=0.0)
-    backward(net)
-    grads = _step.collect_grads(inner.param_groups)
-    names = _monitor.grad_names(inner.param_groups)
-    scope = _reduce.NormScope(None, None, params=params)
-    usual = _step.measure(grads, [2.0], 2.0, False, scope, None, params)
-    added = _monitor.with_tensor_norms(usual, grads, names, [2.0], None)
-    one_pass = _monitor.measure_per_tensor(grads, names, [2.0], 2.0, False, None)
-    assert (
-        added.tensor_names == one_pass.tensor_names == tuple(n for n, _ in net.named_parameters())
-    )
-    assert added.tensor_norms is not None and one_pass.tensor_norms is not None
-    torch.testing.assert_close(added.tensor_norms, one_pass.tensor_norms, rtol=1e-6, atol=0)
-    torch.testing.assert_close(added.norm, one_pass.norm, rtol=3e-7, atol=0)

@@ -1,0 +1,309 @@
+"""Units of a tensor and their L2 norms, of the whole unit across ranks: what AGC measures.
+
+A unit (Brock et al., 2021, the NFNets paper) is a slice along dim 0 of a tensor of 2
+dims or more (a row of a linear weight, an output channel of a conv kernel), or the
+whole of a 0- or 1-D tensor. On a DTensor (FSDP2, HSDP, tensor parallel) a rank may hold
+whole units (Shard(0) rows), parts of units (a 1-D tensor sharded on dim 0, a weight
+sharded on dim 1 by row-parallel TP) or copies (Replicate). Every unit's squared norm is
+the sum over the ranks of the reduction mesh of each rank's share: the squared norm of
+the part it holds, divided by how many ranks hold that part (as
+:mod:`clipopt._per_tensor` weighs replicas). Each rank puts its shares of each tensor's
+units at those units' global positions (zeros elsewhere), so one float64 ``all_reduce``
+of one 1-D tensor gives every rank every unit's norm, whatever the layout, as long as
+the rows a rank holds are one contiguous range (refused otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from clipopt import _mesh
+from clipopt._collective import REDUCE_DTYPE, collective_device, reduce_sum
+from clipopt._torch_norms import accumulate_dtype
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["Rows", "local_rows", "rows_at", "unit_norms", "unit_shape", "whole_unit_norms"]
+
+
+def unit_shape(t: Tensor) -> tuple[int, ...]:
+    """The shape of one coefficient per unit of ``t``, broadcastable to it: ``(rows, 1,
+    ...)`` for a tensor of 2 dims or more (a unit is a slice along dim 0: a row of a
+    linear weight, an output channel of a conv kernel), ``()`` for the whole of a 0- or
+    1-D tensor."""
+    return (t.shape[0],) + (1,) * (t.dim() - 1) if t.dim() >= 2 else ()
+
+
+def unit_norms(tensors: Sequence[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The L2 norm of every unit of every tensor, in one 1-D tensor in order.
+
+    A tensor of 2 dims or more has one unit per index of dim 0, measured over all its
+    other dims by one ``vector_norm`` (no copy, whatever the strides); 0- and 1-D tensors
+    are one unit each, measured by one ``torch._foreach_norm`` per device and dtype.
+    Half types accumulate in float32, others in their own dtype, as timm's
+    ``unitwise_norm`` (``Tensor.norm``) does; the result is on ``device`` in ``dtype``.
+
+    Example:
+      >>> import torch
+      >>> from clipopt._units import unit_norms
+      >>> unit_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([6.0, 8.0])],
+      ...            torch.device("cpu"), torch.float32)
+      tensor([ 5.,  1., 10.])
+    """
+    parts: list[Tensor | None] = [None] * len(tensors)
+    whole: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.dim() <= 1 and t.numel() > 0:
+            whole.setdefault((t.device, t.dtype), []).append(i)
+        else:
+            dims = tuple(range(1, t.dim())) if t.dim() >= 2 else None
+            parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
+    for (_, kind), indices in whole.items():
+        group = [tensors[i] for i in indices]
+        found = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
+        for i, norm in zip(indices, found, strict=True):
+            parts[i] = norm
+    ready = [cast(Tensor, part).reshape(-1).to(device=device, dtype=dtype) for part in parts]
+    return torch.cat(ready)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where this rank's units of a tensor lie among the whole tensor's ``units``: the
+    ``count`` of them from ``start`` (a 0- or 1-D tensor: its one unit)."""
+
+    units: int
+    start: int
+    count: int
+
+
+def local_rows(t: Tensor) -> Rows:
+    """This rank's units of ``t``: all of them for a plain tensor.
+
+    Raises:
+      ValueError: the rows a DTensor's shard holds are not one contiguous range of the
+        whole tensor's (a ``_StridedShard`` of dim 0 other than FSDP2's over TP), or not
+        as many as its layout says, or a placement is Partial (or not Shard,
+        _StridedShard or Replicate).
+    """
+    if not _mesh.dtensors([t]):
+        return _plain_rows(t)
+    grad = cast("DTensor", t)
+    _check_placements(grad)
+    if grad.dim() <= 1:
+        return Rows(1, 0, 1)
+    rows = _dtensor_rows(tuple(grad.shape), grad.device_mesh, tuple(grad.placements))
+    if grad._local_tensor.shape[0] != rows.count:
+        held = grad._local_tensor.shape[0]
+        raise ValueError(_layout_error(grad, f"its shard holds {held} rows, not {rows.count}"))
+    return rows
+
+
+def _plain_rows(t: Tensor) -> Rows:
+    units = t.shape[0] if t.dim() >= 2 else 1
+    return Rows(units, 0, units)
+
+
+def _check_placements(t: DTensor) -> None:
+    """Only Shard, _StridedShard and Replicate say which part of each unit a rank holds."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    for placement in t.placements:
+        if placement.is_partial():
+            why = "a Partial tensor has no norm until it is reduced; redistribute it first"
+            raise ValueError(_layout_error(t, why))
+        if not isinstance(placement, (Shard, _StridedShard, Replicate)):
+            raise ValueError(_layout_error(t, "only Shard and Replicate say where its units are"))
+
+
+def _shard_dim(placement: Placement) -> int | None:
+    """The tensor dim a Shard or _StridedShard splits, None for Replicate."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    return int(placement.dim) if isinstance(placement, (Shard, _StridedShard)) else None
+
+
+def _chunk(size: int, chunks: int, index: int) -> tuple[int, int]:
+    """The start and length of chunk ``index`` of ``size`` rows cut into ``chunks`` as
+    ``torch.chunk`` cuts them (DTensor's Shard and FSDP2 do): the last ones may be
+    shorter or empty."""
+    length = -(-size // chunks)
+    start = min(index * length, size)
+    return start, min(start + length, size) - start
+
+
+@functools.lru_cache(maxsize=4096)
+def _dtensor_rows(
+    shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> Rows:
+    """This rank's rows of a DTensor of ``shape`` (2 dims or more), from its layout alone;
+    the same layout gives the same rows every step, so it is worked out once."""
+    coordinate = tuple(cast(list[int], mesh.get_coordinate()))
+    rows = rows_at(shape, tuple(mesh.shape), coordinate, placements)
+    if rows is None:
+        raise ValueError(
+            f"AGC needs each rank's rows of a parameter to be one contiguous range; a "
+            f"parameter of shape {shape} with placements {placements} on {mesh} has "
+            "rows strided across ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
+        )
+    return rows
+
+
+def rows_at(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    placements: tuple[Placement, ...],
+) -> Rows | None:
+    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` of a
+    mesh of ``mesh_shape`` holds, or None when some rank's rows are not one range."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dims = [_shard_dim(p) for p in placements]
+    if any(isinstance(p, _StridedShard) and d == 0 for p, d in zip(placements, dims, strict=True)):
+        if not _rows_are_ranges(shape, mesh_shape, placements, dims):
+            return None
+        local, offset = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, list(coordinate), placements
+        )
+        return Rows(shape[0], offset[0] if local[0] else shape[0], local[0])
+    start, count = 0, shape[0]
+    for mesh_dim, dim in enumerate(dims):  # left to right, as DTensor places them
+        if dim == 0:
+            begin, count = _chunk(count, mesh_shape[mesh_dim], coordinate[mesh_dim])
+            start += begin
+    return Rows(shape[0], start, count)
+
+
+def _rows_are_ranges(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    dims: list[int | None],
+) -> bool:
+    """Whether every rank's rows are ``[offset, offset + count)``, torch's first offset
+    and count: true when those ranges, over the mesh coordinates that split dim 0, tile
+    the rows (a rank's rows are a set of ``count`` rows, the least of them ``offset``,
+    and the ranks' sets tile them too)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    splitting = [m for m, d in enumerate(dims) if d == 0]
+    ranges = []
+    for flat in range(math.prod(mesh_shape[m] for m in splitting)):
+        coordinate = [0] * len(mesh_shape)
+        for m in reversed(splitting):
+            flat, coordinate[m] = divmod(flat, mesh_shape[m])
+        local, offset = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, coordinate, placements
+        )
+        if local[0]:
+            ranges.append((offset[0], offset[0] + local[0]))
+    if not ranges:
+        return True  # no rows at all
+    ranges.sort()
+    starts, ends = [start for start, _ in ranges], [end for _, end in ranges]
+    return starts[:1] == [0] and starts[1:] == ends[:-1] and ends[-1:] == [shape[0]]
+
+
+def _layout_error(t: DTensor, why: str) -> str:
+    return (
+        f"AGC cannot measure the units of a parameter of shape {tuple(t.shape)} with "
+        f"placements {t.placements} on {t.device_mesh}: {why}"
+    )
+
+
+def _check_pairs(grads: Sequence[DTensor], weights: Sequence[DTensor]) -> None:
+    """Each grad must be laid out as its weight: their units are matched shard by shard."""
+    for g, w in zip(grads, weights, strict=True):
+        if tuple(g.placements) != tuple(w.placements) or g.device_mesh != w.device_mesh:
+            raise ValueError(
+                _layout_error(w, f"its grad has placements {g.placements} on {g.device_mesh}")
+            )
+        if g._local_tensor.shape != w._local_tensor.shape:
+            raise ValueError(
+                _layout_error(
+                    w,
+                    f"its grad's shard is {tuple(g._local_tensor.shape)}, not "
+                    f"{tuple(w._local_tensor.shape)}",
+                )
+            )
+
+
+def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
+    """This rank's shares of a tensor's units, at their positions among all its units."""
+    share = share.div(replicas) if replicas > 1 else share
+    if rows.count == rows.units:
+        return share
+    return F.pad(share, (rows.start, rows.units - rows.start - rows.count))
+
+
+def whole_unit_norms(
+    grads: Sequence[Tensor], weights: Sequence[Tensor], dtype: torch.dtype
+) -> tuple[Tensor, Tensor, list[Rows]]:
+    """Every unit's norm of every grad and of its weight, whole across ranks.
+
+    Plain tensors are measured on this rank (DDP: whole on every rank), with no
+    collective. DTensors are measured as the module says, grads' and weights' shares in
+    ONE float64 ``all_reduce`` over the reduction mesh (one per mesh dim on an N-D mesh
+    over only some of the ranks, as :func:`clipopt._mesh.mesh_groups` says). Every rank
+    of the mesh must call this with the same parameters in the same order.
+
+    Args:
+      grads: at least one grad, all plain or all DTensors.
+      weights: their parameters, each laid out as its grad.
+      dtype: the dtype of the norms returned.
+
+    Returns:
+      The grads' unit norms and the weights', each 1-D with every unit of every tensor
+      in order (the same on every rank), on the first grad's local device in ``dtype``;
+      and each tensor's :class:`Rows`, this rank's units among them.
+
+    Raises:
+      ValueError: a DTensor mixed with a plain tensor, a Partial one, a grad laid out
+        otherwise than its weight, rows not one range (see :func:`local_rows`), or
+        meshes that are not named sub-meshes of one root. Raised on every rank alike,
+        before anything is sent.
+
+    Example:
+      >>> import torch
+      >>> from clipopt._units import whole_unit_norms
+      >>> g, w = torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.ones(2, 2)
+      >>> whole_unit_norms([g], [w], torch.float32)[:2]
+      (tensor([5., 1.]), tensor([1.4142, 1.4142]))
+    """
+    tensors = [*grads, *weights]
+    device = grads[0].device
+    found = _mesh.dtensors(tensors)
+    if not found:
+        norms = unit_norms([*grads, *(w.detach() for w in weights)], device, dtype)
+        half = norms.numel() // 2
+        return norms[:half], norms[half:], [_plain_rows(g) for g in grads]
+    rows = [local_rows(g) for g in grads]
+    _mesh.check_unmixed(tensors, found)
+    _check_pairs(found[: len(grads)], found[len(grads) :])
+    mesh = _mesh.reduction_mesh(found)
+    replicas = [_mesh.replica_count(g, mesh) for g in found[: len(grads)]]
+    groups = _mesh.mesh_groups(mesh, None)
+    shards = [t._local_tensor.detach() for t in found]
+    squares = unit_norms(shards, device, REDUCE_DTYPE).square()
+    counts = [r.count for r in rows] * 2
+    shares = [
+        _placed(share, r, n)
+        for share, r, n in zip(torch.split(squares, counts), rows * 2, replicas * 2, strict=True)
+    ]
+    reduced = reduce_sum(shares, groups, collective_device(shares, groups)).sqrt()
+    norms = reduced.to(device=device, dtype=dtype)
+    half = norms.numel() // 2
+    return norms[:half], norms[half:], rows
