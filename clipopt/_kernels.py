@@ -320,6 +320,10 @@ def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:
 
     An infinite norm still gives 0, as in torch.
     """
+    if not isinstance(max_norm, Tensor):
+        found = _cpu.coefficient(max_norm, norm, EPS)  # these ops' bits, in one C call
+        if found is not None:
+            return found
     coef: Tensor = torch.clamp(max_norm / (norm + EPS), max=1.0)
     invalid = (coef > 0) & (coef < torch.finfo(coef.dtype).tiny)
     if isinstance(max_norm, Tensor):

@@ -896,6 +896,45 @@ static PyObject *native_any_instance(PyObject *self, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
+/* min(1, max_norm / (norm + eps)) as clipopt._kernels.clip_coefficient's torch ops
+ * round it, in the norm's precision: eps and max_norm rounded to it first, the quotient
+ * as a reciprocal times max_norm (torch's scalar / tensor), a NaN norm kept, and a
+ * coefficient in (0, smallest normal) made NaN. */
+#define DEFINE_COEFFICIENT(NAME, TYPE, TINY)                                            \
+    static TYPE NAME(TYPE norm, double max_norm, double eps) {                          \
+        TYPE shifted = norm + (TYPE)eps;                                                \
+        TYPE coefficient = ((TYPE)1 / shifted) * (TYPE)max_norm;                        \
+        if (coefficient > (TYPE)1) coefficient = (TYPE)1;                               \
+        return coefficient > 0 && coefficient < TINY ? (TYPE)NAN : coefficient;         \
+    }
+DEFINE_COEFFICIENT(coefficient_f32, float, FLT_MIN)
+DEFINE_COEFFICIENT(coefficient_f64, double, DBL_MIN)
+
+PyDoc_STRVAR(coefficient_doc,
+             "coefficient(norm_address, dtype, max_norm, eps, out_address)\n\n"
+             "Writes min(1, max_norm / (norm + eps)), rounded as torch's float ops round it\n"
+             "(NaN for a NaN norm or a coefficient below the smallest normal), from the\n"
+             "scalar at norm_address to the one at out_address; dtype 0 float32, 1 float64.");
+
+static PyObject *native_coefficient(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long norm_address, out_address;
+    int dtype;
+    double max_norm, eps;
+    if (!PyArg_ParseTuple(args, "KiddK", &norm_address, &dtype, &max_norm, &eps, &out_address))
+        return NULL;
+    if (dtype == FLOAT32) {
+        float norm = *(const float *)(uintptr_t)norm_address;
+        *(float *)(uintptr_t)out_address = coefficient_f32(norm, max_norm, eps);
+    } else if (dtype == FLOAT64) {
+        double norm = *(const double *)(uintptr_t)norm_address;
+        *(double *)(uintptr_t)out_address = coefficient_f64(norm, max_norm, eps);
+    } else {
+        return PyErr_Format(PyExc_ValueError, "dtype must be 0 or 1, got %d", dtype);
+    }
+    Py_RETURN_NONE;
+}
+
 static int cpu_has_f16c(void) {
 #if F16C_PATH
     __builtin_cpu_init();
@@ -927,6 +966,7 @@ static PyMethodDef methods[] = {
     {"scale_layout", native_scale_layout, METH_VARARGS, scale_layout_doc},
     {"float16_by_f16c", native_float16_by_f16c, METH_O, float16_by_f16c_doc},
     {"grads", native_grads, METH_O, grads_doc},
+    {"coefficient", native_coefficient, METH_VARARGS, coefficient_doc},
     {"any_instance", native_any_instance, METH_VARARGS, any_instance_doc},
     {NULL, NULL, 0, NULL},
 };

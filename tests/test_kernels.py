@@ -405,6 +405,31 @@ def test_clip_coefficient_is_one_below_the_threshold_and_exact_above() -> None:
     torch.testing.assert_close(coefficients[3], torch.tensor(1.0 / (4.0 + _kernels.EPS)))
 
 
+SPECIAL_NORMS = [0.0, 1e-45, 1e-38, 1e-7, 1e-6, 0.5, 1.0, 3.0, 1e19, 1e30, 3e38, 1e300]
+
+
+@pytest.mark.skipif(not _cpu.available(), reason="the C kernel is not in use")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clip_coefficient_by_c_has_the_torch_ops_bits(dtype: torch.dtype) -> None:
+    """A number max_norm and a CPU norm take one C call: the bits of the torch ops (run
+    with the kernel left unused), for random norms and thresholds over 80 decades and at
+    the edges (0, subnormal, huge, inf, NaN: a coefficient past the smallest normal and
+    a NaN norm are NaN, an inf norm 0)."""
+    generator = torch.Generator().manual_seed(8)
+    exponents = torch.rand(4000, generator=generator, dtype=torch.float64) * 80 - 40
+    norms = [*SPECIAL_NORMS, math.inf, math.nan, *(10**exponents).tolist()]
+    thresholds = [1e-30, 1e-6, 0.5, 1.0, 2.5, 1e30, 1e300]
+    for i, value in enumerate(norms):
+        norm = torch.tensor(value, dtype=dtype)
+        for max_norm in thresholds if i < len(SPECIAL_NORMS) + 2 else thresholds[i % 7 : i % 7 + 1]:
+            got = _kernels.clip_coefficient(max_norm, norm)
+            with _cpu.disabled():
+                expected = _kernels.clip_coefficient(max_norm, norm)
+            assert got.dtype == expected.dtype and got.shape == expected.shape == ()
+            same = torch.equal(got, expected) or bool(got.isnan() and expected.isnan())
+            assert same, (value, max_norm, got, expected)
+
+
 # ---------------------------------------------------------------- CUDA
 
 
