@@ -332,33 +332,40 @@ def whole_unit_norms(
       (tensor([25.,  1.], dtype=torch.float64), tensor([4.], dtype=torch.float64))
     """
     tensors = [*grads, *weights, *whole]
-    device = tensors[0].device
-    wide = combine_dtype(device)
     found = _mesh.dtensors(tensors)
     if not found:
+        device = tensors[0].device
         rows = [_plain_rows(g) for g in grads]
-        norms = unit_norms([*grads, *(w.detach() for w in weights)], device, wide, whole)
+        measured = [*grads, *(w.detach() for w in weights)]
+        norms = unit_norms(measured, device, combine_dtype(device), whole)
         own, theirs, rest = _split_units(norms, rows, len(whole))
         return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     rows = [local_rows(g) for g in grads]
     _mesh.check_unmixed(tensors, found)
-    paired, extra = found[: 2 * len(grads)], found[2 * len(grads) :]
-    _check_pairs(paired[: len(grads)], paired[len(grads) :])
-    mesh = _mesh.reduction_mesh(found)
-    replicas = [_mesh.replica_count(g, mesh) for g in paired[: len(grads)]] * 2
+    _check_pairs(found[: len(grads)], found[len(grads) : 2 * len(grads)])
+    return _reduced_unit_norms(found, rows, len(whole), dtype)
+
+
+def _reduced_unit_norms(
+    tensors: Sequence[DTensor], rows: list[Rows], whole: int, dtype: torch.dtype
+) -> UnitNorms:
+    """:func:`whole_unit_norms` of DTensors (grads, weights, then ``whole`` more), checked:
+    each rank's squared shares placed among all units, in one ``all_reduce``."""
+    device = tensors[0].device
+    paired, extra = tensors[: len(tensors) - whole], tensors[len(tensors) - whole :]
+    mesh = _mesh.reduction_mesh(tensors)
+    replicas = [_mesh.replica_count(g, mesh) for g in paired[: len(rows)]] * 2
     replicas += [_mesh.replica_count(t, mesh) for t in extra]
     groups = _mesh.mesh_groups(mesh, None)
-    squares = unit_norms(
-        [t._local_tensor.detach() for t in paired],
-        device,
-        REDUCE_DTYPE,
-        [t._local_tensor.detach() for t in extra],
-    ).square()
-    placed = [*rows, *rows, *[Rows(1, 0, 1)] * len(extra)]
+    shards = [t._local_tensor.detach() for t in paired]
+    extra_shards = [t._local_tensor.detach() for t in extra]
+    squares = unit_norms(shards, device, REDUCE_DTYPE, extra_shards).square()
+    placed = [*rows, *rows, *[Rows(1, 0, 1)] * whole]
     parts = torch.split(squares, [r.count for r in placed])
     shares = [_placed(share, r, n) for share, r, n in zip(parts, placed, replicas, strict=True)]
     reduced = reduce_sum(shares, groups, collective_device(shares, groups))
-    own, theirs, rest = _split_units(reduced, rows, len(extra))
+    own, theirs, rest = _split_units(reduced, rows, whole)
+    wide = combine_dtype(device)
     return UnitNorms(
         own.sqrt().to(device=device, dtype=dtype),
         theirs.sqrt().to(device=device, dtype=dtype),
