@@ -9,7 +9,11 @@ benchmarks.run`` runs them too, after its own sections. Sections:
   each rule, against the same step with a fixed ``max_norm`` (every call of that one
   clips), plus
   ``track_tensor_norms=True``. AutoClip keeps ``history=10_000`` norms; its cost does not
-  depend on how many are filled (unfilled slots are sorted too), so none are prefilled.
+  depend on how many are filled (its sorted copy is the whole history, unfilled slots
+  ``+inf``), so none are prefilled. The per-tensor rules (their coefficients cannot
+  fold into the fused kernel) are also rowed against their floor: one per-tensor norm
+  read of the grads, one ``torch._foreach_mul_`` by per-tensor coefficients and the
+  fused step without ``grad_scale``.
 - ``rule vs autoclip``: on the transformer and many_small layouts, the clip alone (the
   inner step a no-op) of ``AutoClip(percentile=90, history=1000, per_tensor=True)`` against
   ``autoclip.torch.QuantileClip`` with its defaults (``quantile=0.9``,
@@ -41,6 +45,7 @@ from benchmarks.run import (
     LAYOUTS,
     MAX_NORM,
     RESULTS_DIR,
+    SHRINK,
     Config,
     Contenders,
     Row,
@@ -62,6 +67,7 @@ AUTOCLIP_HISTORY = 1_000  # QuantileClip's default history_length
 OURS_VS_AUTOCLIP = "clipopt AutoClip(per_tensor=True)"
 THEIRS = "autoclip QuantileClip (per parameter)"
 CLIP_FLOOR = "floor (sum, mul_ of one buffer)"
+PER_TENSOR_FLOOR = "floor: per-tensor norms, _foreach_mul_, fused AdamW"
 AUTOCLIP_LAYOUTS = ("transformer", "many_small")  # the target is the transformer's
 
 RuleFactory = Callable[[], "float | clipopt.ClipRule"]
@@ -74,6 +80,7 @@ STEP_RULES: dict[str, Callable[[], clipopt.ClipRule]] = {
     "AdaGC": lambda: clipopt.AdaGC(),
     "AGC": lambda: clipopt.AGC(),
 }
+PER_TENSOR_RULES = ("AutoClip(history=10_000, per_tensor)", "AdaGC", "AGC")
 MEMORY_RULES: dict[str, Callable[[], tuple[clipopt.ClipRule | float, clipopt.SpikeSkip | None]]] = {
     "AutoClip(history=10_000)": lambda: (clipopt.AutoClip(10.0, HISTORY), None),
     "AutoClip(per_tensor, history=1000)": lambda: (
@@ -101,8 +108,29 @@ class NoStep(torch.optim.Optimizer):
 # ---------------------------------------------------------------- rule step
 
 
+def per_tensor_floor(
+    params: list[Tensor], optimizer: torch.optim.Optimizer, max_norm: ShrinkingMaxNorm
+) -> Callable[[], None]:
+    """The least a rule with a coefficient per grad can cost: one ``torch._foreach_norm``
+    of the grads, one ``torch._foreach_mul_`` of them by a 0-dim coefficient each, and
+    the fused step without ``grad_scale``. The coefficients are ``SHRINK``, so the
+    shared grads shrink as under the clipped contenders; it takes its turn of
+    ``max_norm`` as they do."""
+    grads = [p.grad for p in params if p.grad is not None]
+    coefficients = list(torch.full((len(grads),), SHRINK, device=grads[0].device).unbind())
+
+    def run() -> None:
+        max_norm()
+        torch._foreach_norm(grads, 2.0)
+        torch._foreach_mul_(grads, coefficients)
+        optimizer.step()
+
+    return run
+
+
 def rule_step_contenders(params: list[Tensor]) -> Contenders:
-    """Clipped fused AdamW steps: a fixed (shrinking) max_norm, each rule, and tracking."""
+    """Clipped fused AdamW steps: a fixed (shrinking) max_norm, each rule, tracking, and
+    the floor of the per-tensor rules."""
     max_norm = ShrinkingMaxNorm()  # the contenders share the grads: every call clips
 
     def adamw() -> torch.optim.Optimizer:
@@ -130,13 +158,18 @@ def rule_step_contenders(params: list[Tensor]) -> Contenders:
         contenders[name] = ruled(clipopt.ClippedOptimizer(adamw(), max_norm=make()))
     spikes = clipopt.ClippedOptimizer(adamw(), MAX_NORM, skip_spikes=clipopt.SpikeSkip())
     contenders["fixed + SpikeSkip"] = step(spikes)
+    contenders[PER_TENSOR_FLOOR] = per_tensor_floor(params, adamw(), max_norm)
     return contenders
 
 
 def bench_rule_steps(config: Config) -> list[Row]:
     params = make_params(transformer_shapes(config.quick), torch.float32, config.device)
     samples = time_interleaved(rule_step_contenders(params), config)
-    return summarize("rule step", "transformer float32, fused AdamW", samples, FIXED)
+    case = "transformer float32, fused AdamW"
+    floored = {name: samples[name] for name in (*PER_TENSOR_RULES, PER_TENSOR_FLOOR)}
+    return summarize("rule step", case, samples, FIXED) + summarize(
+        "rule step", f"{case}, per-tensor rules / their floor", floored, PER_TENSOR_FLOOR
+    )
 
 
 # ---------------------------------------------------------------- against autoclip

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from clipopt._rule import ClipRule, checked, integer, number, state_dtype
+from clipopt._rule import ClipRule, checked, integer, number, saved, state_dtype
 
 __all__ = ["AdaGC"]
 
@@ -185,9 +185,7 @@ class AdaGC(ClipRule):
         return {"gamma": self._gamma.clone(), "count": self._count.clone()}
 
     def load_rule_state(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or set(state) not in (set(), {"gamma", "count"}):
-            raise ValueError(f"AdaGC state must have the keys gamma and count, got {state!r}")
-        if not state:
+        if not saved("AdaGC", state, ("gamma", "count")):
             self._gamma = self._count = None
             return
         gamma = checked("gamma", state["gamma"], None, floating=True)

@@ -105,6 +105,15 @@ def checked(name: str, value: Any, shape: tuple[int, ...] | None, floating: bool
     return tensor
 
 
+def saved(rule: str, state: Any, keys: tuple[str, ...]) -> bool:
+    """Whether a rule's saved ``state`` holds its tensors: True for exactly ``keys``,
+    False for an empty mapping (the rule had not stepped), else a ValueError."""
+    if not isinstance(state, Mapping) or set(state) not in (set(), set(keys)):
+        names = " and ".join(keys) if len(keys) <= 2 else ", ".join(keys)
+        raise ValueError(f"{rule} state must have the keys {names}, got {state!r}")
+    return bool(state)
+
+
 def count_or_zero(counter: Tensor | None) -> Tensor:
     """A counter made on the grads' device at its first step; a zero before it."""
     return torch.zeros((), dtype=torch.int64) if counter is None else counter

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt._rule import OnDevice, checked, count_or_zero, integer, number, state_dtype
+from clipopt._rule import OnDevice, checked, count_or_zero, integer, number, saved, state_dtype
 
 __all__ = ["SpikeSkip"]
 
@@ -121,10 +121,8 @@ class SpikeSkip(OnDevice):
                 f"({state_dict['config']}), this optimizer has {self!r}"
             )
         state = state_dict["state"]
-        if not isinstance(state, Mapping) or set(state) not in (set(), {"buffer", "count"}):
-            raise ValueError(f"SpikeSkip state must have the keys buffer and count, got {state!r}")
         buffer = count = None
-        if state:
+        if saved("SpikeSkip", state, ("buffer", "count")):
             buffer = checked("buffer", state["buffer"], (self.window,), floating=True).clone()
             count = checked("count", state["count"], (), floating=False).clone()
         spikes = checked("spike_count", state_dict["spike_count"], (), floating=False)

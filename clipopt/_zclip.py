@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from clipopt._kernels import EPS
-from clipopt._rule import ClipRule, checked, integer, number, state_dtype
+from clipopt._rule import ClipRule, checked, integer, number, saved, state_dtype
 
 __all__ = ["ZClip", "ZClipMode", "ZClipOption"]
 
@@ -194,10 +194,7 @@ class ZClip(ClipRule):
         }
 
     def load_rule_state(self, state: Mapping[str, Any]) -> None:
-        keys = {"buffer", "count", "mean", "var"}
-        if not isinstance(state, Mapping) or set(state) not in (set(), keys):
-            raise ValueError(f"ZClip state must have the keys {sorted(keys)}, got {state!r}")
-        if not state:
+        if not saved("ZClip", state, ("buffer", "count", "mean", "var")):
             self._buffer = self._count = self._mean = self._var = None
             return
         buffer = checked("buffer", state["buffer"], (self.warmup_steps,), floating=True)

@@ -536,6 +536,34 @@ def test_a_malformed_rule_state_is_refused_and_changes_nothing() -> None:
     assert_same(opt.state_dict(), before)
 
 
+@pytest.mark.parametrize(
+    ("rule", "spikes", "entry"),
+    [
+        (clipopt.AutoClip(history=9), None, "rule"),
+        (clipopt.AutoClip(history=9, per_tensor=True), None, "rule"),
+        (clipopt.ZClip(warmup_steps=3), None, "rule"),
+        (clipopt.AdaGC(warmup_steps=3), None, "rule"),
+        (1.0, clipopt.SpikeSkip(window=4), "skip_spikes"),
+    ],
+)
+@pytest.mark.parametrize("change", ["a key missing", "a key more"])
+def test_a_rule_state_with_other_keys_is_refused_and_changes_nothing(
+    rule: clipopt.ClipRule | float, spikes: clipopt.SpikeSkip | None, entry: str, change: str
+) -> None:
+    opt = _trained(rule, spikes)
+    checkpoint = opt.state_dict()
+    state = checkpoint["clip"][entry]["state"]
+    assert state, "the rule must have stepped for its state to be checked"
+    if change == "a key missing":
+        state.pop(sorted(state)[0])
+    else:
+        state["extra"] = torch.zeros(())
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match="state must have the keys"):
+        opt.load_state_dict(checkpoint)
+    assert_same(opt.state_dict(), before)
+
+
 def test_the_legacy_layout_still_parses_beside_the_rule_entries() -> None:
     opt = _trained(1.0)
     entry = opt.state_dict()["clip"]

@@ -169,10 +169,38 @@ def test_the_rule_rows_targets_and_memory_are_reported(
     reported = {r["contender"] for r in section["rows"]}
     racers = {rules.OURS_VS_AUTOCLIP, rules.THEIRS, rules.CLIP_FLOOR}
     assert set(rules.rule_step_contenders(one)) | racers == reported
+    floored = {
+        r["contender"]: r["ratio_to"] for r in section["rows"] if r["case"].endswith("floor")
+    }
+    assert floored == dict.fromkeys(
+        (*rules.PER_TENSOR_RULES, rules.PER_TENSOR_FLOOR), rules.PER_TENSOR_FLOOR
+    )
     assert set(section["memory"]) == set(rules.MEMORY_RULES)
     for seen in section["memory"].values():
         assert [m["steps"] for m in seen] == [500, 2_000] and seen[0]["state_bytes"] > 0
     assert all(isinstance(t["held"], bool) for t in section["targets"])
+
+
+def test_the_per_tensor_floor_scales_each_grad_and_steps_without_grad_scale() -> None:
+    """The floor's timed call multiplies every grad by SHRINK (they shrink as under the
+    clipped contenders) and runs the fused step as a bare one would on those grads."""
+    from benchmarks import rules
+
+    floor_params = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    bare_params = [torch.nn.Parameter(p.detach().clone()) for p in floor_params]
+    for ours, theirs in zip(floor_params, bare_params, strict=True):
+        theirs.grad = ours.grad.clone()  # type: ignore[union-attr]
+    optimizer = torch.optim.AdamW(floor_params, lr=1e-2, fused=True)
+    floor = rules.per_tensor_floor(floor_params, optimizer, run.ShrinkingMaxNorm())
+    bare = torch.optim.AdamW(bare_params, lr=1e-2, fused=True)
+    shrink = torch.tensor(run.SHRINK, dtype=torch.float32)
+    for _ in range(3):
+        floor()
+        for p in bare_params:
+            p.grad.mul_(shrink)  # type: ignore[union-attr]
+        bare.step()
+    for ours, theirs in zip(floor_params, bare_params, strict=True):
+        assert torch.equal(ours.grad, theirs.grad) and torch.equal(ours, theirs)  # type: ignore[arg-type]
 
 
 def test_the_autoclip_race_starts_both_from_the_same_history() -> None:
