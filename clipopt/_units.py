@@ -305,7 +305,8 @@ def whole_unit_norms(
     the same parameters in the same order.
 
     Args:
-      grads: grads, all plain or all DTensors, and ``whole`` alike.
+      grads: grads, all plain or all DTensors, and ``whole`` alike; at least one
+        tensor between them.
       weights: their parameters, each laid out as its grad.
       dtype: the dtype of the unit norms returned.
       whole: tensors measured as one unit each, whatever their dims or layout (a sparse
