@@ -11,6 +11,8 @@
   included), the tracked norms and per-group norms against float64 sums and the direct
   global norm, each grad read by one norm kernel once, its weight once (an excluded
   one's never); non-finite grads (an excluded one's too) and SpikeSkip act on that norm.
+  A unit-wise rule of one's own without squares is measured as before; a wrong count
+  of them is refused.
 - Fused AdamW takes the explicit scale and agrees with the unfused step; no host read;
   bad settings, ``norm_type`` and checkpoints of other rules are refused.
 """
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 
 import clipopt
 from clipopt import _cpu, _fused, _kernels, _monitor
+from clipopt._units import unit_shape
 
 STEPS = 200
 
@@ -423,6 +426,59 @@ def test_spike_skip_sees_the_global_norm_an_excluded_spike_included() -> None:
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     buffer = spikes.state_dict()["state"]["buffer"]
     torch.testing.assert_close(buffer.double(), torch.stack(totals), rtol=1e-6, atol=0.0)
+
+
+class RowClip(clipopt.UnitWiseRule):
+    """Each row of each grad to a norm of at most 1, with AGC's squares or without."""
+
+    def __init__(self, squares: Callable[[list[Tensor]], Any]) -> None:
+        super().__init__()
+        self.squares = squares
+
+    def config(self) -> dict[str, Any]:
+        return {}
+
+    def update(self, norms: Tensor) -> None:
+        pass
+
+    def rule_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_rule_state(self, state: Any) -> None:
+        pass
+
+    def decide_units(self, params: Any, grads: Any, norm_type: float) -> clipopt.UnitDecision:
+        rows = [g.flatten(1).norm(dim=1) if g.dim() >= 2 else g.norm().reshape(1) for g in grads]
+        norms = torch.cat(rows)
+        coefficients = 1.0 / norms.clamp(min=1.0)
+        parts = coefficients.split([r.numel() for r in rows])
+        shapes = [unit_shape(g) for g in grads]
+        per_grad = [c.reshape(shape) for c, shape in zip(parts, shapes, strict=True)]
+        squares = self.squares(rows)
+        return clipopt.UnitDecision(per_grad, norms, coefficients, coefficients, squares)
+
+
+def test_a_unit_rule_without_squares_is_measured_and_a_wrong_count_refused() -> None:
+    """A rule of one's own that gives no squares: the step measures the grads itself;
+    one that gives them for too few grads: ValueError, nothing changed."""
+    net = model()
+    params = list(net.parameters())
+    weights, grads = next(stream(params, 1, seed=17))
+    for squares in (lambda rows: None, lambda rows: tuple(r.double().square() for r in rows)):
+        opt = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.0), RowClip(squares))
+        load(params, weights, grads)
+        opt.step()
+        assert opt.last_norm is not None
+        torch.testing.assert_close(
+            opt.last_norm.double(), float64_norms(grads)[1], rtol=1e-6, atol=0.0
+        )
+    opt = clipopt.ClippedOptimizer(
+        torch.optim.SGD(params, lr=0.0), RowClip(lambda rows: (rows[0].square(),))
+    )
+    load(params, weights, grads)
+    with pytest.raises(ValueError, match=f"gave 1 squares for {len(params)} grads"):
+        opt.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
 
 
 # ---------------------------------------------------------------- properties
