@@ -24,6 +24,12 @@ def _local_part(coefficients: Tensor, rows: Rows, dim: int) -> Tensor:
     return coefficients.narrow(0, rows.start, rows.count).reshape((rows.count,) + (1,) * (dim - 1))
 
 
+def _in_order(*placed: tuple[list[int], Sequence[Tensor]]) -> tuple[Tensor, ...]:
+    """The tensors of each ``(positions, tensors)`` pair at their positions, in one tuple."""
+    at = {i: t for positions, tensors in placed for i, t in zip(positions, tensors, strict=True)}
+    return tuple(at[i] for i in range(len(at)))
+
+
 def _parameters(exclude: Iterable[Tensor]) -> list[Tensor]:
     """``exclude`` as a list of tensors; TypeError naming the first thing that is not one."""
     if isinstance(exclude, (Tensor, str)) or not isinstance(exclude, Iterable):
@@ -59,8 +65,10 @@ class AGC(UnitWiseRule):
       eps: the smallest weight norm that counts, >= 0, so that zero-initialised units can
         move (the paper's 1e-3).
       exclude: parameters left unclipped, matched by identity (the paper does not clip
-        the final classifier layer): e.g. ``model.fc.parameters()``. They are not
-        measured at all. The rule holds them: a copy of the optimizer excludes its copies.
+        the final classifier layer): e.g. ``model.fc.parameters()``. Their weights are
+        not read; their grads are measured whole, in the same pass as the others' units,
+        for the step's global norm. The rule holds them: a copy of the optimizer excludes
+        its copies.
 
     ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
     in the order of the param groups and their params, with
@@ -69,11 +77,13 @@ class AGC(UnitWiseRule):
     scaled. Only the L2 norm is supported (``norm_type=2``, the paper's).
 
     DTensor params and grads (FSDP2, HSDP, tensor parallel, FSDP2 over TP) are measured
-    by the whole unit across ranks, every unit's grad and weight shares in one float64
-    ``all_reduce`` (:mod:`clipopt._units`), and each rank scales the part of each unit it
-    holds; ``last_threshold`` then still holds every unit of every tensor, the same on
-    every rank and as in one process. A parameter whose rows a rank holds are not one
-    contiguous range is refused with ``ValueError`` before any grad changes.
+    by the whole unit across ranks, every unit's grad and weight shares (and the excluded
+    grads') in one float64 ``all_reduce`` (:mod:`clipopt._units`), the step's only one:
+    its global norm is the root of the sum of the grads' reduced squares. Each rank
+    scales the part of each unit it holds; ``last_threshold`` then still holds every
+    unit of every tensor, the same on every rank and as in one process. A parameter
+    whose rows a rank holds are not one contiguous range is refused with ``ValueError``
+    before any grad changes.
 
     Example:
       >>> import torch, clipopt
@@ -122,23 +132,27 @@ class AGC(UnitWiseRule):
                     f"shape {tuple(grads[i].shape)} (sparse: {grads[i].is_sparse}) for a "
                     f"parameter of shape {tuple(params[i].shape)}"
                 )
-        device = grads[0].device
         dtype = result_dtype([grads[i].dtype for i in chosen])
-        if not chosen:
-            empty = torch.zeros(0, device=device, dtype=dtype)
-            return UnitDecision([None] * len(grads), empty, empty, empty)
+        others = [i for i, p in enumerate(params) if id(p) in excluded]
         weights = [params[i] for i in chosen]
-        norms, weight_norms, rows = whole_unit_norms([grads[i] for i in chosen], weights, dtype)
+        found = whole_unit_norms(
+            [grads[i] for i in chosen], weights, dtype, whole=[grads[i] for i in others]
+        )
+        norms, rows = found.grads, found.rows
         # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
         # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.
-        thresholds = weight_norms.clamp(min=self.eps).mul(self.clipping)
+        thresholds = found.weights.clamp(min=self.eps).mul(self.clipping)
         ratio = thresholds / norms.clamp(min=EPS)
         coefficients = torch.where(norms < thresholds, 1.0, ratio)
         per_grad: list[Tensor | None] = [None] * len(grads)
         parts = torch.split(coefficients, [r.units for r in rows])
         for i, w, r, part in zip(chosen, weights, rows, parts, strict=True):
             per_grad[i] = _local_part(part, r, w.dim())
-        return UnitDecision(per_grad, norms, coefficients, thresholds)
+        squares = _in_order(
+            (chosen, torch.split(found.grad_squares, [r.units for r in rows])),
+            (others, torch.split(found.whole_squares, [1] * len(others))),
+        )
+        return UnitDecision(per_grad, norms, coefficients, thresholds, squares)
 
     def update(self, norms: Tensor) -> None:
         """AGC has no state: its threshold comes from the weights of this step."""

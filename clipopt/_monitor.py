@@ -12,6 +12,7 @@ all groups, as the optimizer's ``state_dict()["state"]`` numbers it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch import Tensor
 from clipopt import _kernels, _mesh, _per_tensor
 from clipopt._step import Measurement
 
-__all__ = ["TensorNorms", "grad_names", "measure_per_tensor"]
+__all__ = ["TensorNorms", "grad_names", "measure_from_squares", "measure_per_tensor"]
 
 
 def grad_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -100,11 +101,72 @@ def measure_per_tensor(
     else:
         zero = torch.zeros((), dtype=torch.float32)
         return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
+    return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
+
+
+def measure_from_squares(
+    grads: list[list[Tensor]],
+    names: list[list[str]] | None,
+    squares: Sequence[Tensor],
+    default_norm_type: float,
+    per_group: bool,
+    tensor_norms: bool,
+) -> Measurement:
+    """:func:`measure_per_tensor`'s L2 measurement, from squares a unit-wise rule measured
+    (AGC: every unit's, whole across ranks, from its one pass and one collective): no
+    grad is read. The global norm (each group's) is the root of the sum of its grads'
+    squares, taken in their float64 before any root.
+
+    Args:
+      grads: each group's grads, for their count and dtypes.
+      names: as for :func:`measure_per_tensor`.
+      squares: one 1-D tensor per grad, in order, whose values sum to its squared norm
+        (:class:`clipopt.UnitDecision`'s ``squares``).
+      default_norm_type: the order of the norm of the group norms (``per_group``).
+      per_group: measure each group by its own norm.
+      tensor_norms: also each grad's norm, the root of its squares' sum.
+
+    Example:
+      >>> import torch
+      >>> squares = [torch.tensor([9.0, 16.0]), torch.tensor([144.0])]
+      >>> got = measure_from_squares([[torch.ones(2, 2), torch.ones(1)]], None, squares,
+      ...                            2.0, False, True)
+      >>> got.norm, got.tensor_norms
+      (tensor(13.), tensor([ 5., 12.]))
+    """
+    flat_names = () if names is None else tuple(n for group in names for n in group)
+    dtype = _kernels.result_dtype([g.dtype for group in grads for g in group])
+    sizes = [len(group) for group in grads] if per_group else [len(squares)]
+    ends = [0, *itertools.accumulate(sizes)]
+    buckets = [squares[start:end] for start, end in itertools.pairwise(ends)]
+    totals = [_per_tensor.total_root(_joined(b, squares[0]), 2.0).to(dtype) for b in buckets]
+    norms = None
+    if tensor_norms:
+        sums = torch._foreach_norm(list(squares), 1.0)  # squares: their 1-norm is their sum
+        norms = _per_tensor.root(torch.stack(sums), 2.0).to(dtype)
+    return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
+
+
+def _joined(bucket: Sequence[Tensor], like: Tensor) -> Tensor:
+    """The tensors of ``bucket`` in one 1-D tensor (a group without grads: empty)."""
+    return torch.cat(list(bucket)) if bucket else like.new_zeros(0)
+
+
+def _assembled(
+    totals: list[Tensor],
+    norms: Tensor | None,
+    groups: int,
+    per_group: bool,
+    default_norm_type: float,
+    names: tuple[str, ...],
+) -> Measurement:
+    """The measurement of the ``totals`` (the global norm, or each group's) of ``groups``
+    param groups, with the per-tensor ``norms`` and their names where measured."""
     if not per_group:
-        return Measurement(totals[0], [totals[0]] * len(grads), None, norms, flat_names)
+        return Measurement(totals[0], [totals[0]] * groups, None, norms, names)
     stacked = torch.stack(totals)
-    norm = _combined(stacked, default_norm_type, norms.dtype)
-    return Measurement(norm, totals, stacked, norms, flat_names)
+    norm = _combined(stacked, default_norm_type, stacked.dtype)
+    return Measurement(norm, totals, stacked, norms, names)
 
 
 def _flat(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:

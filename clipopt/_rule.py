@@ -292,12 +292,19 @@ class UnitDecision:
         grad left as it is has no units here).
       coefficients: each unit's coefficient, at most 1, shaped as ``norms``.
       thresholds: each unit's threshold, shaped as ``norms``.
+      squares: optional, one 1-D tensor per grad given (a grad left as it is too), of
+        values that sum to its squared L2 norm (its units' squared norms, of the whole
+        units across ranks), float64 where the device has it, summed before any root.
+        With them the step takes its norms (``last_norm``, tracked norms) from these
+        sums, at norm_type 2, and reads no grad again; None: it measures the grads
+        itself, a second read of them.
     """
 
     per_grad: list[Tensor | None]
     norms: Tensor
     coefficients: Tensor
     thresholds: Tensor
+    squares: tuple[Tensor, ...] | None = None
 
 
 class UnitWiseRule(ClipRule):

@@ -320,8 +320,9 @@ def unit_rule_coefficients(
     groups: Sequence[Mapping[str, Any]],
     grads: list[list[Tensor]],
     norm_type: float,
-) -> tuple[list[Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
-    """A unit-wise rule's coefficients and what it decided (to commit after the step).
+) -> tuple[list[Coefficient], tuple[Tensor, Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
+    """A unit-wise rule's coefficients, what it decided (to commit after the step), and
+    the squares it measured, from which the step can take its norms (or None).
 
     Each group gets a tuple with one coefficient per grad (None: left as it is), or None
     when the rule leaves all its grads alone; such coefficients never fold.
@@ -335,17 +336,17 @@ def unit_rule_coefficients(
     params = [p for group in groups for p in group["params"] if p.grad is not None]
     flat = [g for group in grads for g in group]
     if not flat:
-        return [None] * len(grads), None
+        return [None] * len(grads), None, None
     rule.check_norm_type(norm_type)
     decision = rule.decide_units(params, flat, norm_type)
-    if len(decision.per_grad) != len(flat):
-        raise ValueError(
-            f"{rule!r} gave {len(decision.per_grad)} coefficients for {len(flat)} grads"
-        )
+    for name, given in (("coefficients", decision.per_grad), ("squares", decision.squares)):
+        if given is not None and len(given) != len(flat):
+            raise ValueError(f"{rule!r} gave {len(given)} {name} for {len(flat)} grads")
     per_group: list[Coefficient] = []
     start = 0
     for group in grads:
         own = tuple(decision.per_grad[start : start + len(group)])
         per_group.append(own if any(c is not None for c in own) else None)
         start += len(group)
-    return per_group, (decision.norms, decision.coefficients, decision.thresholds)
+    outcome = (decision.norms, decision.coefficients, decision.thresholds)
+    return per_group, outcome, decision.squares

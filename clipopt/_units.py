@@ -25,16 +25,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from clipopt import _mesh
+from clipopt import _kernels, _mesh
 from clipopt._collective import REDUCE_DTYPE, collective_device, reduce_sum
-from clipopt._torch_norms import accumulate_dtype
+from clipopt._torch_norms import accumulate_dtype, combine_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["Rows", "local_rows", "rows_at", "unit_norms", "unit_shape", "whole_unit_norms"]
+__all__ = [
+    "Rows",
+    "UnitNorms",
+    "local_rows",
+    "rows_at",
+    "unit_norms",
+    "unit_shape",
+    "whole_unit_norms",
+]
 
 
 def unit_shape(t: Tensor) -> tuple[int, ...]:
@@ -45,12 +53,19 @@ def unit_shape(t: Tensor) -> tuple[int, ...]:
     return (t.shape[0],) + (1,) * (t.dim() - 1) if t.dim() >= 2 else ()
 
 
-def unit_norms(tensors: Sequence[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """The L2 norm of every unit of every tensor, in one 1-D tensor in order.
+def unit_norms(
+    tensors: Sequence[Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    whole: Sequence[Tensor] = (),
+) -> Tensor:
+    """The L2 norm of every unit of every tensor, then of each of ``whole``, in one 1-D
+    tensor in order.
 
     A tensor of 2 dims or more has one unit per index of dim 0, measured over all its
-    other dims by one ``vector_norm`` (no copy, whatever the strides); 0- and 1-D tensors
-    are one unit each, measured by one ``torch._foreach_norm`` per device and dtype.
+    other dims by one ``vector_norm`` (no copy, whatever the strides); 0- and 1-D tensors,
+    and every tensor of ``whole`` (whatever its dims), are one unit each, measured by one
+    ``torch._foreach_norm`` per device and dtype (a sparse one of ``whole`` by its values).
     Half types accumulate in float32, others in their own dtype, as timm's
     ``unitwise_norm`` (``Tensor.norm``) does; the result is on ``device`` in ``dtype``.
 
@@ -58,19 +73,23 @@ def unit_norms(tensors: Sequence[Tensor], device: torch.device, dtype: torch.dty
       >>> import torch
       >>> from clipopt._units import unit_norms
       >>> unit_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([6.0, 8.0])],
-      ...            torch.device("cpu"), torch.float32)
-      tensor([ 5.,  1., 10.])
+      ...            torch.device("cpu"), torch.float32, whole=[torch.ones(2, 2)])
+      tensor([ 5.,  1., 10.,  2.])
     """
-    parts: list[Tensor | None] = [None] * len(tensors)
-    whole: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.dim() <= 1 and t.numel() > 0:
-            whole.setdefault((t.device, t.dtype), []).append(i)
+    every = [*tensors, *whole]
+    parts: list[Tensor | None] = [None] * len(every)
+    batched: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(every):
+        one = i >= len(tensors) or t.dim() <= 1
+        if t.is_sparse:  # only a whole one: AGC refuses sparse grads it clips
+            parts[i] = _kernels.per_tensor_norms([t], 2.0)
+        elif one and t.numel() > 0:
+            batched.setdefault((t.device, t.dtype), []).append(i)
         else:
-            dims = tuple(range(1, t.dim())) if t.dim() >= 2 else None
+            dims = None if one else tuple(range(1, t.dim()))
             parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
-    for (_, kind), indices in whole.items():
-        group = [tensors[i] for i in indices]
+    for (_, kind), indices in batched.items():
+        group = [every[i] for i in indices]
         found = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
         for i, norm in zip(indices, found, strict=True):
             parts[i] = norm
@@ -249,26 +268,53 @@ def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
     return F.pad(share, (rows.start, rows.units - rows.start - rows.count))
 
 
+@dataclass(frozen=True)
+class UnitNorms:
+    """What :func:`whole_unit_norms` measures, the same on every rank.
+
+    Attributes:
+      grads: every unit's norm of every grad, 1-D in order.
+      weights: the same of their weights.
+      rows: each grad's :class:`Rows`, this rank's units among them.
+      grad_squares: the squares ``grads`` are the roots of, float64 (float32 on a device
+        without it): whole sums across ranks before any root.
+      whole_squares: each tensor of ``whole``'s squared norm, the same way.
+    """
+
+    grads: Tensor
+    weights: Tensor
+    rows: list[Rows]
+    grad_squares: Tensor
+    whole_squares: Tensor
+
+
 def whole_unit_norms(
-    grads: Sequence[Tensor], weights: Sequence[Tensor], dtype: torch.dtype
-) -> tuple[Tensor, Tensor, list[Rows]]:
-    """Every unit's norm of every grad and of its weight, whole across ranks.
+    grads: Sequence[Tensor],
+    weights: Sequence[Tensor],
+    dtype: torch.dtype,
+    whole: Sequence[Tensor] = (),
+) -> UnitNorms:
+    """Every unit's norm of every grad and of its weight, whole across ranks, and the
+    squared norm of each tensor of ``whole`` (AGC's excluded grads) in the same pass.
 
     Plain tensors are measured on this rank (DDP: whole on every rank), with no
-    collective. DTensors are measured as the module says, grads' and weights' shares in
-    ONE float64 ``all_reduce`` over the reduction mesh (one per mesh dim on an N-D mesh
-    over only some of the ranks, as :func:`clipopt._mesh.mesh_groups` says). Every rank
-    of the mesh must call this with the same parameters in the same order.
+    collective. DTensors are measured as the module says, the shares of the grads, the
+    weights and ``whole`` in ONE float64 ``all_reduce`` over the reduction mesh (one per
+    mesh dim on an N-D mesh over only some of the ranks, as
+    :func:`clipopt._mesh.mesh_groups` says). Every rank of the mesh must call this with
+    the same parameters in the same order.
 
     Args:
-      grads: at least one grad, all plain or all DTensors.
+      grads: grads, all plain or all DTensors, and ``whole`` alike; at least one
+        tensor between them.
       weights: their parameters, each laid out as its grad.
-      dtype: the dtype of the norms returned.
+      dtype: the dtype of the unit norms returned.
+      whole: tensors measured as one unit each, whatever their dims or layout (a sparse
+        plain one too), with no weight.
 
     Returns:
-      The grads' unit norms and the weights', each 1-D with every unit of every tensor
-      in order (the same on every rank), on the first grad's local device in ``dtype``;
-      and each tensor's :class:`Rows`, this rank's units among them.
+      The norms and squares, each 1-D with every unit of every tensor in order (the same
+      on every rank), on the first tensor's local device.
 
     Raises:
       ValueError: a DTensor mixed with a plain tensor, a Partial one, a grad laid out
@@ -280,30 +326,57 @@ def whole_unit_norms(
       >>> import torch
       >>> from clipopt._units import whole_unit_norms
       >>> g, w = torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.ones(2, 2)
-      >>> whole_unit_norms([g], [w], torch.float32)[:2]
+      >>> found = whole_unit_norms([g], [w], torch.float32, whole=[torch.tensor([2.0])])
+      >>> found.grads, found.weights
       (tensor([5., 1.]), tensor([1.4142, 1.4142]))
+      >>> found.grad_squares, found.whole_squares
+      (tensor([25.,  1.], dtype=torch.float64), tensor([4.], dtype=torch.float64))
     """
-    tensors = [*grads, *weights]
-    device = grads[0].device
+    tensors = [*grads, *weights, *whole]
     found = _mesh.dtensors(tensors)
     if not found:
-        norms = unit_norms([*grads, *(w.detach() for w in weights)], device, dtype)
-        half = norms.numel() // 2
-        return norms[:half], norms[half:], [_plain_rows(g) for g in grads]
+        device = tensors[0].device
+        rows = [_plain_rows(g) for g in grads]
+        measured = [*grads, *(w.detach() for w in weights)]
+        norms = unit_norms(measured, device, combine_dtype(device), whole)
+        own, theirs, rest = _split_units(norms, rows, len(whole))
+        return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     rows = [local_rows(g) for g in grads]
     _mesh.check_unmixed(tensors, found)
-    _check_pairs(found[: len(grads)], found[len(grads) :])
-    mesh = _mesh.reduction_mesh(found)
-    replicas = [_mesh.replica_count(g, mesh) for g in found[: len(grads)]]
+    _check_pairs(found[: len(grads)], found[len(grads) : 2 * len(grads)])
+    return _reduced_unit_norms(found, rows, len(whole), dtype)
+
+
+def _reduced_unit_norms(
+    tensors: Sequence[DTensor], rows: list[Rows], whole: int, dtype: torch.dtype
+) -> UnitNorms:
+    """:func:`whole_unit_norms` of DTensors (grads, weights, then ``whole`` more), checked:
+    each rank's squared shares placed among all units, in one ``all_reduce``."""
+    device = tensors[0].device
+    paired, extra = tensors[: len(tensors) - whole], tensors[len(tensors) - whole :]
+    mesh = _mesh.reduction_mesh(tensors)
+    replicas = [_mesh.replica_count(g, mesh) for g in paired[: len(rows)]] * 2
+    replicas += [_mesh.replica_count(t, mesh) for t in extra]
     groups = _mesh.mesh_groups(mesh, None)
-    shards = [t._local_tensor.detach() for t in found]
-    squares = unit_norms(shards, device, REDUCE_DTYPE).square()
-    counts = [r.count for r in rows] * 2
-    shares = [
-        _placed(share, r, n)
-        for share, r, n in zip(torch.split(squares, counts), rows * 2, replicas * 2, strict=True)
-    ]
-    reduced = reduce_sum(shares, groups, collective_device(shares, groups)).sqrt()
-    norms = reduced.to(device=device, dtype=dtype)
-    half = norms.numel() // 2
-    return norms[:half], norms[half:], rows
+    shards = [t._local_tensor.detach() for t in paired]
+    extra_shards = [t._local_tensor.detach() for t in extra]
+    squares = unit_norms(shards, device, REDUCE_DTYPE, extra_shards).square()
+    placed = [*rows, *rows, *[Rows(1, 0, 1)] * whole]
+    parts = torch.split(squares, [r.count for r in placed])
+    shares = [_placed(share, r, n) for share, r, n in zip(parts, placed, replicas, strict=True)]
+    reduced = reduce_sum(shares, groups, collective_device(shares, groups))
+    own, theirs, rest = _split_units(reduced, rows, whole)
+    wide = combine_dtype(device)
+    return UnitNorms(
+        own.sqrt().to(device=device, dtype=dtype),
+        theirs.sqrt().to(device=device, dtype=dtype),
+        rows,
+        own.to(device=device, dtype=wide),
+        rest.to(device=device, dtype=wide),
+    )
+
+
+def _split_units(values: Tensor, rows: Sequence[Rows], whole: int) -> tuple[Tensor, ...]:
+    """``values`` of the grads' units, their weights' and ``whole`` more, split in three."""
+    units = sum(r.units for r in rows)
+    return torch.split(values, [units, units, whole])

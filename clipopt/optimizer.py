@@ -493,20 +493,7 @@ class ClippedOptimizer(OptimizerWrapper):
         _rename_legacy_keys(self.param_groups, self.defaults)  # "max_norm" set on a group
         settings = _step.read_group_settings(self.param_groups, self.defaults, self._per_group)
         grads = _step.collect_grads(self.param_groups)
-        measured = self._measure(grads, settings.norm_types)
-        outcome = None
-        if self._rule is None:
-            coefficients = _step.threshold_coefficients(measured.group_norms, settings.thresholds)
-        else:
-            _check_rule_groups(self.param_groups, self._rule)
-            if isinstance(self._rule, UnitWiseRule):
-                coefficients, outcome = _step.unit_rule_coefficients(
-                    self._rule, self.param_groups, grads, settings.norm_types[0]
-                )
-            else:
-                coefficients, outcome = _step.rule_coefficients(
-                    self._rule, grads, measured, settings.norm_types[0]
-                )
+        measured, coefficients, outcome = self._coefficients(grads, settings)
         spike = None
         spikes = self._skip_spikes
         if may_skip and spikes is not None and spikes.may_trigger():
@@ -539,14 +526,47 @@ class ClippedOptimizer(OptimizerWrapper):
             grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
         ), fold
 
-    def _measure(self, grads: list[list[Tensor]], norm_types: list[float]) -> _step.Measurement:
-        """The step's norms: with per-tensor norms wanted (tracked, or for a per-tensor
-        rule), all of them from one per-tensor pass, and for DTensor grads one collective
-        (the constructor refuses a process_group then)."""
+    def _coefficients(
+        self, grads: list[list[Tensor]], settings: _step.GroupSettings
+    ) -> tuple[_step.Measurement, list[_step.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
+        """The step's norms, each group's coefficient and what a rule decided. A unit-wise
+        rule decides first: the norms come from what it measured, where it says."""
+        norm_types = settings.norm_types
+        if isinstance(self._rule, UnitWiseRule):
+            _check_rule_groups(self.param_groups, self._rule)
+            coefficients, outcome, squares = _step.unit_rule_coefficients(
+                self._rule, self.param_groups, grads, norm_types[0]
+            )
+            return self._measure(grads, norm_types, squares), coefficients, outcome
+        measured = self._measure(grads, norm_types)
+        if self._rule is None:
+            return (
+                measured,
+                _step.threshold_coefficients(measured.group_norms, settings.thresholds),
+                None,
+            )
+        _check_rule_groups(self.param_groups, self._rule)
+        coefficients, outcome = _step.rule_coefficients(self._rule, grads, measured, norm_types[0])
+        return measured, coefficients, outcome
+
+    def _measure(
+        self,
+        grads: list[list[Tensor]],
+        norm_types: list[float],
+        squares: tuple[Tensor, ...] | None = None,
+    ) -> _step.Measurement:
+        """The step's norms: from a unit-wise rule's ``squares`` where it measured them
+        (AGC: no grad read again, no collective more); with per-tensor norms wanted
+        (tracked, or for a per-tensor rule), all of them from one per-tensor pass, and
+        for DTensor grads one collective (the constructor refuses a process_group then)."""
         default = float(self.defaults[NORM_TYPE_KEY])
+        names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
+        if squares is not None and all(p == 2.0 for p in norm_types):
+            return _monitor.measure_from_squares(
+                grads, names, squares, default, self._per_group, self._track_tensor_norms
+            )
         per_rule = self._rule is not None and self._rule.per_tensor
         if self._norm_scope.process_group is None and (self._track_tensor_norms or per_rule):
-            names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
             return _monitor.measure_per_tensor(
                 grads,
                 names,

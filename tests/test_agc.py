@@ -7,6 +7,12 @@
 - ``exclude``: excluded grads are bit-identical to before, the others clipped as timm.
 - Properties (hypothesis): coefficients in (0, 1], clipped unit norms at most their
   threshold, thresholds proportional to the weights while above ``eps``.
+- The step's norms come from AGC's one read of the grads: ``last_norm`` (excluded grads
+  included), the tracked norms and per-group norms against float64 sums and the direct
+  global norm, each grad read by one norm kernel once, its weight once (an excluded
+  one's never); non-finite grads (an excluded one's too) and SpikeSkip act on that norm.
+  A unit-wise rule of one's own without squares is measured as before; a wrong count
+  of them is refused.
 - Fused AdamW takes the explicit scale and agrees with the unfused step; no host read;
   bad settings, ``norm_type`` and checkpoints of other rules are refused.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,7 +34,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import clipopt
-from clipopt import _fused
+from clipopt import _cpu, _fused, _kernels, _monitor
+from clipopt._units import unit_shape
 
 STEPS = 200
 
@@ -214,6 +222,265 @@ def test_copies_exclude_their_own_params_and_a_trial_load_copies_none() -> None:
     assert all(a is b for a, b in zip(trial.exclude, opt.rule.exclude, strict=True))
 
 
+# ---------------------------------------------------------------- the step's norms
+
+
+def float64_norms(grads: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Each grad's L2 norm and the global one, from float64 squares summed."""
+    squares = torch.stack([g.to_dense().double().square().sum() for g in grads])
+    return squares.sqrt(), squares.sum().sqrt()
+
+
+@pytest.mark.parametrize("excluded", [False, True], ids=["all", "head-excluded"])
+@pytest.mark.parametrize("track", [False, True], ids=["untracked", "tracked"])
+def test_last_norm_and_tracked_norms_are_every_grads_to_float64(
+    excluded: bool, track: bool
+) -> None:
+    """The global norm of all grads (an excluded one's too) before clipping: to 1e-6 of
+    float64 sums and of the direct measurement; float32 on the grads' device; each
+    tracked norm by name."""
+    net = model()
+    params = list(net.parameters())
+    exclude = list(net["head"].parameters()) if excluded else []
+    inner = torch.optim.SGD(net.named_parameters(), lr=0.0)
+    opt = clipopt.ClippedOptimizer(
+        inner, max_norm=clipopt.AGC(0.01, exclude=exclude), track_tensor_norms=track
+    )
+    for step, (weights, grads) in enumerate(stream(params, 30, seed=11)):
+        load(params, weights, grads)
+        opt.step()
+        each, total = float64_norms(grads)
+        norm = opt.last_norm
+        assert norm is not None and norm.dtype == torch.float32 and opt.last_group_norms is None
+        torch.testing.assert_close(norm.double(), total, rtol=1e-6, atol=0.0, msg=f"step {step}")
+        direct = clipopt.get_total_norm(grads)
+        torch.testing.assert_close(norm, direct, rtol=1e-6, atol=0.0, msg=f"step {step}")
+        tracked = opt.last_tensor_norms
+        if not track:
+            assert tracked is None
+            continue
+        assert tracked is not None and list(tracked) == [n for n, _ in net.named_parameters()]
+        got = torch.stack(list(tracked.values()))
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), each, rtol=1e-6, atol=0.0, msg=f"step {step}")
+
+
+def test_an_excluded_double_grad_makes_last_norm_double() -> None:
+    """As without AGC: the norm is float64 when any grad is."""
+    net = model()
+    net["head"].double()
+    params = list(net.parameters())
+    opt = agc_sgd(params, exclude=net["head"].parameters())
+    weights, grads = next(stream(params, 1, seed=12))
+    typed = [[t.to(p.dtype) for t, p in zip(ts, params, strict=True)] for ts in (weights, grads)]
+    load(params, *typed)
+    grads = typed[1]
+    opt.step()
+    assert opt.last_norm is not None and opt.last_norm.dtype == torch.float64
+    torch.testing.assert_close(opt.last_norm, float64_norms(grads)[1], rtol=1e-6, atol=0.0)
+
+
+def test_per_group_norms_from_the_units_match_float64() -> None:
+    """What the step derives from AGC's squares with per_group=True (which a rule refuses
+    in ClippedOptimizer, so the function is called here): each group's norm, an empty
+    group's zero, and the norm of the group norms."""
+    params = list(model().parameters())
+    weights, grads = next(stream(params, 1, seed=13))
+    squares = clipopt.AGC(exclude=params[-2:]).decide_units(weights, grads, 2.0).squares
+    assert squares is not None
+    groups = [grads[:3], [], grads[3:]]
+    got = _monitor.measure_from_squares(groups, None, squares, 2.0, True, False)
+    expected = torch.stack(
+        [float64_norms(g)[1] if g else torch.zeros((), dtype=torch.float64) for g in groups]
+    )
+    assert got.stacked is not None
+    torch.testing.assert_close(got.stacked.double(), expected, rtol=1e-6, atol=0.0)
+    assert [n.dtype for n in got.group_norms] == [torch.float32] * 3
+    torch.testing.assert_close(got.norm.double(), float64_norms(grads)[1], rtol=1e-6, atol=0.0)
+
+
+@pytest.fixture
+def norm_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The data pointers of the tensors every norm kernel call reads: torch's
+    ``vector_norm`` and ``_foreach_norm``, the C reduction and clipopt's batched norms,
+    each call counted where it starts (a kernel that calls another is one read)."""
+    reads: list[int] = []
+    inside = [False]
+
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if inside[0]:
+                return original(tensors, *args, **kwargs)
+            for t in [tensors] if isinstance(tensors, Tensor) else tensors:
+                reads.append(t.data_ptr())
+            inside[0] = True
+            try:
+                return original(tensors, *args, **kwargs)
+            finally:
+                inside[0] = False
+
+        return call
+
+    for owner, name in (
+        (torch.linalg, "vector_norm"),
+        (torch, "_foreach_norm"),
+        (_cpu, "norm_partial"),
+        (_kernels, "grouped_total_norm"),
+        (_kernels, "per_tensor_norms"),
+        (_kernels, "total_norm"),
+    ):
+        monkeypatch.setattr(owner, name, counted(getattr(owner, name)))
+    return reads
+
+
+@pytest.mark.parametrize("track", [False, True], ids=["untracked", "tracked"])
+def test_each_grad_and_weight_is_read_once_per_step(track: bool, norm_reads: list[int]) -> None:
+    """One norm kernel call reads each grad once (the global norm and the tracked norms
+    are the units' sums), each clipped weight once and an excluded weight never."""
+    net = model()
+    params = list(net.parameters())
+    head = list(net["head"].parameters())
+    opt = clipopt.ClippedOptimizer(
+        torch.optim.SGD(params, lr=0.01),
+        max_norm=clipopt.AGC(0.01, exclude=head),
+        track_tensor_norms=track,
+    )
+    for weights, grads in stream(params, 3, seed=14):
+        load(params, weights, grads)
+        norm_reads.clear()
+        opt.step()
+        for p in params:
+            assert p.grad is not None
+            assert norm_reads.count(p.grad.data_ptr()) == 1
+            read = norm_reads.count(p.data_ptr())
+            assert read == (0 if any(p is q for q in head) else 1)
+
+
+NONFINITE = {"nan": math.nan, "inf": math.inf}
+
+
+@pytest.mark.parametrize("value", sorted(NONFINITE))
+@pytest.mark.parametrize("where", ["clipped", "excluded"])
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip", "raise"])
+def test_a_nonfinite_grad_reaches_the_nonfinite_policy(
+    value: str, where: str, nonfinite: str
+) -> None:
+    """An inf or NaN in a clipped grad or an excluded one makes last_norm non-finite:
+    "skip" skips the step (params and grads as they were), "raise" raises and changes
+    nothing, "propagate" steps."""
+    net = model()
+    params = list(net.parameters())
+    rule = clipopt.AGC(0.01, exclude=net["head"].parameters())
+    opt = clipopt.ClippedOptimizer(
+        torch.optim.SGD(params, lr=0.1),
+        max_norm=rule,
+        nonfinite=nonfinite,  # type: ignore[arg-type]
+    )
+    weights, grads = next(stream(params, 1, seed=15))
+    poisoned = 2 if where == "clipped" else len(params) - 1
+    grads[poisoned].reshape(-1)[0] = NONFINITE[value]
+    load(params, weights, grads)
+    before = [p.detach().clone() for p in params]
+    if nonfinite == "raise":
+        with pytest.raises(clipopt.NonFiniteNormError):
+            opt.step()
+        assert opt.last_norm is None
+    else:
+        opt.step()
+        assert opt.last_norm is not None and not bool(opt.last_norm.isfinite())
+        expected = math.nan if value == "nan" else math.inf
+        torch.testing.assert_close(opt.last_norm, torch.tensor(expected), equal_nan=True)
+    moved = [not torch.equal(p, b) for p, b in zip(params, before, strict=True)]
+    if nonfinite == "propagate":
+        assert any(moved)
+        return
+    assert not any(moved) and int(opt.skip_count) == (nonfinite == "skip")
+    for p, g in zip(params, grads, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0.0, atol=0.0, equal_nan=True)
+
+
+def test_spike_skip_sees_the_global_norm_an_excluded_spike_included() -> None:
+    """SpikeSkip's history is each step's float64 global norm, and a spike in an excluded
+    grad alone is skipped."""
+    net = model()
+    params = list(net.parameters())
+    spikes = clipopt.SpikeSkip(window=8, sigma=3.0, min_history=4)
+    opt = clipopt.ClippedOptimizer(
+        torch.optim.SGD(params, lr=0.01),
+        max_norm=clipopt.AGC(0.05, exclude=net["head"].parameters()),
+        skip_spikes=spikes,
+    )
+    gen = torch.Generator().manual_seed(16)
+    base = [torch.randn(p.shape, generator=gen) * 0.01 for p in params]
+    totals = []
+    for step in range(8):
+        grads = [g * (1.0 + 0.05 * (step % 2)) for g in base]  # z-scores near 1
+        if step == 7:
+            grads[-1] = grads[-1] * 1e4  # the head's bias, excluded
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        totals.append(float64_norms(grads)[1])
+    assert int(spikes.spike_count) == 1 and int(opt.skip_count) == 1
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    buffer = spikes.state_dict()["state"]["buffer"]
+    torch.testing.assert_close(buffer.double(), torch.stack(totals), rtol=1e-6, atol=0.0)
+
+
+class RowClip(clipopt.UnitWiseRule):
+    """Each row of each grad to a norm of at most 1, with AGC's squares or without."""
+
+    def __init__(self, squares: Callable[[list[Tensor]], Any]) -> None:
+        super().__init__()
+        self.squares = squares
+
+    def config(self) -> dict[str, Any]:
+        return {}
+
+    def update(self, norms: Tensor) -> None:
+        pass
+
+    def rule_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_rule_state(self, state: Any) -> None:
+        pass
+
+    def decide_units(self, params: Any, grads: Any, norm_type: float) -> clipopt.UnitDecision:
+        rows = [g.flatten(1).norm(dim=1) if g.dim() >= 2 else g.norm().reshape(1) for g in grads]
+        norms = torch.cat(rows)
+        coefficients = 1.0 / norms.clamp(min=1.0)
+        parts = coefficients.split([r.numel() for r in rows])
+        shapes = [unit_shape(g) for g in grads]
+        per_grad = [c.reshape(shape) for c, shape in zip(parts, shapes, strict=True)]
+        squares = self.squares(rows)
+        return clipopt.UnitDecision(per_grad, norms, coefficients, coefficients, squares)
+
+
+def test_a_unit_rule_without_squares_is_measured_and_a_wrong_count_refused() -> None:
+    """A rule of one's own that gives no squares: the step measures the grads itself;
+    one that gives them for too few grads: ValueError, nothing changed."""
+    net = model()
+    params = list(net.parameters())
+    weights, grads = next(stream(params, 1, seed=17))
+    for squares in (lambda rows: None, lambda rows: tuple(r.double().square() for r in rows)):
+        opt = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.0), RowClip(squares))
+        load(params, weights, grads)
+        opt.step()
+        assert opt.last_norm is not None
+        torch.testing.assert_close(
+            opt.last_norm.double(), float64_norms(grads)[1], rtol=1e-6, atol=0.0
+        )
+    opt = clipopt.ClippedOptimizer(
+        torch.optim.SGD(params, lr=0.0), RowClip(lambda rows: (rows[0].square(),))
+    )
+    load(params, weights, grads)
+    with pytest.raises(ValueError, match=f"gave 1 squares for {len(params)} grads"):
+        opt.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+
+
 # ---------------------------------------------------------------- properties
 
 
@@ -380,8 +647,10 @@ def test_sparse_grads_are_refused_before_anything_is_touched() -> None:
         opt.step()
     assert torch.equal(embedding.weight.grad.to_dense(), before)
     excluded = agc_sgd(list(embedding.parameters()), exclude=[embedding.weight])
-    excluded.step()  # an excluded sparse grad is not read
+    excluded.step()  # an excluded sparse grad is measured, by its values, not clipped
     assert torch.equal(embedding.weight.grad.to_dense(), before)
+    assert excluded.last_norm is not None
+    torch.testing.assert_close(excluded.last_norm.double(), before.double().norm())
 
 
 def test_a_process_group_is_refused() -> None:

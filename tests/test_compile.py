@@ -262,12 +262,14 @@ def test_a_ruled_step_is_one_graph_and_steps_as_the_eager_one(name: str) -> None
         torch.testing.assert_close(ours_p, theirs_p, rtol=1e-5, atol=1e-6)
 
 
-def test_tracked_tensor_norms_compile_into_the_same_graph() -> None:
+@pytest.mark.parametrize("name", ["autoclip-per-tensor", "agc"])
+def test_tracked_tensor_norms_compile_into_the_same_graph(name: str) -> None:
+    """Per-tensor norms measured for a per-tensor rule, or summed from AGC's units."""
     counters = torch._dynamo.utils.counters
     counters.clear()
-    _, compiled = _ruled_run(RULES["autoclip-per-tensor"], compiled=True, track=True)
+    _, compiled = _ruled_run(RULES[name], compiled=True, track=True)
     assert counters["stats"]["unique_graphs"] == 1
-    _, eager = _ruled_run(RULES["autoclip-per-tensor"], compiled=False, track=True)
+    _, eager = _ruled_run(RULES[name], compiled=False, track=True)
     for ours, theirs in zip(compiled, eager, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
 

@@ -10,12 +10,14 @@ and record "ok" or the traceback; one parametrized test per case reads the recor
   (the rule's state and counters) to 1e-5 relative; the entry must also be bit-identical
   on both ranks. It counts each step's ``all_reduce`` calls: none under DDP; under FSDP2
   and TP one, which with a per-tensor rule (or tracked norms) carries every grad's norm
-  and gives the global norm too; AGC (which runs under FSDP2 over TP too) adds one more
-  for every unit's grad and weight norms.
+  and gives the global norm too, and with AGC (which runs under FSDP2 over TP too, and
+  with its last layer excluded) every unit's grad and weight norms and the excluded
+  grads' norms, from which the global norm is taken.
 - A norm case checks :func:`clipopt._per_tensor.global_per_tensor_norms` against the
   float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP;
-  a unit case checks :func:`clipopt._units.whole_unit_norms` alike, and each rank's rows
-  against the gathered tensor.
+  a unit case checks :func:`clipopt._units.whole_unit_norms` alike (the squares too, and
+  grads measured whole beside the units), and each rank's rows against the gathered
+  tensor.
 
 A new rule is one entry in ``RULES``, with the layouts it runs under.
 """
@@ -91,6 +93,10 @@ RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     "adagc": (lambda: {"max_norm": clipopt.AdaGC(ratio=1.02, beta=0.9, warmup_steps=3)}, LAYOUTS),
     "spike_skip": (spike_skip, LAYOUTS),
     "agc": (lambda: {"max_norm": clipopt.AGC(clipping=0.05)}, (*LAYOUTS, "fsdp2_tp")),
+    "agc_excluded": (
+        lambda: {"max_norm": lambda model: clipopt.AGC(0.05, exclude=last_layer(model))},
+        (*LAYOUTS, "fsdp2_tp"),
+    ),
     "adagc_tracked": (
         lambda: {
             "max_norm": clipopt.AdaGC(ratio=1.02, beta=0.9, warmup_steps=3),
@@ -100,8 +106,13 @@ RULES: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     ),
     "fixed_tracked": (lambda: {"max_norm": 0.5, "track_tensor_norms": True}, LAYOUTS),
 }
-"""Each rule's ClippedOptimizer clip settings (made fresh for every run), and the layouts
-it runs under."""
+"""Each rule's ClippedOptimizer clip settings (made fresh for every run; a function of the
+model where the rule needs its parameters), and the layouts it runs under."""
+
+
+def last_layer(model: nn.Module) -> list[Tensor]:
+    """The last layer's weight and bias, as the paper leaves the classifier unclipped."""
+    return list(model.parameters())[-2:]
 
 
 # --------------------------------------------------------------------------- rule runs
@@ -121,7 +132,8 @@ def run(
 ) -> tuple[clipopt.ClippedOptimizer, list[Tensor], list[Any], list[int]]:
     """Clipped steps; each step's last_norm, last_threshold (and tracked norms, if any)
     and all_reduce calls in step()."""
-    optimizer = clipopt.ClippedOptimizer(sgd(model.parameters()), **clip)
+    made = {key: value(model) if callable(value) else value for key, value in clip.items()}
+    optimizer = clipopt.ClippedOptimizer(sgd(model.parameters()), **made)
     rule = optimizer.rule
     norms, thresholds, calls = [], [], []
     for step, x in enumerate(inputs):
@@ -202,12 +214,10 @@ def fsdp2_over_tp(model: nn.Module) -> nn.Module:
     return model
 
 
-def expected_calls(layout: str, clip: dict[str, Any]) -> int:
-    """FSDP2, TP: one all_reduce (per-tensor rules and tracked norms included), and one
-    more for all units' norms (grads' and weights') with AGC."""
-    if layout == "ddp":
-        return 0
-    return 2 if isinstance(clip["max_norm"], clipopt.UnitWiseRule) else 1
+def expected_calls(layout: str) -> int:
+    """FSDP2, TP: one all_reduce, with any rule (per-tensor ones, tracked norms, and AGC,
+    whose one carries all units' norms, grads' and weights', and gives the global norm)."""
+    return 0 if layout == "ddp" else 1
 
 
 def rule_case(rule: str, layout: str) -> None:
@@ -218,10 +228,9 @@ def rule_case(rule: str, layout: str) -> None:
     assert_reacts_to_spikes(reference)
     assert max(float(n) for n in ref_norms) > 1.0, "no step for a fixed max_norm to clip"
     model = layout_model(layout)
-    clip = make()
     mine = inputs if layout in SPLIT_MODEL else [local_rows(x) for x in inputs]
-    ours, norms, thresholds, calls = run(model, clip, mine)
-    assert calls == [expected_calls(layout, clip)] * STEPS, f"all_reduce calls per step {calls}"
+    ours, norms, thresholds, calls = run(model, make(), mine)
+    assert calls == [expected_calls(layout)] * STEPS, f"all_reduce calls per step {calls}"
     for step in range(STEPS):
         assert_identical(norms[step], ref_norms[step], f"last_norm at step {step}", True, RTOL)
         where = f"threshold and tracked norms at step {step}"
@@ -356,19 +365,26 @@ def assert_rows_in_place(t: Tensor, rows: Any) -> None:
 
 
 def assert_whole_unit_norms(model: nn.Module, x: Tensor, what: str) -> None:
-    """One all_reduce for every unit of every grad and weight, every rank the same, each
-    norm the whole unit's; this rank's rows are where the layout says."""
+    """One all_reduce for every unit of every grad and weight, and the first and last
+    grads measured whole too (as AGC measures excluded ones), every rank the same, each
+    norm the whole unit's, each square its square; this rank's rows are where the layout
+    says."""
     weights = list(model.parameters())
     grads = grads_of(model, x)
+    whole = [grads[0], grads[-1]]
     with CountAllReduce() as counter:
-        norms, weight_norms, rows = _units.whole_unit_norms(grads, weights, torch.float64)
+        found = _units.whole_unit_norms(grads, weights, torch.float64, whole)
     assert counter.calls == 1, f"{what}: {counter.calls} all_reduce calls"
-    assert_same_on_every_rank((norms, weight_norms), what)
+    norms = (found.grads, found.weights, found.grad_squares, found.whole_squares)
+    assert_same_on_every_rank(norms, what)
     expected = torch.cat([whole_units(g) for g in grads])
-    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0.0, msg=what)
+    torch.testing.assert_close(found.grads, expected, rtol=1e-6, atol=0.0, msg=what)
+    torch.testing.assert_close(found.grad_squares, expected.square(), rtol=1e-6, atol=0.0)
     expected = torch.cat([whole_units(w) for w in weights])
-    torch.testing.assert_close(weight_norms, expected, rtol=1e-6, atol=0.0, msg=what)
-    for g, r in zip(grads, rows, strict=True):
+    torch.testing.assert_close(found.weights, expected, rtol=1e-6, atol=0.0, msg=what)
+    expected = torch.stack([full(g).double().square().sum() for g in whole])
+    torch.testing.assert_close(found.whole_squares, expected, rtol=1e-6, atol=0.0, msg=what)
+    for g, r in zip(grads, found.rows, strict=True):
         if g.dim() >= 2:
             assert_rows_in_place(g, r)
 
@@ -438,8 +454,10 @@ def strided_rows_case() -> None:
         raise AssertionError("rows strided across ranks were not refused")
     assert torch.equal(w.grad.to_local(), torch.full((2, 3), 5.0))  # type: ignore[union-attr]
     bias = strided(torch.full((2,), 3.0 + dist.get_rank()), (4,))
-    norms, _, _ = _units.whole_unit_norms([bias], [bias], torch.float64)
-    torch.testing.assert_close(norms, torch.tensor([(2 * 9.0 + 2 * 16.0) ** 0.5]).double())
+    found = _units.whole_unit_norms([bias], [bias], torch.float64, whole=[w.grad])
+    torch.testing.assert_close(found.grads, torch.tensor([(2 * 9.0 + 2 * 16.0) ** 0.5]).double())
+    # Rows strided across ranks are one unit when measured whole (an excluded weight).
+    torch.testing.assert_close(found.whole_squares, torch.tensor([4 * 3 * 25.0]).double())
 
 
 def whole_norm(grads: list[Tensor], p: float) -> Tensor:
@@ -842,13 +860,16 @@ def test_an_agc_step_on_dtensors_is_timms_and_reads_nothing_on_the_host(
     mesh_of_one: Any, no_host_sync: Any
 ) -> None:
     """Shard(0) and Replicate weights of 1, 2 and 4 dims: the grads and last_threshold of
-    timm's AGC in float64, every unit of every tensor; two all_reduces (the global
-    norm's and the units'), no host read."""
-    shapes = [(4, 3), (5,), (2, 3, 2, 2), (3, 2)]
-    kinds = ["shard", "shard", "shard", "replicate"]
+    timm's AGC in float64, every unit of every tensor; an excluded one left as it is;
+    last_norm and the tracked norms (the excluded grad's too) of the float64 grads; one
+    all_reduce, no host read."""
+    shapes = [(4, 3), (5,), (2, 3, 2, 2), (3, 2), (3, 2, 2)]
+    kinds = ["shard", "shard", "shard", "replicate", "shard"]
     params = agc_dtensors(mesh_of_one, shapes, kinds)
-    rule = clipopt.AGC(clipping=0.05)
-    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD(params, lr=0.0), max_norm=rule)
+    rule = clipopt.AGC(clipping=0.05, exclude=params[-1:])
+    optimizer = clipopt.ClippedOptimizer(
+        torch.optim.SGD(params, lr=0.0), max_norm=rule, track_tensor_norms=True
+    )
     gen = torch.Generator().manual_seed(9)
     for step in range(3):
         values = [torch.randn(s, generator=gen) * 10.0**step for s in shapes]
@@ -856,14 +877,24 @@ def test_an_agc_step_on_dtensors_is_timms_and_reads_nothing_on_the_host(
             q.grad = dtensor(v.clone(), mesh_of_one, kind)
         with CountAllReduce() as counter, no_host_sync():
             optimizer.step()
-        assert counter.calls == 2
+        assert counter.calls == 1
         weights = [q.detach().to_local() for q in params]  # type: ignore[attr-defined]
-        clipped, thresholds, scaled = timm_agc(weights, values, 0.05, 1e-3, torch.float64)
-        for q, expected in zip(params, clipped, strict=True):
+        clipped, thresholds, scaled = timm_agc(weights[:-1], values[:-1], 0.05, 1e-3, torch.float64)
+        for q, expected in zip(params, [*clipped, values[-1].double()], strict=True):
             got = q.grad.to_local().double()  # type: ignore[union-attr]
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0)
         assert rule.last_threshold is not None
         torch.testing.assert_close(rule.last_threshold.double(), torch.cat(thresholds))
+        squares = torch.stack([v.double().square().sum() for v in values])
+        assert optimizer.last_norm is not None and optimizer.last_norm.dtype == torch.float32
+        torch.testing.assert_close(
+            optimizer.last_norm.double(), squares.sum().sqrt(), rtol=1e-6, atol=0.0
+        )
+        tracked = optimizer.last_tensor_norms
+        assert tracked is not None
+        torch.testing.assert_close(
+            torch.stack(list(tracked.values())).double(), squares.sqrt(), rtol=1e-6, atol=0.0
+        )
     assert int(rule.clipped_count) >= 2 and scaled
 
 
