@@ -190,7 +190,14 @@ def _raw_data_ptr() -> int:
     except ImportError:
         return 0
     address = getattr(guards, "_torchinductor_pyobject_tensor_data_ptr", 0)
-    return address if isinstance(address, int) and address > 0 else 0
+    if _native is None or not isinstance(address, int) or address <= 0:
+        return 0
+    # It is private: check once that it reads what data_ptr does, or leave it unused.
+    probe = [torch.arange(1.0, 9.0)]
+    code = _DTYPES[torch.float32]
+    raw = _native.layout(code, probe, [8], Tensor.data_ptr, Tensor, address)
+    by_method = _native.reduce(_SUM_SQUARES, code, [probe[0].data_ptr()], [8], 1)
+    return address if _native.reduce_layout(_SUM_SQUARES, raw, 1) == by_method else 0
 
 
 _RAW_DATA_PTR = _raw_data_ptr()
