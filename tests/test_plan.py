@@ -123,6 +123,7 @@ def test_a_plan_of_plain_grads_reads_their_addresses_in_c(plans: list[_plan.Plan
     assert run.plain
 
 
+@pytest.mark.skipif(not _cpu.available(), reason="the C reader is used only with the C kernel")
 def test_tensors_without_storage_raise_planned_or_not(plans: list[_plan.Plan]) -> None:
     """MKL-DNN tensors are strided-looking torch.Tensors without storage: torch's C reader
     would abort the process on them, so their plan is not plain and every clip raises the
