@@ -108,11 +108,11 @@ class AGC(UnitWiseRule):
     unit of every tensor, the same on every rank and as in one process. A parameter
     whose rows a rank holds are not one contiguous range is refused with ``ValueError``
     before any grad changes. The reduction is laid out over the units of every
-    (non-excluded) parameter of the optimizer, whatever grads a rank holds, so a rank
-    whose grads are all None joins it with zero grad shares; it carries each rank's
-    count of grads, and where the counts differ every norm of the step is NaN on every
-    rank, for ``nonfinite`` to act on (``"raise"`` raises on every rank, ``"skip"``
-    skips everywhere).
+    (non-excluded) DTensor parameter of the optimizer, whatever grads a rank holds, so
+    a rank whose grads are all None joins it with zero grad shares; it carries each
+    rank's count of grads, and where the counts differ every norm of the step is NaN on
+    every rank, for ``nonfinite`` to act on (``"raise"`` raises on every rank,
+    ``"skip"`` skips everywhere).
 
     Example:
       >>> import torch, clipopt

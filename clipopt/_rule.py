@@ -385,7 +385,8 @@ class UnitWiseRule(ClipRule):
         rank without some grads, or any.
 
         Args:
-          params: every parameter of the param groups, in order.
+          params: every DTensor parameter of the param groups, in order (and any
+            plain one with a grad, for the rule to refuse).
           grads: each one's grad, or None.
           norm_type: as for :meth:`decide_units`.
 

@@ -342,10 +342,11 @@ def unit_rule_coefficients(
       ValueError: the rule refuses ``norm_type``, or its grads.
     """
     every = [p for group in groups for p in group["params"]]
-    decision = _slot_decision(rule, every, norm_type) if _mesh.dtensors(every) else None
+    slotted = _slotted(every)
+    decision = _slot_decision(rule, slotted, norm_type) if slotted else None
     flat = [g for group in grads for g in group]
     if decision is not None:
-        here = [p.grad is not None for p in every]
+        here = [p.grad is not None for p in slotted]
         per_grad = [c for c, has in zip(decision.per_grad, here, strict=True) if has]
         squares = decision.squares
         if squares is not None:
@@ -366,6 +367,16 @@ def unit_rule_coefficients(
         start += len(group)
     outcome = (decision.norms, decision.coefficients, decision.thresholds) if flat else None
     return per_group, outcome, squares, decision.check
+
+
+def _slotted(params: list[Tensor]) -> list[Tensor]:
+    """The parameters a rule decides over where some are DTensors: those, whether or not
+    they have a grad here, and any other with a grad (which the rule then refuses, as
+    DTensors mixed with plain tensors); none where no parameter is a DTensor."""
+    sharded = {id(q) for q in _mesh.dtensors(params)}
+    if not sharded:
+        return []
+    return [p for p in params if id(p) in sharded or p.grad is not None]
 
 
 def _slot_decision(
