@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from clipopt._kernels import EPS, result_dtype
 from clipopt._rule import UnitDecision, UnitWiseRule, number
-from clipopt._units import Rows, whole_unit_norms
+from clipopt._units import Rows, slot_unit_norms, whole_unit_norms
 
 __all__ = ["AGC"]
 
@@ -28,6 +28,30 @@ def _in_order(*placed: tuple[list[int], Sequence[Tensor]]) -> tuple[Tensor, ...]
     """The tensors of each ``(positions, tensors)`` pair at their positions, in one tuple."""
     at = {i: t for positions, tensors in placed for i, t in zip(positions, tensors, strict=True)}
     return tuple(at[i] for i in range(len(at)))
+
+
+def _check_grad(grad: Tensor | None, param: Tensor) -> None:
+    """A grad AGC clips must be dense and shaped as its parameter (None: none here)."""
+    if grad is not None and (grad.is_sparse or grad.shape != param.shape):
+        raise ValueError(
+            f"AGC needs dense grads shaped as their parameters, got a grad of "
+            f"shape {tuple(grad.shape)} (sparse: {grad.is_sparse}) for a "
+            f"parameter of shape {tuple(param.shape)}"
+        )
+
+
+def _given(grads: list[Tensor | None]) -> list[Tensor]:
+    """``grads``, every one given (:meth:`AGC.decide_units` is given only grads)."""
+    return cast("list[Tensor]", grads)
+
+
+def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -> Tensor:
+    """The entries of ``values`` (every tensor's units, in order) of the tensors present."""
+    if all(present):
+        return values
+    parts = torch.split(values, [r.units for r in rows])
+    kept = [part for part, here in zip(parts, present, strict=True) if here]
+    return torch.cat(kept) if kept else values.new_zeros(0)
 
 
 def _parameters(exclude: Iterable[Tensor]) -> list[Tensor]:
@@ -83,7 +107,12 @@ class AGC(UnitWiseRule):
     scales the part of each unit it holds; ``last_threshold`` then still holds every
     unit of every tensor, the same on every rank and as in one process. A parameter
     whose rows a rank holds are not one contiguous range is refused with ``ValueError``
-    before any grad changes.
+    before any grad changes. The reduction is laid out over the units of every
+    (non-excluded) DTensor parameter of the optimizer, whatever grads a rank holds, so
+    a rank whose grads are all None joins it with zero grad shares; it carries each
+    rank's count of grads, and where the counts differ every norm of the step is NaN on
+    every rank, for ``nonfinite`` to act on (``"raise"`` raises on every rank,
+    ``"skip"`` skips everywhere).
 
     Example:
       >>> import torch, clipopt
@@ -123,21 +152,31 @@ class AGC(UnitWiseRule):
     def decide_units(
         self, params: Sequence[Tensor], grads: Sequence[Tensor], norm_type: float
     ) -> UnitDecision:
+        return self._decision(params, grads, slotted=False)
+
+    def decide_slots(
+        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], norm_type: float
+    ) -> UnitDecision:
+        return self._decision(params, grads, slotted=True)
+
+    def _decision(
+        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], slotted: bool
+    ) -> UnitDecision:
+        """The decision for ``grads`` (None: a slot without a grad here, ``slotted`` only:
+        its units are measured across ranks, and have no coefficient here)."""
         excluded = {id(p) for p in self.exclude}
         chosen = [i for i, p in enumerate(params) if id(p) not in excluded]
         for i in chosen:
-            if grads[i].is_sparse or grads[i].shape != params[i].shape:
-                raise ValueError(
-                    f"AGC needs dense grads shaped as their parameters, got a grad of "
-                    f"shape {tuple(grads[i].shape)} (sparse: {grads[i].is_sparse}) for a "
-                    f"parameter of shape {tuple(params[i].shape)}"
-                )
-        dtype = result_dtype([grads[i].dtype for i in chosen])
+            _check_grad(grads[i], params[i])
+        present = [grads[i] is not None for i in chosen]
+        dtype = result_dtype([g.dtype for g in grads if g is not None])
         others = [i for i, p in enumerate(params) if id(p) in excluded]
         weights = [params[i] for i in chosen]
-        found = whole_unit_norms(
-            [grads[i] for i in chosen], weights, dtype, whole=[grads[i] for i in others]
-        )
+        own, whole = [grads[i] for i in chosen], [grads[i] for i in others]
+        if slotted:
+            found = slot_unit_norms(own, weights, dtype, whole)
+        else:
+            found = whole_unit_norms(_given(own), weights, dtype, whole=_given(whole))
         norms, rows = found.grads, found.rows
         # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
         # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.
@@ -146,13 +185,14 @@ class AGC(UnitWiseRule):
         coefficients = torch.where(norms < thresholds, 1.0, ratio)
         per_grad: list[Tensor | None] = [None] * len(grads)
         parts = torch.split(coefficients, [r.units for r in rows])
-        for i, w, r, part in zip(chosen, weights, rows, parts, strict=True):
-            per_grad[i] = _local_part(part, r, w.dim())
+        for i, w, r, part, here in zip(chosen, weights, rows, parts, present, strict=True):
+            per_grad[i] = _local_part(part, r, w.dim()) if here else None
         squares = _in_order(
             (chosen, torch.split(found.grad_squares, [r.units for r in rows])),
             (others, torch.split(found.whole_squares, [1] * len(others))),
         )
-        return UnitDecision(per_grad, norms, coefficients, thresholds, squares)
+        held = [_held_units(t, rows, present) for t in (norms, coefficients, thresholds)]
+        return UnitDecision(per_grad, held[0], held[1], held[2], squares, found.check)
 
     def update(self, norms: Tensor) -> None:
         """AGC has no state: its threshold comes from the weights of this step."""

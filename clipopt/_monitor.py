@@ -111,6 +111,7 @@ def measure_from_squares(
     default_norm_type: float,
     per_group: bool,
     tensor_norms: bool,
+    check: Tensor | None = None,
 ) -> Measurement:
     """:func:`measure_per_tensor`'s L2 measurement, from squares a unit-wise rule measured
     (AGC: every unit's, whole across ranks, from its one pass and one collective): no
@@ -125,6 +126,9 @@ def measure_from_squares(
       default_norm_type: the order of the norm of the group norms (``per_group``).
       per_group: measure each group by its own norm.
       tensor_norms: also each grad's norm, the root of its squares' sum.
+      check: a 0-dim tensor added to every total (0, or NaN where the ranks' grads do
+        not line up: :class:`clipopt.UnitDecision`), so that a rank without grads has a
+        NaN norm as the others do.
 
     Example:
       >>> import torch
@@ -139,12 +143,28 @@ def measure_from_squares(
     sizes = [len(group) for group in grads] if per_group else [len(squares)]
     ends = [0, *itertools.accumulate(sizes)]
     buckets = [squares[start:end] for start, end in itertools.pairwise(ends)]
-    totals = [_per_tensor.total_root(_joined(b, squares[0]), 2.0).to(dtype) for b in buckets]
+    like = squares[0] if squares else _zero(check)
+    totals = [_checked(_per_tensor.total_root(_joined(b, like), 2.0), check) for b in buckets]
+    totals = [total.to(dtype) for total in totals]
     norms = None
-    if tensor_norms:
+    if tensor_norms and squares:
         sums = torch._foreach_norm(list(squares), 1.0)  # squares: their 1-norm is their sum
         norms = _per_tensor.root(torch.stack(sums), 2.0).to(dtype)
+    elif tensor_norms:
+        norms = like.new_zeros(0, dtype=dtype)
     return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
+
+
+def _zero(check: Tensor | None) -> Tensor:
+    """A float64 zero beside ``check`` (on the CPU without one)."""
+    if check is None:
+        return torch.zeros((), dtype=torch.float64)
+    return check.new_zeros(())
+
+
+def _checked(total: Tensor, check: Tensor | None) -> Tensor:
+    """``total`` plus ``check`` (adding 0 changes no bit), or ``total`` without one."""
+    return total if check is None else total + check
 
 
 def _joined(bucket: Sequence[Tensor], like: Tensor) -> Tensor:

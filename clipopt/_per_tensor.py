@@ -29,7 +29,14 @@ import torch
 from torch import Tensor
 
 from clipopt import _kernels, _mesh
-from clipopt._collective import REDUCE_DTYPE, collective_device, reduce_max, reduce_sum
+from clipopt._collective import (
+    REDUCE_DTYPE,
+    collective_device,
+    count_tail,
+    counts_differ,
+    reduce_max,
+    reduce_sum,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -112,27 +119,6 @@ def _slot_shares(
     return _placed(values, [positions[k] for k in order], len(slots))
 
 
-def _count_tail(count: int, summed: bool, device: torch.device) -> Tensor:
-    """Two slots that say, once reduced, whether the ranks hold the same number of
-    tensors: ``[n, n**2]`` summed (all equal iff ``ranks * sum(n**2) == sum(n)**2``), or
-    ``[n, -n]`` maxed (all equal iff ``max(n) == min(n)``)."""
-    second = count * count if summed else -count
-    return torch.cat(
-        [
-            torch.full((1,), float(count), dtype=REDUCE_DTYPE, device=device),
-            torch.full((1,), float(second), dtype=REDUCE_DTYPE, device=device),
-        ]
-    )
-
-
-def _counts_differ(tail: Tensor, summed: bool, ranks: int) -> Tensor:
-    """From a reduced :func:`_count_tail`: a 0-dim bool, True where the counts differ."""
-    first, second = tail.unbind()
-    if summed:
-        return second * ranks != first * first
-    return first + second != 0
-
-
 def _reduced(
     contributions: list[Tensor],
     summed: bool,
@@ -147,7 +133,7 @@ def _reduced(
     sent = contributions if tail is None else [*contributions, tail]
     values = (reduce_sum if summed else reduce_max)(sent, groups, device)
     if tail is not None:
-        differ = _counts_differ(values[-2:], summed, ranks)
+        differ = counts_differ(values[-2:], summed, ranks)
         values = torch.where(differ, math.nan, values[:-2])
     return list(torch.split(values, sizes))
 
@@ -208,7 +194,7 @@ def global_tensor_powers(
     for summed in (True, False):
         at = [i for i, p in enumerate(norm_types) if (p != math.inf) == summed]
         if at:
-            tail = _count_tail(len(flat), summed, device) if strict else None
+            tail = count_tail(len(flat), summed, device) if strict else None
             parts = _reduced([shares[i] for i in at], summed, groups, device, tail, mesh.size())
             reduced.update(zip(at, parts, strict=True))
     return [reduced[i] for i in range(len(buckets))]

@@ -298,6 +298,10 @@ class UnitDecision:
         With them the step takes its norms (``last_norm``, tracked norms) from these
         sums, at norm_type 2, and reads no grad again; None: it measures the grads
         itself, a second read of them.
+      check: optional, a 0-dim float tensor, 0 where the ranks' grads line up and NaN
+        where they do not (:meth:`UnitWiseRule.decide_slots`): added to the step's
+        norms, so that a rank without grads sees the NaN too and ``nonfinite`` acts on
+        every rank alike.
     """
 
     per_grad: list[Tensor | None]
@@ -305,6 +309,7 @@ class UnitDecision:
     coefficients: Tensor
     thresholds: Tensor
     squares: tuple[Tensor, ...] | None = None
+    check: Tensor | None = None
 
 
 class UnitWiseRule(ClipRule):
@@ -370,3 +375,26 @@ class UnitWiseRule(ClipRule):
         It must read nothing on the host.
         """
         raise NotImplementedError
+
+    def decide_slots(
+        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], norm_type: float
+    ) -> UnitDecision | None:
+        """:meth:`decide_units` over every parameter, with its grad or None where this
+        rank holds none; the wrapper asks it first where a parameter is a DTensor, so
+        that a rule measuring across ranks (AGC) joins the other ranks' collective on a
+        rank without some grads, or any.
+
+        Args:
+          params: every DTensor parameter of the param groups, in order (and any
+            plain one with a grad, for the rule to refuse).
+          grads: each one's grad, or None.
+          norm_type: as for :meth:`decide_units`.
+
+        Returns:
+          A decision whose ``per_grad`` and ``squares`` have one entry per parameter
+          (``per_grad`` None where there is no grad), whose ``norms``, ``coefficients``
+          and ``thresholds`` cover the units of the grads present, and whose ``check``
+          says where the ranks' grads do not line up; or None (the default): the rule
+          does not, and :meth:`decide_units` is called with the grads present.
+        """
+        return None

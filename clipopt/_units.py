@@ -10,7 +10,10 @@ the part it holds, divided by how many ranks hold that part (as
 :mod:`clipopt._per_tensor` weighs replicas). Each rank puts its shares of each tensor's
 units at those units' global positions (zeros elsewhere), so one float64 ``all_reduce``
 of one 1-D tensor gives every rank every unit's norm, whatever the layout, as long as
-the rows a rank holds are one contiguous range (refused otherwise).
+the rows a rank holds are one contiguous range (refused otherwise). Laid out over every
+parameter's units, whatever grads a rank holds (:func:`slot_unit_norms`), it is the same
+collective on a rank without some grads, or any, and it carries each rank's count of
+grads, so that ranks holding different grads get NaN everywhere instead of a hang.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from clipopt import _kernels, _mesh
-from clipopt._collective import REDUCE_DTYPE, collective_device, reduce_sum
+from clipopt._collective import (
+    REDUCE_DTYPE,
+    collective_device,
+    count_tail,
+    counts_differ,
+    reduce_sum,
+)
 from clipopt._torch_norms import accumulate_dtype, combine_dtype
 
 if TYPE_CHECKING:
@@ -39,6 +48,7 @@ __all__ = [
     "UnitNorms",
     "local_rows",
     "rows_at",
+    "slot_unit_norms",
     "unit_norms",
     "unit_shape",
     "whole_unit_norms",
@@ -279,6 +289,8 @@ class UnitNorms:
       grad_squares: the squares ``grads`` are the roots of, float64 (float32 on a device
         without it): whole sums across ranks before any root.
       whole_squares: each tensor of ``whole``'s squared norm, the same way.
+      check: from :func:`slot_unit_norms`, a 0-dim tensor: NaN where the ranks held
+        different numbers of grads, else 0; None otherwise.
     """
 
     grads: Tensor
@@ -286,6 +298,7 @@ class UnitNorms:
     rows: list[Rows]
     grad_squares: Tensor
     whole_squares: Tensor
+    check: Tensor | None = None
 
 
 def whole_unit_norms(
@@ -344,35 +357,104 @@ def whole_unit_norms(
     rows = [local_rows(g) for g in grads]
     _mesh.check_unmixed(tensors, found)
     _check_pairs(found[: len(grads)], found[len(grads) : 2 * len(grads)])
-    return _reduced_unit_norms(found, rows, len(whole), dtype)
+    return _reduced_unit_norms(grads, weights, whole, rows, dtype, strict=False)
+
+
+def slot_unit_norms(
+    grads: Sequence[Tensor | None],
+    weights: Sequence[Tensor],
+    dtype: torch.dtype,
+    whole: Sequence[Tensor | None] = (),
+) -> UnitNorms:
+    """:func:`whole_unit_norms` of DTensor parameters, each with its grad or None where
+    this rank holds none, so that a rank without some grads, or any, joins the other
+    ranks' ``all_reduce``: the reduced vector has the units of every weight given,
+    whatever grads are here, a missing grad's shares being zeros.
+
+    Units cannot line up where the ranks hold different grads, so the count of grads
+    (of ``grads`` and ``whole``) travels in the same collective (two values more), and
+    where the counts differ every value is NaN, on every rank, and ``check`` is NaN (0
+    where they agree): a rank without grads has no norm of its own to carry the NaN.
+
+    Args:
+      grads: each weight's grad or None; those given laid out as their weights.
+      weights: DTensor parameters, the same ones in the same order on every rank.
+      dtype: the dtype of the unit norms returned.
+      whole: as for :func:`whole_unit_norms`, None where this rank has no such grad.
+
+    Returns:
+      As :func:`whole_unit_norms`, with the units of every weight (those of a missing
+      grad: the others' sums, or 0), and ``check``.
+
+    Raises:
+      ValueError: as :func:`whole_unit_norms`, or no DTensor among the tensors.
+
+    Example:
+      >>> import torch
+      >>> from clipopt._units import slot_unit_norms
+      >>> slot_unit_norms([None], [torch.ones(2, 2)], torch.float32)
+      Traceback (most recent call last):
+      ...
+      ValueError: slot_unit_norms measures DTensor parameters, got plain ones
+    """
+    present = [g for g in grads if g is not None]
+    tensors = [*present, *weights, *(t for t in whole if t is not None)]
+    found = _mesh.dtensors(tensors)
+    if not found:
+        raise ValueError("slot_unit_norms measures DTensor parameters, got plain ones")
+    _mesh.check_unmixed(tensors, found)
+    pairs = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
+    _check_pairs(_mesh.dtensors([g for g, _ in pairs]), _mesh.dtensors([w for _, w in pairs]))
+    rows = [local_rows(w) for w in weights]
+    return _reduced_unit_norms(grads, weights, whole, rows, dtype, strict=True)
 
 
 def _reduced_unit_norms(
-    tensors: Sequence[DTensor], rows: list[Rows], whole: int, dtype: torch.dtype
+    grads: Sequence[Tensor | None],
+    weights: Sequence[Tensor],
+    whole: Sequence[Tensor | None],
+    rows: list[Rows],
+    dtype: torch.dtype,
+    strict: bool,
 ) -> UnitNorms:
     """:func:`whole_unit_norms` of DTensors (grads, weights, then ``whole`` more), checked:
-    each rank's squared shares placed among all units, in one ``all_reduce``."""
-    device = tensors[0].device
-    paired, extra = tensors[: len(tensors) - whole], tensors[len(tensors) - whole :]
-    mesh = _mesh.reduction_mesh(tensors)
-    replicas = [_mesh.replica_count(g, mesh) for g in paired[: len(rows)]] * 2
-    replicas += [_mesh.replica_count(t, mesh) for t in extra]
+    each rank's squared shares placed among all units (zeros for a None), in one
+    ``all_reduce``; with ``strict``, the ranks' count of tensors too (NaN if they differ)."""
+    slots = [*grads, *weights, *whole]
+    placed = [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)]
+    held = cast("list[DTensor]", [t for t in slots if t is not None])
+    device = held[0].device
+    mesh = _mesh.reduction_mesh(held)
     groups = _mesh.mesh_groups(mesh, None)
-    shards = [t._local_tensor.detach() for t in paired]
-    extra_shards = [t._local_tensor.detach() for t in extra]
+    measured = [t for t in slots[: 2 * len(rows)] if t is not None]
+    extra_shards = [t._local_tensor.detach() for t in held[len(measured) :]]
+    shards = [t._local_tensor.detach() for t in cast("list[DTensor]", measured)]
     squares = unit_norms(shards, device, REDUCE_DTYPE, extra_shards).square()
-    placed = [*rows, *rows, *[Rows(1, 0, 1)] * whole]
-    parts = torch.split(squares, [r.count for r in placed])
-    shares = [_placed(share, r, n) for share, r, n in zip(parts, placed, replicas, strict=True)]
-    reduced = reduce_sum(shares, groups, collective_device(shares, groups))
-    own, theirs, rest = _split_units(reduced, rows, whole)
+    counts = [r.count for t, r in zip(slots, placed, strict=True) if t is not None]
+    parts = iter(torch.split(squares, counts))
+    shares = [
+        squares.new_zeros(r.units)
+        if t is None
+        else _placed(next(parts), r, _mesh.replica_count(cast("DTensor", t), mesh))
+        for t, r in zip(slots, placed, strict=True)
+    ]
+    grads_here = len(held) - len(weights)
+    tail = [count_tail(grads_here, True, squares.device)] if strict else []
+    reduced = reduce_sum([*shares, *tail], groups, collective_device(shares, groups))
     wide = combine_dtype(device)
+    check = None
+    if strict:
+        differ = counts_differ(reduced[-2:], True, mesh.size())
+        reduced = torch.where(differ, math.nan, reduced[:-2])
+        check = torch.where(differ, math.nan, reduced.new_zeros(())).to(device=device, dtype=wide)
+    own, theirs, rest = _split_units(reduced, rows, len(whole))
     return UnitNorms(
         own.sqrt().to(device=device, dtype=dtype),
         theirs.sqrt().to(device=device, dtype=dtype),
         rows,
         own.to(device=device, dtype=wide),
         rest.to(device=device, dtype=wide),
+        check,
     )
 
 

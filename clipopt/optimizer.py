@@ -534,10 +534,10 @@ class ClippedOptimizer(OptimizerWrapper):
         norm_types = settings.norm_types
         if isinstance(self._rule, UnitWiseRule):
             _check_rule_groups(self.param_groups, self._rule)
-            coefficients, outcome, squares = _step.unit_rule_coefficients(
+            coefficients, outcome, squares, check = _step.unit_rule_coefficients(
                 self._rule, self.param_groups, grads, norm_types[0]
             )
-            return self._measure(grads, norm_types, squares), coefficients, outcome
+            return self._measure(grads, norm_types, squares, check), coefficients, outcome
         measured = self._measure(grads, norm_types)
         if self._rule is None:
             return (
@@ -554,16 +554,18 @@ class ClippedOptimizer(OptimizerWrapper):
         grads: list[list[Tensor]],
         norm_types: list[float],
         squares: tuple[Tensor, ...] | None = None,
+        check: Tensor | None = None,
     ) -> _step.Measurement:
         """The step's norms: from a unit-wise rule's ``squares`` where it measured them
-        (AGC: no grad read again, no collective more); with per-tensor norms wanted
+        (AGC: no grad read again, no collective more; its ``check`` NaN where the ranks'
+        grads do not line up); with per-tensor norms wanted
         (tracked, or for a per-tensor rule), all of them from one per-tensor pass, and
         for DTensor grads one collective (the constructor refuses a process_group then)."""
         default = float(self.defaults[NORM_TYPE_KEY])
         names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
         if squares is not None and all(p == 2.0 for p in norm_types):
             return _monitor.measure_from_squares(
-                grads, names, squares, default, self._per_group, self._track_tensor_norms
+                grads, names, squares, default, self._per_group, self._track_tensor_norms, check
             )
         per_rule = self._rule is not None and self._rule.per_tensor
         if self._norm_scope.process_group is None and (self._track_tensor_norms or per_rule):

@@ -288,6 +288,72 @@ def case_per_tensor_rank_without_grads() -> None:
         assert flowing.last_norm is not None and float(flowing.last_norm) == 0.0
 
 
+def _agc_rows(w: Tensor, clipping: float, eps: float) -> Tensor:
+    """timm's AGC thresholds of a whole weight in float64: ``clipping * max(||unit||, eps)``."""
+    whole = w.detach().double()
+    units = whole.flatten(1) if whole.dim() >= 2 else whole.reshape(1, -1)
+    return torch.linalg.vector_norm(units, 2.0, dim=1).clamp(min=eps) * clipping
+
+
+def case_agc_rank_without_grads() -> None:
+    """FSDP2 with AGC, rank 1 without any grad: AGC's one reduction is laid out over every
+    parameter's units, so rank 1 joins it; the units cannot line up, so the norms are
+    NaN on every rank and ``nonfinite`` acts on every rank alike. Where the ranks agree
+    (a layer without grads on both), the norm and thresholds are those of the grads that
+    exist; with no grad anywhere the norm is 0."""
+    for excluded in (False, True):
+        _, params = fsdp2_mlp_with_grads()
+        if dist.get_rank() == 1:
+            for q in params:
+                q.grad = None
+        left_out = params[-1:] if excluded else []
+        mine = [local(q.grad) for q in params if q.grad is not None]
+        before = [local(q).detach().clone() for q in params]
+        strict = clipopt.ClippedOptimizer(
+            sgd(params), clipopt.AGC(0.05, exclude=left_out), nonfinite="raise"
+        )
+        with CountAllReduce() as counter, pytest.raises(clipopt.NonFiniteNormError):
+            strict.step()
+        assert counter.calls == 1, f"excluded={excluded}: {counter.calls} all_reduce calls"
+        grads_now = [local(q.grad) for q in params if q.grad is not None]
+        assert all(torch.equal(a, b) for a, b in zip(grads_now, mine, strict=True))
+        skipping = clipopt.ClippedOptimizer(
+            sgd(params), clipopt.AGC(0.05, exclude=left_out), nonfinite="skip"
+        )
+        skipping.step()
+        assert int(skipping.skip_count) == 1 and int(skipping.step_count) == 0
+        after = [local(q).detach() for q in params]
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), "moved"
+        flowing = clipopt.ClippedOptimizer(sgd(params), clipopt.AGC(0.05, exclude=left_out))
+        flowing.step()
+        assert flowing.last_norm is not None and bool(flowing.last_norm.isnan()), "not NaN"
+    # The ranks agree: layer 4 has no grad on either rank, the others on both.
+    _, params = fsdp2_mlp_with_grads()
+    for q in params[4:]:
+        q.grad = None
+    with_grads = params[:4]
+    expected = gathered_norm([local(q.grad) for q in with_grads], 2.0)
+    wholes = [q.full_tensor() for q in with_grads]  # type: ignore[attr-defined]
+    thresholds = torch.cat([_agc_rows(w, 0.05, 1e-3) for w in wholes])
+    rule = clipopt.AGC(0.05)
+    agreeing = clipopt.ClippedOptimizer(sgd(params), rule, nonfinite="raise")
+    with CountAllReduce() as counter:
+        agreeing.step()
+    assert counter.calls == 1, counter.calls
+    assert agreeing.last_norm is not None
+    assert_same_on_all_ranks(agreeing.last_norm, "agc agreeing norm")
+    assert_rel(agreeing.last_norm, expected, "agc agreeing norm")
+    got = rule.last_threshold
+    assert got is not None and got.shape == thresholds.shape, (got, thresholds.shape)
+    for index, (g, e) in enumerate(zip(got.unbind(), thresholds.unbind(), strict=True)):
+        assert_same_on_all_ranks(g, f"agc threshold {index}")
+        assert_rel(g, e, f"agc threshold {index}")
+    for q in params:
+        q.grad = None
+    agreeing.step()
+    assert agreeing.last_norm is not None and float(agreeing.last_norm) == 0.0
+
+
 CASES: dict[str, Callable[[], None]] = {
     "only_empty_shards": case_only_empty_shards,
     "no_grads_get_total_norm": case_no_grads_get_total_norm,
@@ -295,6 +361,7 @@ CASES: dict[str, Callable[[], None]] = {
     "only_some_meshes": case_only_some_meshes,
     "process_group_rank_without_grads": case_process_group_rank_without_grads,
     "per_tensor_rank_without_grads": case_per_tensor_rank_without_grads,
+    "agc_rank_without_grads": case_agc_rank_without_grads,
 }
 
 

@@ -898,6 +898,48 @@ def test_an_agc_step_on_dtensors_is_timms_and_reads_nothing_on_the_host(
     assert int(rule.clipped_count) >= 2 and scaled
 
 
+def test_an_agc_step_on_dtensors_with_grads_missing_reads_nothing_on_the_host(
+    mesh_of_one: Any, no_host_sync: Any
+) -> None:
+    """A parameter without a grad, one excluded without a grad too: their units are in
+    the one reduction (zeros), the others' grads and last_threshold are timm's in
+    float64, last_norm and the tracked norms those of the grads present; no host read."""
+    shapes = [(4, 3), (5,), (3, 2), (2, 2)]
+    kinds = ["shard", "shard", "replicate", "shard"]
+    params = agc_dtensors(mesh_of_one, shapes, kinds)
+    rule = clipopt.AGC(clipping=0.05, exclude=params[-1:])
+    optimizer = clipopt.ClippedOptimizer(
+        torch.optim.SGD(params, lr=0.0), max_norm=rule, track_tensor_norms=True
+    )
+    gen = torch.Generator().manual_seed(11)
+    held = [0, 2]
+    values = [torch.randn(shapes[i], generator=gen) * 3.0 for i in held]
+    for i, v in zip(held, values, strict=True):
+        params[i].grad = dtensor(v.clone(), mesh_of_one, kinds[i])
+    with CountAllReduce() as counter, no_host_sync():
+        optimizer.step()
+    assert counter.calls == 1
+    assert params[1].grad is None and params[3].grad is None
+    weights = [params[i].detach().to_local() for i in held]  # type: ignore[attr-defined]
+    clipped, thresholds, scaled = timm_agc(weights, values, 0.05, 1e-3, torch.float64)
+    for i, expected in zip(held, clipped, strict=True):
+        got = params[i].grad.to_local().double()  # type: ignore[union-attr]
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0)
+    assert rule.last_threshold is not None
+    torch.testing.assert_close(rule.last_threshold.double(), torch.cat(thresholds))
+    squares = torch.stack([v.double().square().sum() for v in values])
+    assert optimizer.last_norm is not None
+    torch.testing.assert_close(
+        optimizer.last_norm.double(), squares.sum().sqrt(), rtol=1e-6, atol=0.0
+    )
+    tracked = optimizer.last_tensor_norms
+    assert tracked is not None and list(tracked) == ["0", "2"]
+    torch.testing.assert_close(
+        torch.stack(list(tracked.values())).double(), squares.sqrt(), rtol=1e-6, atol=0.0
+    )
+    assert scaled
+
+
 def test_agc_refuses_a_grad_laid_out_otherwise_than_its_parameter(mesh_of_one: Any) -> None:
     """Before any grad changes, naming the parameter's shape and both placements."""
     (w,) = agc_dtensors(mesh_of_one, [(4, 3)], ["shard"])
