@@ -707,6 +707,31 @@ def test_layout_matches_single_process(case: str, case_results: dict[str, list[s
     assert not failures, "\n".join(failures)
 
 
+# gloo's teardown race: a rank whose peer closed its connections first can abort in a
+# joinable thread's destructor after all its work is done (seen once under `make test`,
+# every rank's norm already printed). torch's, not the example's: such a run is run again
+# once, and any other failure, or the same abort twice, fails.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(command: list[str]) -> tuple[int, str, str]:
+    # Its own session, so that a timeout kills torchrun and its workers together.
+    launch = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = launch.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        launch.communicate()
+        pytest.fail("torchrun did not finish within 180 s")
+    return launch.returncode, stdout, stderr
+
+
+def _printed_norms(stdout: str) -> list[tuple[str, str]]:
+    return re.findall(r"rank (\d+): last_norm=(\d+\.\d{6})", stdout)
+
+
 def test_example_under_torchrun_prints_one_norm_on_every_rank() -> None:
     """The example as users run it: ``torchrun --nproc_per_node=2``, env-based init."""
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -719,18 +744,12 @@ def test_example_under_torchrun_prints_one_norm_on_every_rank() -> None:
         f"--master_port={free_port()}",
         str(EXAMPLE),
     ]
-    # Its own session, so that a timeout kills torchrun and its workers together.
-    launch = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = launch.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        launch.communicate()
-        pytest.fail("torchrun did not finish within 180 s")
-    assert launch.returncode == 0, stdout + stderr
-    lines = re.findall(r"rank (\d+): last_norm=(\d+\.\d{6})", stdout)
+    code, stdout, stderr = _torchrun(command)
+    if code != 0 and TEARDOWN_ABORT in stderr and len(_printed_norms(stdout)) == WORLD_SIZE:
+        command[3] = f"--master_port={free_port()}"
+        code, stdout, stderr = _torchrun(command)
+    assert code == 0, stdout + stderr
+    lines = _printed_norms(stdout)
     assert sorted(rank for rank, _ in lines) == [str(r) for r in range(WORLD_SIZE)], stdout
     assert len({norm for _, norm in lines}) == 1, stdout
 
