@@ -624,8 +624,14 @@ def all_ranks_failed(control: Any, failed: bool) -> tuple[bool, bool]:
     return bool(flags[0]), bool(flags[1])
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
-    """Run every case in order, recording each outcome.
+def run_cases(
+    rank: int,
+    port: int,
+    out_dir: str,
+    cases: dict[str, Callable[..., None]],
+    call: Callable[[str, Callable[..., None]], None] = lambda name, case: case(),
+) -> None:
+    """Run every case in order on this rank, recording each outcome in its JSON file.
 
     After each case the ranks agree over a separate control group on who failed: when
     every rank failed the collectives are still in step and the next case runs; when
@@ -635,12 +641,9 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     try:
         init_gloo(rank, WORLD_SIZE, port)
         control = dist.new_group(list(range(WORLD_SIZE)))
-        for name, case in CASES.items():
+        for name, case in cases.items():
             try:
-                if name == "dcp_round_trip":
-                    case(os.path.join(out_dir, "checkpoint"))
-                else:
-                    case()
+                call(name, case)
                 results[name] = "ok"
             except Exception:
                 results[name] = traceback.format_exc()
@@ -654,6 +657,19 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             json.dump(results, f)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def worker(rank: int, port: int, out_dir: str) -> None:
+    """Every case of this module in order (:func:`run_cases`); the DCP case gets a
+    directory of its own."""
+
+    def call(name: str, case: Callable[..., None]) -> None:
+        if name == "dcp_round_trip":
+            case(os.path.join(out_dir, "checkpoint"))
+        else:
+            case()
+
+    run_cases(rank, port, out_dir, CASES, call)
 
 
 def run_workers(

@@ -24,11 +24,8 @@ A new rule is one entry in ``RULES``, with the layouts it runs under.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,16 +39,15 @@ from test_agc import timm_agc
 from test_distributed import (
     WORLD_SIZE,
     CountAllReduce,
-    all_ranks_failed,
     batches,
     free_port,
     full,
     fully_shard_mlp,
-    init_gloo,
     local_rows,
     loss_fn,
     mlp,
     rank_outcomes,
+    run_cases,
 )
 from torch import Tensor, nn
 
@@ -577,26 +573,7 @@ CASES: dict[str, Callable[[], None]] = {
 
 def worker(rank: int, port: int, out_dir: str) -> None:
     """Every case in order, as ``test_distributed.worker``: stop once ranks disagree."""
-    results: dict[str, str] = {}
-    try:
-        init_gloo(rank, WORLD_SIZE, port)
-        control = dist.new_group(list(range(WORLD_SIZE)))
-        for name, case in CASES.items():
-            try:
-                case()
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            some, every = all_ranks_failed(control, results[name] != "ok")
-            if some and not every:
-                break
-    except Exception:
-        results["<setup>"] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_cases(rank, port, out_dir, CASES)
 
 
 @pytest.fixture(scope="module")
