@@ -4,7 +4,10 @@
 - ``host cost``: on many small tensors (2000 of 500 elements on average) the clip's
   cost is Python per tensor, not bytes. ``clipopt.clip_grad_norm_`` and the clip part of
   ``ClippedOptimizer.step()`` (its inner optimizer's step a no-op) against the memory
-  floor; then both again with the kernels stubbed out (the C norm returns a tensor made
+  floor, and against the floor of any exact clip of separate grads through torch's
+  Python API (the flat floor, plus what such a clip cannot skip per tensor: reading
+  ``p.grad``, and telling autograd of the in-place change, as ``mul_`` does); then both
+  again with the kernels stubbed out (the C norm returns a tensor made
   beforehand, or 1.0 where the clip takes its float; the C scale does nothing), so that
   only the wrapper's own Python is timed, against one ``.grad`` read per tensor.
 - ``compiled step``: PyTorch's compiled-optimizer recipe, ``torch.compile(opt.step)``,
@@ -29,10 +32,12 @@ from clipopt import _cpu
 
 __all__ = [
     "HOST_CASE",
+    "PER_TENSOR_FLOOR",
     "STUBBED_CASE",
     "bench_compiled",
     "bench_host_cost",
     "host_contenders",
+    "per_tensor_floor",
     "stubbed_contenders",
 ]
 
@@ -40,6 +45,7 @@ HOST_CASE = "many_small float32 p=2"
 STUBBED_CASE = "many_small float32, kernels stubbed"
 WRAPPER_CLIP = "ClippedOptimizer: step, inner step a no-op"
 ONE_READ = "one .grad read per tensor"
+PER_TENSOR_FLOOR = "floor + .grad + increment_version"
 
 
 class NoStep(torch.optim.Optimizer):
@@ -62,14 +68,28 @@ def _wrapped_clip(params: list[Tensor], max_norm: Callable[[], float]) -> Callab
     return step
 
 
+def per_tensor_floor(params: list[Tensor], floor: Callable[[], object]) -> Callable[[], None]:
+    """The flat floor, then the two things an exact in-place clip of separate grads does
+    per tensor through torch's Python API whatever its kernels: find each grad
+    (``p.grad``), and bump each one's version counter (``mul_`` and ``_foreach_mul_``
+    do it inside; a kernel writing through pointers calls ``increment_version``)."""
+
+    def run() -> None:
+        floor()
+        torch.autograd.graph.increment_version([p.grad for p in params if p.grad is not None])
+
+    return run
+
+
 def host_contenders(params: list[Tensor], floor: Callable[[], object]) -> dict[str, Any]:
-    """The floor, torch's clip, clipopt's, and the wrapper's clip, on the same grads."""
+    """The floors, torch's clip, clipopt's, and the wrapper's clip, on the same grads."""
     from benchmarks.run import ShrinkingMaxNorm
 
     grads = [p.grad for p in params if p.grad is not None]
     max_norm = ShrinkingMaxNorm.below_norm_of(grads, 2.0)
     return {
         "floor": floor,
+        PER_TENSOR_FLOOR: per_tensor_floor(params, floor),
         "torch": lambda: torch.nn.utils.clip_grad_norm_(params, max_norm()),
         "clipopt": lambda: clipopt.clip_grad_norm_(params, max_norm()),
         WRAPPER_CLIP: _wrapped_clip(params, max_norm),

@@ -90,7 +90,7 @@ def test_accuracy_memory_and_targets_are_reported(
         growth = memory[name]["peak_rss_growth_bytes"]
         assert growth is None or growth >= 0
     names = [t["name"] for t in results["targets"]]
-    assert len(names) in (11, 12) and all(isinstance(t["held"], bool) for t in results["targets"])
+    assert len(names) in (12, 13) and all(isinstance(t["held"], bool) for t in results["targets"])
 
 
 def test_json_written_where_asked_and_in_results_dir(
@@ -242,3 +242,16 @@ def test_stubbed_kernels_run_nothing_and_come_back() -> None:
     assert (_cpu._reduce, _cpu.norm_value, _cpu._scale) == real
     if _cpu.available():
         assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True))
+
+
+def test_per_tensor_floor_runs_the_floor_and_bumps_every_grad_once() -> None:
+    """The floor of any exact clip does the flat floor's work and tells autograd of one
+    in-place change per grad, as ``mul_`` would; parameters without a grad are skipped."""
+    params = run.make_params([(50,), (4, 5), (3,)], torch.float32, torch.device("cpu"))
+    params[2].grad = None
+    grads = [p.grad for p in params[:2] if p.grad is not None]
+    versions = [g._version for g in grads]
+    calls: list[int] = []
+    host.per_tensor_floor(params, lambda: calls.append(1))()
+    assert calls == [1]
+    assert [g._version for g in grads] == [v + 1 for v in versions]
