@@ -11,7 +11,8 @@ from torch import Tensor
 
 from clipopt._kernels import EPS, result_dtype
 from clipopt._rule import UnitDecision, UnitWiseRule, number
-from clipopt._units import Rows, slot_unit_norms, whole_unit_norms
+from clipopt._unit_rows import Rows
+from clipopt._units import slot_unit_norms, whole_unit_norms
 
 __all__ = ["AGC"]
 
@@ -96,7 +97,7 @@ class AGC(UnitWiseRule):
 
     ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
     in the order of the param groups and their params, with
-    :func:`clipopt._units.unit_shape` entries per grad (excluded params and params
+    :func:`clipopt._unit_rows.unit_shape` entries per grad (excluded params and params
     without a grad have none); ``clipped_count`` counts the steps in which some unit was
     scaled. Only the L2 norm is supported (``norm_type=2``, the paper's).
 

@@ -1,4 +1,4 @@
-"""Units of a tensor and their L2 norms, of the whole unit across ranks: what AGC measures.
+"""The L2 norms of a tensor's units, of the whole unit across ranks: what AGC measures.
 
 A unit (Brock et al., 2021, the NFNets paper) is a slice along dim 0 of a tensor of 2
 dims or more (a row of a linear weight, an output channel of a conv kernel), or the
@@ -10,15 +10,15 @@ the part it holds, divided by how many ranks hold that part (as
 :mod:`clipopt._per_tensor` weighs replicas). Each rank puts its shares of each tensor's
 units at those units' global positions (zeros elsewhere), so one float64 ``all_reduce``
 of one 1-D tensor gives every rank every unit's norm, whatever the layout, as long as
-the rows a rank holds are one contiguous range (refused otherwise). Laid out over every
-parameter's units, whatever grads a rank holds (:func:`slot_unit_norms`), it is the same
-collective on a rank without some grads, or any, and it carries each rank's count of
-grads, so that ranks holding different grads get NaN everywhere instead of a hang.
+the rows a rank holds are one contiguous range (:mod:`clipopt._unit_rows` finds them,
+and refuses other layouts). Laid out over every parameter's units, whatever grads a rank
+holds (:func:`slot_unit_norms`), it is the same collective on a rank without some grads,
+or any, and it carries each rank's count of grads, so that ranks holding different grads
+get NaN everywhere instead of a hang.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,30 +37,17 @@ from clipopt._collective import (
     reduce_sum,
 )
 from clipopt._torch_norms import accumulate_dtype, combine_dtype
+from clipopt._unit_rows import Rows, check_pairs, local_rows, plain_rows
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
-    "Rows",
     "UnitNorms",
-    "local_rows",
-    "rows_at",
     "slot_unit_norms",
     "unit_norms",
-    "unit_shape",
     "whole_unit_norms",
 ]
-
-
-def unit_shape(t: Tensor) -> tuple[int, ...]:
-    """The shape of one coefficient per unit of ``t``, broadcastable to it: ``(rows, 1,
-    ...)`` for a tensor of 2 dims or more (a unit is a slice along dim 0: a row of a
-    linear weight, an output channel of a conv kernel), ``()`` for the whole of a 0- or
-    1-D tensor."""
-    return (t.shape[0],) + (1,) * (t.dim() - 1) if t.dim() >= 2 else ()
 
 
 def unit_norms(
@@ -105,169 +92,6 @@ def unit_norms(
             parts[i] = norm
     ready = [cast(Tensor, part).reshape(-1).to(device=device, dtype=dtype) for part in parts]
     return torch.cat(ready)
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Where this rank's units of a tensor lie among the whole tensor's ``units``: the
-    ``count`` of them from ``start`` (a 0- or 1-D tensor: its one unit)."""
-
-    units: int
-    start: int
-    count: int
-
-
-def local_rows(t: Tensor) -> Rows:
-    """This rank's units of ``t``: all of them for a plain tensor.
-
-    Raises:
-      ValueError: the rows a DTensor's shard holds are not one contiguous range of the
-        whole tensor's (a ``_StridedShard`` of dim 0 other than FSDP2's over TP), or not
-        as many as its layout says, or a placement is Partial (or not Shard,
-        _StridedShard or Replicate).
-    """
-    if not _mesh.dtensors([t]):
-        return _plain_rows(t)
-    grad = cast("DTensor", t)
-    _check_placements(grad)
-    if grad.dim() <= 1:
-        return Rows(1, 0, 1)
-    rows = _dtensor_rows(tuple(grad.shape), grad.device_mesh, tuple(grad.placements))
-    if grad._local_tensor.shape[0] != rows.count:
-        held = grad._local_tensor.shape[0]
-        raise ValueError(_layout_error(grad, f"its shard holds {held} rows, not {rows.count}"))
-    return rows
-
-
-def _plain_rows(t: Tensor) -> Rows:
-    units = t.shape[0] if t.dim() >= 2 else 1
-    return Rows(units, 0, units)
-
-
-def _check_placements(t: DTensor) -> None:
-    """Only Shard, _StridedShard and Replicate say which part of each unit a rank holds."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
-
-    for placement in t.placements:
-        if placement.is_partial():
-            why = "a Partial tensor has no norm until it is reduced; redistribute it first"
-            raise ValueError(_layout_error(t, why))
-        if not isinstance(placement, (Shard, _StridedShard, Replicate)):
-            raise ValueError(_layout_error(t, "only Shard and Replicate say where its units are"))
-
-
-def _shard_dim(placement: Placement) -> int | None:
-    """The tensor dim a Shard or _StridedShard splits, None for Replicate."""
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
-
-    return int(placement.dim) if isinstance(placement, (Shard, _StridedShard)) else None
-
-
-def _chunk(size: int, chunks: int, index: int) -> tuple[int, int]:
-    """The start and length of chunk ``index`` of ``size`` rows cut into ``chunks`` as
-    ``torch.chunk`` cuts them (DTensor's Shard and FSDP2 do): the last ones may be
-    shorter or empty."""
-    length = -(-size // chunks)
-    start = min(index * length, size)
-    return start, min(start + length, size) - start
-
-
-@functools.lru_cache(maxsize=4096)
-def _dtensor_rows(
-    shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
-) -> Rows:
-    """This rank's rows of a DTensor of ``shape`` (2 dims or more), from its layout alone;
-    the same layout gives the same rows every step, so it is worked out once."""
-    coordinate = tuple(cast(list[int], mesh.get_coordinate()))
-    rows = rows_at(shape, tuple(mesh.shape), coordinate, placements)
-    if rows is None:
-        raise ValueError(
-            f"AGC needs each rank's rows of a parameter to be one contiguous range; a "
-            f"parameter of shape {shape} with placements {placements} on {mesh} has "
-            "rows strided across ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
-        )
-    return rows
-
-
-def rows_at(
-    shape: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-    coordinate: tuple[int, ...],
-    placements: tuple[Placement, ...],
-) -> Rows | None:
-    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` of a
-    mesh of ``mesh_shape`` holds, or None when some rank's rows are not one range."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    dims = [_shard_dim(p) for p in placements]
-    if any(isinstance(p, _StridedShard) and d == 0 for p, d in zip(placements, dims, strict=True)):
-        if not _rows_are_ranges(shape, mesh_shape, placements, dims):
-            return None
-        local, offset = _compute_local_shape_and_global_offset(
-            shape, mesh_shape, list(coordinate), placements
-        )
-        return Rows(shape[0], offset[0] if local[0] else shape[0], local[0])
-    start, count = 0, shape[0]
-    for mesh_dim, dim in enumerate(dims):  # left to right, as DTensor places them
-        if dim == 0:
-            begin, count = _chunk(count, mesh_shape[mesh_dim], coordinate[mesh_dim])
-            start += begin
-    return Rows(shape[0], start, count)
-
-
-def _rows_are_ranges(
-    shape: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    dims: list[int | None],
-) -> bool:
-    """Whether every rank's rows are ``[offset, offset + count)``, torch's first offset
-    and count: true when those ranges, over the mesh coordinates that split dim 0, tile
-    the rows (a rank's rows are a set of ``count`` rows, the least of them ``offset``,
-    and the ranks' sets tile them too)."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    splitting = [m for m, d in enumerate(dims) if d == 0]
-    ranges = []
-    for flat in range(math.prod(mesh_shape[m] for m in splitting)):
-        coordinate = [0] * len(mesh_shape)
-        for m in reversed(splitting):
-            flat, coordinate[m] = divmod(flat, mesh_shape[m])
-        local, offset = _compute_local_shape_and_global_offset(
-            shape, mesh_shape, coordinate, placements
-        )
-        if local[0]:
-            ranges.append((offset[0], offset[0] + local[0]))
-    if not ranges:
-        return True  # no rows at all
-    ranges.sort()
-    starts, ends = [start for start, _ in ranges], [end for _, end in ranges]
-    return starts[:1] == [0] and starts[1:] == ends[:-1] and ends[-1:] == [shape[0]]
-
-
-def _layout_error(t: DTensor, why: str) -> str:
-    return (
-        f"AGC cannot measure the units of a parameter of shape {tuple(t.shape)} with "
-        f"placements {t.placements} on {t.device_mesh}: {why}"
-    )
-
-
-def _check_pairs(grads: Sequence[DTensor], weights: Sequence[DTensor]) -> None:
-    """Each grad must be laid out as its weight: their units are matched shard by shard."""
-    for g, w in zip(grads, weights, strict=True):
-        if tuple(g.placements) != tuple(w.placements) or g.device_mesh != w.device_mesh:
-            raise ValueError(
-                _layout_error(w, f"its grad has placements {g.placements} on {g.device_mesh}")
-            )
-        if g._local_tensor.shape != w._local_tensor.shape:
-            raise ValueError(
-                _layout_error(
-                    w,
-                    f"its grad's shard is {tuple(g._local_tensor.shape)}, not "
-                    f"{tuple(w._local_tensor.shape)}",
-                )
-            )
 
 
 def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
@@ -349,14 +173,14 @@ def whole_unit_norms(
     found = _mesh.dtensors(tensors)
     if not found:
         device = tensors[0].device
-        rows = [_plain_rows(g) for g in grads]
+        rows = [plain_rows(g) for g in grads]
         measured = [*grads, *(w.detach() for w in weights)]
         norms = unit_norms(measured, device, combine_dtype(device), whole)
         own, theirs, rest = _split_units(norms, rows, len(whole))
         return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     rows = [local_rows(g) for g in grads]
     _mesh.check_unmixed(tensors, found)
-    _check_pairs(found[: len(grads)], found[len(grads) : 2 * len(grads)])
+    check_pairs(found[: len(grads)], found[len(grads) : 2 * len(grads)])
     return _reduced_unit_norms(grads, weights, whole, rows, dtype, strict=False)
 
 
@@ -404,7 +228,7 @@ def slot_unit_norms(
         raise ValueError("slot_unit_norms measures DTensor parameters, got plain ones")
     _mesh.check_unmixed(tensors, found)
     pairs = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
-    _check_pairs(_mesh.dtensors([g for g, _ in pairs]), _mesh.dtensors([w for _, w in pairs]))
+    check_pairs(_mesh.dtensors([g for g, _ in pairs]), _mesh.dtensors([w for _, w in pairs]))
     rows = [local_rows(w) for w in weights]
     return _reduced_unit_norms(grads, weights, whole, rows, dtype, strict=True)
 

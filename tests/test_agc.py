@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 import clipopt
 from clipopt import _cpu, _fused, _kernels, _monitor
-from clipopt._units import unit_shape
+from clipopt._unit_rows import unit_shape
 
 STEPS = 200
 
