@@ -18,9 +18,10 @@ PACKAGE = Path(clipopt.__file__).parent
 LAYERS: list[set[str]] = [
     {"_errors", "_validation", "_native", "_torch_dcp", "_hooks"},  # no clipopt imports
     {"_cpu"},  # the C kernels' Python side
-    {"_torch_norms", "_plan"},  # partial norms of CPU grads by torch ops; kept groupings
-    {"_kernels", "_mesh", "_collective"},  # local norms, scales; DTensor shards; collectives
-    {"_unit_rows"},  # where each unit (AGC's rows) of a tensor lies, on this rank
+    # partial norms of CPU grads by torch ops; kept groupings; DTensor shards
+    {"_torch_norms", "_plan", "_mesh"},
+    # local norms, scales; collectives; where each unit (AGC's rows) lies on this rank
+    {"_kernels", "_collective", "_unit_rows"},
     # across ranks, of the total, per tensor and per unit; settings; skips; the rule protocol
     {"_reduce", "_per_tensor", "_units", "_clip_state", "_nonfinite", "_rule"},
     # the API; the step; the fold; one module per rule
