@@ -63,15 +63,16 @@ def all_plain(tensors: Sequence[Tensor]) -> bool:
     return not _cpu.any_of_type(tensors, dtensor)
 
 
-def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor]) -> None:
+def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str = "grads") -> None:
     """Raise a ValueError unless every one of ``tensors`` is among ``found``, their DTensors.
 
     Called where DTensors are reduced: a plain tensor carries no placement saying whether
-    it is a shard or a replica, so it cannot be reduced together with them.
+    it is a shard or a replica, so it cannot be reduced together with them. ``what`` names
+    the tensors in the message.
     """
     if len(found) != len(tensors):
         raise ValueError(
-            f"{len(found)} of {len(tensors)} grads are DTensors: DTensor and plain grads "
+            f"{len(found)} of {len(tensors)} {what} are DTensors: DTensor and plain {what} "
             "cannot be reduced together (the plain ones have no placement saying whether "
             "they are sharded or replicated); shard every parameter or none"
         )

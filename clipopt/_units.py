@@ -179,7 +179,7 @@ def whole_unit_norms(
         own, theirs, rest = _split_units(norms, rows, len(whole))
         return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     rows = [local_rows(g) for g in grads]
-    _mesh.check_unmixed(tensors, found)
+    _mesh.check_unmixed(tensors, found, "grads and weights")
     check_pairs(found[: len(grads)], found[len(grads) : 2 * len(grads)])
     return _reduced_unit_norms(grads, weights, whole, rows, dtype, strict=False)
 
@@ -226,7 +226,7 @@ def slot_unit_norms(
     found = _mesh.dtensors(tensors)
     if not found:
         raise ValueError("slot_unit_norms measures DTensor parameters, got plain ones")
-    _mesh.check_unmixed(tensors, found)
+    _mesh.check_unmixed(tensors, found, "grads and weights")
     pairs = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
     check_pairs(_mesh.dtensors([g for g, _ in pairs]), _mesh.dtensors([w for _, w in pairs]))
     rows = [local_rows(w) for w in weights]

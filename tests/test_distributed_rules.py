@@ -953,7 +953,7 @@ def test_unit_norms_refuse_partial_and_mixed_tensors(mesh_of_one: Any) -> None:
         with pytest.raises(ValueError, match=re.escape(f"shape {shape}") + ".*Partial"):
             _units.whole_unit_norms([partial], [partial], torch.float32)
     shard = dtensor(torch.ones(3, 2), mesh_of_one, "shard")
-    with pytest.raises(ValueError, match="DTensor and plain"):
+    with pytest.raises(ValueError, match="1 of 2 grads and weights are DTensors"):
         _units.whole_unit_norms([shard], [torch.ones(3, 2)], torch.float32)
 
 
