@@ -77,6 +77,25 @@ def replace_sorted_(ordered: Tensor, spare: Tensor, leaving: Tensor, entering: T
     ordered.scatter_(1, into, entering[:, None])
 
 
+def _check_history(buffer: Tensor, count: Tensor) -> None:
+    """Refuse a saved ring the rule could not have written: a negative count, or a
+    non-finite norm in a filled slot (the sorted copy, rebuilt from the ring, would not
+    match it). A load reads these values on the host; a step never does."""
+    negative = (count < 0).nonzero()
+    if negative.numel():
+        row = int(negative[0, 0])
+        raise ValueError(f"AutoClip count must be >= 0, got {int(count[row])} in row {row}")
+    slots = torch.arange(buffer.shape[1], device=buffer.device)
+    filled = slots < count.clamp(max=buffer.shape[1])[:, None]
+    bad = (filled & ~torch.isfinite(buffer)).nonzero()
+    if bad.numel():
+        row, slot = int(bad[0, 0]), int(bad[0, 1])
+        raise ValueError(
+            f"AutoClip buffer holds {float(buffer[row, slot])} in filled slot {slot} of row "
+            f"{row}; the rule keeps finite norms only"
+        )
+
+
 class AutoClip(ClipRule):
     """AutoClip (Seetharaman et al., 2020): clip at a percentile of the norms seen so far.
 
@@ -200,5 +219,6 @@ class AutoClip(ClipRule):
         if not self.per_tensor and buffer.shape[0] != 1:
             raise ValueError(f"a global AutoClip buffer has one row, got {buffer.shape[0]}")
         count = checked("count", state["count"], (buffer.shape[0],), floating=False)
+        _check_history(buffer, count)
         self._buffer, self._count = buffer.clone(), count.clone()
         self._sorted = self._spare = None  # rebuilt from the ring at the next step

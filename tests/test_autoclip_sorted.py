@@ -128,6 +128,40 @@ def test_a_checkpoint_of_the_ring_alone_rebuilds_the_copy() -> None:
     assert torch.equal(rule._sorted, ring_sorted(rule))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("count", "slot_value", "message"),
+    [
+        ([2, -1], 0.0, "count must be >= 0, got -1 in row 1"),
+        ([6, 2], math.nan, "holds nan in filled slot 1 of row 1"),
+        ([6, 2], math.inf, "holds inf in filled slot 1 of row 1"),
+    ],
+)
+def test_a_ring_the_rule_could_not_have_written_is_refused_and_changes_nothing(
+    count: list[int], slot_value: float, message: str
+) -> None:
+    """A negative count, or a non-finite norm in a filled slot (the rule stores finite
+    norms only), would make the rebuilt sorted copy disagree with the ring."""
+    rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
+    step(rule, torch.tensor([3.0, 8.0]))
+    before = rule.rule_state()
+    buffer = torch.tensor([[4.0, 1.0, 3.0, 2.0], [9.0, slot_value, 0.0, 0.0]])
+    with pytest.raises(ValueError, match=message):
+        rule.load_rule_state({"buffer": buffer, "count": torch.tensor(count)})
+    after = rule.rule_state()
+    assert all(torch.equal(after[k], before[k]) for k in ("buffer", "count"))
+
+
+def test_a_non_finite_value_in_an_unfilled_slot_is_never_read() -> None:
+    """Slots past a row's count are not history: whatever they hold, the threshold is
+    the quantile of the filled ones."""
+    rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
+    buffer = torch.tensor([[4.0, 1.0, 3.0, 2.0], [9.0, 5.0, math.nan, math.inf]])
+    rule.load_rule_state({"buffer": buffer, "count": torch.tensor([6, 2])})
+    thresholds = step(rule, torch.tensor([0.5, 7.0]))
+    seen = (torch.tensor([4.0, 1.0, 3.0, 2.0]), torch.tensor([9.0, 5.0]))
+    assert torch.equal(thresholds, torch.stack([torch.quantile(s, 0.5) for s in seen]))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_sorted_copy_on_cuda_matches_the_cpu_bit_for_bit() -> None:
     generator = torch.Generator().manual_seed(0)
