@@ -12,8 +12,7 @@ inner optimizer's kernel (:mod:`clipopt._fused`).
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -30,7 +29,9 @@ from clipopt._clip_state import (
     Settings,
     check_groups,
     migrate_legacy_keys,
+    migrated,
     prepare_load,
+    rename_legacy_keys,
     validated_settings,
 )
 from clipopt._nonfinite import (
@@ -66,27 +67,6 @@ def _check_inner(optimizer: Any) -> None:
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list) or not any(g.get("params") for g in groups):
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
-
-
-def _migrated(group: Mapping[str, Any], owned: Container[str]) -> dict[str, Any]:
-    """A copy of ``group`` with 0.1.0's clip keys renamed, to validate before renaming."""
-    copy = dict(group)
-    migrate_legacy_keys(copy, owned)
-    return copy
-
-
-def _rename_legacy_keys(
-    groups: Iterable[dict[str, Any]], owned: Container[str], warn: bool = True
-) -> None:
-    """Rename 0.1.0's clip keys in the live ``groups``; a user who wrote them is told."""
-    renamed = sorted({key for group in groups for key in migrate_legacy_keys(group, owned)})
-    if renamed and warn:
-        warnings.warn(
-            f"param group keys {renamed} are read as {[f'clip_{k}' for k in renamed]} and "
-            "renamed so: an optimizer may own the old names. Write the clip_ names",
-            FutureWarning,
-            stacklevel=3,
-        )
 
 
 def _check_rule_groups(groups: Iterable[Mapping[str, Any]], rule: ClipRule | None) -> None:
@@ -273,16 +253,16 @@ class ClippedOptimizer(OptimizerWrapper):
         if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
             raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
-        migrated = [_migrated(group, optimizer.defaults) for group in optimizer.param_groups]
-        check_groups(migrated, settings)
-        _check_rule_groups(migrated, rule)
+        copies = [migrated(group, optimizer.defaults) for group in optimizer.param_groups]
+        check_groups(copies, settings)
+        _check_rule_groups(copies, rule)
         scope = NormScope(
             process_group,
             replicated_params,
             params=[p for group in optimizer.param_groups for p in group["params"]],
         )
         # Nothing has been touched above this line.
-        _rename_legacy_keys(optimizer.param_groups, optimizer.defaults)
+        rename_legacy_keys(optimizer.param_groups, optimizer.defaults)
         super().__init__(optimizer)
         self._foreach = foreach
         self._norm_scope = scope
@@ -411,10 +391,10 @@ class ClippedOptimizer(OptimizerWrapper):
             added.
         """
         if isinstance(param_group, dict):
-            migrated = _migrated(param_group, self.defaults)
-            check_groups([*self.param_groups, migrated], self._settings())
-            _check_rule_groups([migrated], self._rule)
-            _rename_legacy_keys([param_group], self.defaults)
+            copy = migrated(param_group, self.defaults)
+            check_groups([*self.param_groups, copy], self._settings())
+            _check_rule_groups([copy], self._rule)
+            rename_legacy_keys([param_group], self.defaults)
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -490,7 +470,7 @@ class ClippedOptimizer(OptimizerWrapper):
         Raises:
           NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
         """
-        _rename_legacy_keys(self.param_groups, self.defaults)  # "max_norm" set on a group
+        rename_legacy_keys(self.param_groups, self.defaults)  # "max_norm" set on a group
         settings = _step.read_group_settings(self.param_groups, self.defaults, self._per_group)
         grads = _step.collect_grads(self.param_groups)
         measured, coefficients, outcome = self._coefficients(grads, settings)
@@ -683,8 +663,8 @@ class ClippedOptimizer(OptimizerWrapper):
     def _finish_load(self, prepared: ClipState | None) -> None:
         # An inner optimizer with a layout of its own loads groups that only now can be read.
         settings = self._settings() if prepared is None else prepared.settings
-        check_groups([_migrated(g, self.defaults) for g in self.param_groups], settings)
-        _rename_legacy_keys(self.param_groups, self.defaults, warn=False)
+        check_groups([migrated(g, self.defaults) for g in self.param_groups], settings)
+        rename_legacy_keys(self.param_groups, self.defaults, warn=False)
         if prepared is not None:
             self._apply_clip_state(prepared)
         self._fill_group_defaults()
