@@ -28,14 +28,12 @@ from clipopt._clip_state import (
     NonFinite,
     Settings,
     check_groups,
-    migrate_legacy_keys,
     migrated,
     prepare_load,
     rename_legacy_keys,
     validated_settings,
 )
 from clipopt._nonfinite import (
-    COUNTER_NAMES,
     StepRecord,
     device_verdict,
     host_verdict,
@@ -43,6 +41,7 @@ from clipopt._nonfinite import (
 )
 from clipopt._reduce import NormScope
 from clipopt._rule import ClipRule, UnitWiseRule
+from clipopt._saved import check_saved_rules, upgrade_0_1_0_pickle
 from clipopt._spike_skip import SpikeSkip
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
@@ -80,53 +79,6 @@ def _check_rule_groups(groups: Iterable[Mapping[str, Any]], rule: ClipRule | Non
                 f"param_groups[{index}][{MAX_NORM_KEY!r}] is {value!r}, but max_norm is "
                 f"{rule!r}, which sets the threshold of every group; remove the group's own"
             )
-
-
-def _upgrade_0_1_0_pickle(state: dict[str, Any]) -> None:
-    """A 0.1.0 pickle's attributes in today's layout, in place: its norms, counters and
-    lagged count become one record, and its group keys get today's names."""
-    record = StepRecord()
-    counters = {name: state.pop(f"_{name}") for name in COUNTER_NAMES}
-    record.load(counters, state.pop("_last_norm"), state.pop("_last_group_norms"))
-    lagged = state.pop("_lagged_consecutive_skips", None)
-    if lagged is not None:
-        record.lagged = lagged
-    state["_record"] = record
-    inner = state["optimizer"]
-    migrate_legacy_keys(inner.defaults, owned=())  # 0.1.0 wrote them there: they are ours
-    for group in inner.param_groups:
-        migrate_legacy_keys(group, inner.defaults)
-
-
-def _check_saved_rules(
-    prepared: ClipState, rule: ClipRule | None, skip_spikes: SpikeSkip | None, max_norm: float
-) -> None:
-    """The saved rule and spike skip are this wrapper's (``rule``, ``skip_spikes``; a
-    ``max_norm`` number otherwise), with their settings; trial loads into copies check
-    their state. Nothing here changes."""
-    pairs = (
-        ("max_norm", rule, prepared.rule),
-        ("skip_spikes", skip_spikes, prepared.skip_spikes),
-    )
-    for name, mine, saved in pairs:
-        if (mine is None) != (saved is None):
-            had = (
-                "no rule (a number or None)"
-                if saved is None
-                else f"{saved.get('type')}({saved.get('config')})"
-            )
-            shown: object = max_norm if mine is None and name == "max_norm" else mine
-            raise ValueError(
-                f"the checkpoint was saved with {name}={had}, this optimizer has "
-                f"{name}={shown!r}; construct it as it was saved"
-            )
-        if mine is not None and saved is not None:
-            mine.trial_copy().load_state_dict(saved)
-    if rule is not None and (prepared.settings.per_group or prepared.settings.max_norm != math.inf):
-        raise ValueError(
-            "state_dict['clip']['settings'] of a rule must have per_group=False and "
-            f"max_norm=inf, got {prepared.settings.as_dict()}"
-        )
 
 
 class ClippedOptimizer(OptimizerWrapper):
@@ -408,7 +360,7 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_record" not in state:
-            _upgrade_0_1_0_pickle(state)
+            upgrade_0_1_0_pickle(state)
         state.setdefault("_rule", None)
         state.setdefault("_skip_spikes", None)
         state.setdefault("_track_tensor_norms", False)
@@ -657,7 +609,7 @@ class ClippedOptimizer(OptimizerWrapper):
             extra, inner_state, len(self.param_groups), self._settings(), self.defaults
         )
         if prepared is not None:
-            _check_saved_rules(prepared, self._rule, self._skip_spikes, self.defaults[MAX_NORM_KEY])
+            check_saved_rules(prepared, self._rule, self._skip_spikes, self.defaults[MAX_NORM_KEY])
         return inner, prepared
 
     def _finish_load(self, prepared: ClipState | None) -> None:
