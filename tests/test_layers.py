@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"functional", "_step", "_fused", "_adagc", "_agc", "_autoclip", "_zclip", "_spike_skip"},
     # the wrapper; the rules' facade; per-tensor norms; what a checkpoint or 0.1.0 gives
     {"_wrapper", "rules", "_monitor", "_saved"},
+    {"_decide"},  # the step's measure -> decide, on the wrapper's configuration
     {"optimizer"},  # ClippedOptimizer
     {"_checkpoint"},  # DCP helpers on the wrapper
     {"distributed"},  # the facade of the distributed names
