@@ -5,8 +5,8 @@ Gradient-norm clipping as an optimizer wrapper. The wrapper's plumbing (pass-thr
 is :class:`clipopt._wrapper.OptimizerWrapper`; this module is the clip: its settings,
 its step (measure -> decide -> apply: :mod:`clipopt._decide` makes the decision from the
 parts in :mod:`clipopt._step`) and its entry of the state dict (its layout checked by
-:mod:`clipopt._clip_state`, its rules' part and 0.1.0's pickles by
-:mod:`clipopt._saved`). A decision is applied in exactly one of two ways: scale the
+:mod:`clipopt._clip_state`, written, checked against the wrapper's rules and installed
+by :mod:`clipopt._saved`). A decision is applied in exactly one of two ways: scale the
 grads, then run the inner step; or fold the scale (and a skip) into a fused inner
 optimizer's kernel (:mod:`clipopt._fused`).
 """
@@ -39,7 +39,7 @@ from clipopt._decide import ClipConfig, check_config, check_rule_groups, decide
 from clipopt._nonfinite import StepRecord
 from clipopt._reduce import NormScope
 from clipopt._rule import ClipRule
-from clipopt._saved import check_saved_rules, upgrade_0_1_0_pickle
+from clipopt._saved import check_saved_rules, clip_entry, load_clip_state, upgrade_0_1_0_pickle
 from clipopt._spike_skip import SpikeSkip
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
@@ -437,20 +437,7 @@ class ClippedOptimizer(OptimizerWrapper):
         return super().state_dict()
 
     def _extra_state(self) -> dict[str, Any]:
-        def copy(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.detach().clone()
-
-        entry = {
-            "settings": self._settings().as_dict(),
-            "last_norm": copy(self._record.last_norm),
-            "last_group_norms": copy(self._record.last_group_norms),
-            **self._record.state(),
-        }
-        if self._rule is not None:
-            entry["rule"] = self._rule.state_dict()
-        if self._skip_spikes is not None:
-            entry["skip_spikes"] = self._skip_spikes.state_dict()
-        return entry
+        return clip_entry(self._settings(), self._record, self._rule, self._skip_spikes)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
@@ -489,20 +476,9 @@ class ClippedOptimizer(OptimizerWrapper):
     def _apply_clip_state(self, clip_state: ClipState) -> None:
         """Install a validated clip state; tensors are copied onto the params' device."""
         device = next(p.device for group in self.param_groups for p in group["params"])
-
-        def here(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device=device, copy=True)
-
         self._apply_settings(clip_state.settings)
         self._tensor_norms.clear()
-        if self._rule is not None and clip_state.rule is not None:
-            self._rule.load_state_dict(clip_state.rule)
-            self._rule.to(device)
-        if self._skip_spikes is not None and clip_state.skip_spikes is not None:
-            self._skip_spikes.load_state_dict(clip_state.skip_spikes)
-            self._skip_spikes.to(device)
-        counters = {k: v.to(device=device, copy=True) for k, v in clip_state.counters.items()}
-        self._record.load(counters, here(clip_state.last_norm), here(clip_state.last_group_norms))
+        load_clip_state(clip_state, device, self._record, self._rule, self._skip_spikes)
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  see clipopt._wrapper
