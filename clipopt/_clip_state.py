@@ -31,7 +31,8 @@ Tensors and plain Python values only, so ``torch.load(..., weights_only=True)`` 
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+import warnings
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
@@ -53,7 +54,9 @@ __all__ = [
     "check_one_norm_type",
     "group_max_norm",
     "migrate_legacy_keys",
+    "migrated",
     "prepare_load",
+    "rename_legacy_keys",
     "validated_settings",
 ]
 
@@ -154,6 +157,27 @@ def migrate_legacy_keys(group: dict[str, Any], owned: Container[str]) -> list[st
     for old in renamed:
         group[_LEGACY_KEYS[old]] = group.pop(old)
     return renamed
+
+
+def migrated(group: Mapping[str, Any], owned: Container[str]) -> dict[str, Any]:
+    """A copy of ``group`` with 0.1.0's clip keys renamed, to validate before renaming."""
+    copy = dict(group)
+    migrate_legacy_keys(copy, owned)
+    return copy
+
+
+def rename_legacy_keys(
+    groups: Iterable[dict[str, Any]], owned: Container[str], warn: bool = True
+) -> None:
+    """Rename 0.1.0's clip keys in the live ``groups``; a user who wrote them is told."""
+    renamed = sorted({key for group in groups for key in migrate_legacy_keys(group, owned)})
+    if renamed and warn:
+        warnings.warn(
+            f"param group keys {renamed} are read as {[f'clip_{k}' for k in renamed]} and "
+            "renamed so: an optimizer may own the old names. Write the clip_ names",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 def group_max_norm(index: int, value: Any) -> Threshold:

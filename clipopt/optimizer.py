@@ -3,17 +3,18 @@
 Gradient-norm clipping as an optimizer wrapper. The wrapper's plumbing (pass-through
 ``param_groups`` / ``state`` / ``defaults``, hooks, pickling, the state-dict templates)
 is :class:`clipopt._wrapper.OptimizerWrapper`; this module is the clip: its settings,
-its step (measure -> decide -> apply, :mod:`clipopt._step`) and its entry of the state
-dict (:mod:`clipopt._clip_state`). A decision is applied in exactly one of two ways:
-scale the grads, then run the inner step; or fold the scale (and a skip) into a fused
-inner optimizer's kernel (:mod:`clipopt._fused`).
+its step (measure -> decide -> apply: :mod:`clipopt._decide` makes the decision from the
+parts in :mod:`clipopt._step`) and its entry of the state dict (its layout checked by
+:mod:`clipopt._clip_state`, written, checked against the wrapper's rules and installed
+by :mod:`clipopt._saved`). A decision is applied in exactly one of two ways: scale the
+grads, then run the inner step; or fold the scale (and a skip) into a fused inner
+optimizer's kernel (:mod:`clipopt._fused`).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -29,19 +30,16 @@ from clipopt._clip_state import (
     NonFinite,
     Settings,
     check_groups,
-    migrate_legacy_keys,
+    migrated,
     prepare_load,
+    rename_legacy_keys,
     validated_settings,
 )
-from clipopt._nonfinite import (
-    COUNTER_NAMES,
-    StepRecord,
-    device_verdict,
-    host_verdict,
-    spike_verdict,
-)
+from clipopt._decide import ClipConfig, check_config, check_rule_groups, decide
+from clipopt._nonfinite import StepRecord
 from clipopt._reduce import NormScope
-from clipopt._rule import ClipRule, UnitWiseRule
+from clipopt._rule import ClipRule
+from clipopt._saved import check_saved_rules, clip_entry, load_clip_state, upgrade_0_1_0_pickle
 from clipopt._spike_skip import SpikeSkip
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
@@ -66,87 +64,6 @@ def _check_inner(optimizer: Any) -> None:
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list) or not any(g.get("params") for g in groups):
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
-
-
-def _migrated(group: Mapping[str, Any], owned: Container[str]) -> dict[str, Any]:
-    """A copy of ``group`` with 0.1.0's clip keys renamed, to validate before renaming."""
-    copy = dict(group)
-    migrate_legacy_keys(copy, owned)
-    return copy
-
-
-def _rename_legacy_keys(
-    groups: Iterable[dict[str, Any]], owned: Container[str], warn: bool = True
-) -> None:
-    """Rename 0.1.0's clip keys in the live ``groups``; a user who wrote them is told."""
-    renamed = sorted({key for group in groups for key in migrate_legacy_keys(group, owned)})
-    if renamed and warn:
-        warnings.warn(
-            f"param group keys {renamed} are read as {[f'clip_{k}' for k in renamed]} and "
-            "renamed so: an optimizer may own the old names. Write the clip_ names",
-            FutureWarning,
-            stacklevel=3,
-        )
-
-
-def _check_rule_groups(groups: Iterable[Mapping[str, Any]], rule: ClipRule | None) -> None:
-    """With a rule, no group may carry a threshold of its own: the rule sets them all."""
-    if rule is None:
-        return
-    for index, group in enumerate(groups):
-        value = group.get(MAX_NORM_KEY, math.inf)
-        if not (isinstance(value, (int, float)) and value == math.inf):
-            raise ValueError(
-                f"param_groups[{index}][{MAX_NORM_KEY!r}] is {value!r}, but max_norm is "
-                f"{rule!r}, which sets the threshold of every group; remove the group's own"
-            )
-
-
-def _upgrade_0_1_0_pickle(state: dict[str, Any]) -> None:
-    """A 0.1.0 pickle's attributes in today's layout, in place: its norms, counters and
-    lagged count become one record, and its group keys get today's names."""
-    record = StepRecord()
-    counters = {name: state.pop(f"_{name}") for name in COUNTER_NAMES}
-    record.load(counters, state.pop("_last_norm"), state.pop("_last_group_norms"))
-    lagged = state.pop("_lagged_consecutive_skips", None)
-    if lagged is not None:
-        record.lagged = lagged
-    state["_record"] = record
-    inner = state["optimizer"]
-    migrate_legacy_keys(inner.defaults, owned=())  # 0.1.0 wrote them there: they are ours
-    for group in inner.param_groups:
-        migrate_legacy_keys(group, inner.defaults)
-
-
-def _check_saved_rules(
-    prepared: ClipState, rule: ClipRule | None, skip_spikes: SpikeSkip | None, max_norm: float
-) -> None:
-    """The saved rule and spike skip are this wrapper's (``rule``, ``skip_spikes``; a
-    ``max_norm`` number otherwise), with their settings; trial loads into copies check
-    their state. Nothing here changes."""
-    pairs = (
-        ("max_norm", rule, prepared.rule),
-        ("skip_spikes", skip_spikes, prepared.skip_spikes),
-    )
-    for name, mine, saved in pairs:
-        if (mine is None) != (saved is None):
-            had = (
-                "no rule (a number or None)"
-                if saved is None
-                else f"{saved.get('type')}({saved.get('config')})"
-            )
-            shown: object = max_norm if mine is None and name == "max_norm" else mine
-            raise ValueError(
-                f"the checkpoint was saved with {name}={had}, this optimizer has "
-                f"{name}={shown!r}; construct it as it was saved"
-            )
-        if mine is not None and saved is not None:
-            mine.trial_copy().load_state_dict(saved)
-    if rule is not None and (prepared.settings.per_group or prepared.settings.max_norm != math.inf):
-        raise ValueError(
-            "state_dict['clip']['settings'] of a rule must have per_group=False and "
-            f"max_norm=inf, got {prepared.settings.as_dict()}"
-        )
 
 
 class ClippedOptimizer(OptimizerWrapper):
@@ -246,43 +163,18 @@ class ClippedOptimizer(OptimizerWrapper):
             nonfinite,
             max_consecutive_skips,
         )
-        if rule is not None and per_group:
-            raise ValueError(
-                f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one "
-                "history of one norm; use per_group=False, or per_tensor=True where the "
-                "rule has it"
-            )
-        local = rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
-        if local and process_group is not None:
-            raise ValueError(
-                f"{rule!r} measures each grad on its own, and with a process_group each rank "
-                "holds other tensors (pipeline stages, model-parallel slices), so its grads "
-                "would differ by rank: per-tensor and unit-wise rules need unsplit parameters "
-                "(DDP), or, per tensor, DTensor grads (FSDP2, tensor parallel) and no "
-                "process_group"
-            )
-        if isinstance(rule, UnitWiseRule):
-            rule.check_norm_type(settings.norm_type)
-        if not isinstance(track_tensor_norms, bool):
-            raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
-        if track_tensor_norms and process_group is not None:
-            raise ValueError(
-                "track_tensor_norms=True measures each grad on its own, which a process_group "
-                "splits across ranks; it needs unsplit parameters"
-            )
-        if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
-            raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
+        check_config(rule, settings, process_group, track_tensor_norms, skip_spikes)
         check_foreach(foreach)
-        migrated = [_migrated(group, optimizer.defaults) for group in optimizer.param_groups]
-        check_groups(migrated, settings)
-        _check_rule_groups(migrated, rule)
+        copies = [migrated(group, optimizer.defaults) for group in optimizer.param_groups]
+        check_groups(copies, settings)
+        check_rule_groups(copies, rule)
         scope = NormScope(
             process_group,
             replicated_params,
             params=[p for group in optimizer.param_groups for p in group["params"]],
         )
         # Nothing has been touched above this line.
-        _rename_legacy_keys(optimizer.param_groups, optimizer.defaults)
+        rename_legacy_keys(optimizer.param_groups, optimizer.defaults)
         super().__init__(optimizer)
         self._foreach = foreach
         self._norm_scope = scope
@@ -411,10 +303,10 @@ class ClippedOptimizer(OptimizerWrapper):
             added.
         """
         if isinstance(param_group, dict):
-            migrated = _migrated(param_group, self.defaults)
-            check_groups([*self.param_groups, migrated], self._settings())
-            _check_rule_groups([migrated], self._rule)
-            _rename_legacy_keys([param_group], self.defaults)
+            copy = migrated(param_group, self.defaults)
+            check_groups([*self.param_groups, copy], self._settings())
+            check_rule_groups([copy], self._rule)
+            rename_legacy_keys([param_group], self.defaults)
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -428,7 +320,7 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_record" not in state:
-            _upgrade_0_1_0_pickle(state)
+            upgrade_0_1_0_pickle(state)
         state.setdefault("_rule", None)
         state.setdefault("_skip_spikes", None)
         state.setdefault("_track_tensor_norms", False)
@@ -480,114 +372,19 @@ class ClippedOptimizer(OptimizerWrapper):
             self._skip_spikes.commit(decision.measurement.norm, decision.spike)
         return result
 
-    @torch.no_grad()
     def _decide(self, may_fold: bool, may_skip: bool) -> tuple[_step.ClipDecision, bool]:
-        """Measure, compute the coefficients and rule on a non-finite norm; change nothing.
-
-        Returns:
-          The decision, and whether it is to be folded into the fused inner kernel.
-
-        Raises:
-          NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
-        """
-        _rename_legacy_keys(self.param_groups, self.defaults)  # "max_norm" set on a group
-        settings = _step.read_group_settings(self.param_groups, self.defaults, self._per_group)
-        grads = _step.collect_grads(self.param_groups)
-        measured, coefficients, outcome = self._coefficients(grads, settings)
-        spike = None
-        spikes = self._skip_spikes
-        if may_skip and spikes is not None and spikes.may_trigger():
-            spike = spikes.verdict(measured.norm)
-        fold = may_fold and _fused.can_fold(
-            self.optimizer, lambda: _step.grad_dtypes(grads, measured), coefficients
-        )
-        if self._nonfinite == "propagate" and spike is None:
-            return _step.ClipDecision(grads, measured, coefficients, rule_outcome=outcome), fold
-        norms = measured.norm if measured.stacked is None else measured.stacked
-        values = _step.coefficient_values(coefficients, norms)
-        limit = self._max_consecutive_skips
-        if fold and self._nonfinite != "raise" and _fused.skips_cleanly(self.optimizer):
-            found_inf = None
-            if self._nonfinite == "skip":
-                found_inf = device_verdict(norms, values, self._record, limit)
-            if spike is not None:
-                found_inf = spike_verdict(found_inf, spike)
-            return _step.ClipDecision(
-                grads,
-                measured,
-                coefficients,
-                found_inf=found_inf,
-                rule_outcome=outcome,
-                spike=spike,
-            ), fold
-        streak = host_verdict(norms, values, self._record, self._nonfinite, limit, may_skip, spike)
-        skip = streak is not None
-        return _step.ClipDecision(
-            grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
-        ), fold
-
-    def _coefficients(
-        self, grads: list[list[Tensor]], settings: _step.GroupSettings
-    ) -> tuple[_step.Measurement, list[_step.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
-        """The step's norms, each group's coefficient and what a rule decided. A unit-wise
-        rule decides first: the norms come from what it measured, where it says."""
-        norm_types = settings.norm_types
-        if isinstance(self._rule, UnitWiseRule):
-            _check_rule_groups(self.param_groups, self._rule)
-            coefficients, outcome, squares, check = _step.unit_rule_coefficients(
-                self._rule, self.param_groups, grads, norm_types[0]
-            )
-            return self._measure(grads, norm_types, squares, check), coefficients, outcome
-        measured = self._measure(grads, norm_types)
-        if self._rule is None:
-            return (
-                measured,
-                _step.threshold_coefficients(measured.group_norms, settings.thresholds),
-                None,
-            )
-        _check_rule_groups(self.param_groups, self._rule)
-        coefficients, outcome = _step.rule_coefficients(self._rule, grads, measured, norm_types[0])
-        return measured, coefficients, outcome
-
-    def _measure(
-        self,
-        grads: list[list[Tensor]],
-        norm_types: list[float],
-        squares: tuple[Tensor, ...] | None = None,
-        check: Tensor | None = None,
-    ) -> _step.Measurement:
-        """The step's norms: from a unit-wise rule's ``squares`` where it measured them
-        (AGC: no grad read again, no collective more; its ``check`` NaN where the ranks'
-        grads do not line up); with per-tensor norms wanted
-        (tracked, or for a per-tensor rule), all of them from one per-tensor pass, and
-        for DTensor grads one collective (the constructor refuses a process_group then)."""
-        default = float(self.defaults[NORM_TYPE_KEY])
-        names = _monitor.grad_names(self.param_groups) if self._track_tensor_norms else None
-        if squares is not None and all(p == 2.0 for p in norm_types):
-            return _monitor.measure_from_squares(
-                grads, names, squares, default, self._per_group, self._track_tensor_norms, check
-            )
-        per_rule = self._rule is not None and self._rule.per_tensor
-        if self._norm_scope.process_group is None and (self._track_tensor_norms or per_rule):
-            return _monitor.measure_per_tensor(
-                grads,
-                names,
-                norm_types,
-                default,
-                self._per_group,
-                self._foreach,
-                lambda: [group["params"] for group in self.param_groups],
-                strict=per_rule,
-            )
-        return _step.measure(
-            grads,
-            norm_types,
-            default,
+        """:func:`clipopt._decide.decide` with this wrapper's configuration."""
+        config = ClipConfig(
+            self._rule,
+            self._skip_spikes,
             self._per_group,
-            self._norm_scope,
+            self._nonfinite,
+            self._max_consecutive_skips,
             self._foreach,
-            lambda: [p for group in self.param_groups for p in group["params"]],
+            self._norm_scope,
+            self._track_tensor_norms,
         )
+        return decide(self.optimizer, config, self._record, may_fold, may_skip)
 
     def _apply_folded(
         self, decision: _step.ClipDecision, closure: Closure | None, loss: Any
@@ -640,20 +437,7 @@ class ClippedOptimizer(OptimizerWrapper):
         return super().state_dict()
 
     def _extra_state(self) -> dict[str, Any]:
-        def copy(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.detach().clone()
-
-        entry = {
-            "settings": self._settings().as_dict(),
-            "last_norm": copy(self._record.last_norm),
-            "last_group_norms": copy(self._record.last_group_norms),
-            **self._record.state(),
-        }
-        if self._rule is not None:
-            entry["rule"] = self._rule.state_dict()
-        if self._skip_spikes is not None:
-            entry["skip_spikes"] = self._skip_spikes.state_dict()
-        return entry
+        return clip_entry(self._settings(), self._record, self._rule, self._skip_spikes)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
@@ -677,14 +461,14 @@ class ClippedOptimizer(OptimizerWrapper):
             extra, inner_state, len(self.param_groups), self._settings(), self.defaults
         )
         if prepared is not None:
-            _check_saved_rules(prepared, self._rule, self._skip_spikes, self.defaults[MAX_NORM_KEY])
+            check_saved_rules(prepared, self._rule, self._skip_spikes, self.defaults[MAX_NORM_KEY])
         return inner, prepared
 
     def _finish_load(self, prepared: ClipState | None) -> None:
         # An inner optimizer with a layout of its own loads groups that only now can be read.
         settings = self._settings() if prepared is None else prepared.settings
-        check_groups([_migrated(g, self.defaults) for g in self.param_groups], settings)
-        _rename_legacy_keys(self.param_groups, self.defaults, warn=False)
+        check_groups([migrated(g, self.defaults) for g in self.param_groups], settings)
+        rename_legacy_keys(self.param_groups, self.defaults, warn=False)
         if prepared is not None:
             self._apply_clip_state(prepared)
         self._fill_group_defaults()
@@ -692,20 +476,9 @@ class ClippedOptimizer(OptimizerWrapper):
     def _apply_clip_state(self, clip_state: ClipState) -> None:
         """Install a validated clip state; tensors are copied onto the params' device."""
         device = next(p.device for group in self.param_groups for p in group["params"])
-
-        def here(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device=device, copy=True)
-
         self._apply_settings(clip_state.settings)
         self._tensor_norms.clear()
-        if self._rule is not None and clip_state.rule is not None:
-            self._rule.load_state_dict(clip_state.rule)
-            self._rule.to(device)
-        if self._skip_spikes is not None and clip_state.skip_spikes is not None:
-            self._skip_spikes.load_state_dict(clip_state.skip_spikes)
-            self._skip_spikes.to(device)
-        counters = {k: v.to(device=device, copy=True) for k, v in clip_state.counters.items()}
-        self._record.load(counters, here(clip_state.last_norm), here(clip_state.last_group_norms))
+        load_clip_state(clip_state, device, self._record, self._rule, self._skip_spikes)
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  see clipopt._wrapper

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import clipopt
-from clipopt import _fused, _kernels
+from clipopt import _decide, _fused, _kernels
 
 MAX_NORM = 0.5
 STEPS = 5
@@ -309,7 +309,7 @@ def test_skip_through_found_inf_touches_nothing_and_reads_nothing(
     def no_host_read(*args: Any, **kwargs: Any) -> bool:
         raise AssertionError("the skip must be decided on the device")
 
-    monkeypatch.setattr(clipopt.optimizer, "host_verdict", no_host_read)
+    monkeypatch.setattr(_decide, "host_verdict", no_host_read)
     no_scaling_pass(monkeypatch)
     opt.step()
     assert [int(opt.step_count), int(opt.skip_count), int(opt.consecutive_skips)] == [1, 1, 1]

@@ -26,7 +26,9 @@ LAYERS: list[set[str]] = [
     {"_reduce", "_per_tensor", "_units", "_clip_state", "_nonfinite", "_rule"},
     # the API; the step; the fold; one module per rule
     {"functional", "_step", "_fused", "_adagc", "_agc", "_autoclip", "_zclip", "_spike_skip"},
-    {"_wrapper", "rules", "_monitor"},  # the wrapper; the rules' facade; per-tensor norms
+    # the wrapper; the rules' facade; per-tensor norms; what a checkpoint or 0.1.0 gives
+    {"_wrapper", "rules", "_monitor", "_saved"},
+    {"_decide"},  # the step's measure -> decide, on the wrapper's configuration
     {"optimizer"},  # ClippedOptimizer
     {"_checkpoint"},  # DCP helpers on the wrapper
     {"distributed"},  # the facade of the distributed names

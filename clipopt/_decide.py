@@ -1,0 +1,238 @@
+"""The decision of a ``ClippedOptimizer`` step: measure, then decide; nothing changes.
+
+A step is measure -> decide -> apply (:mod:`clipopt._step` holds the parts).
+:func:`decide` is the first two: it reads each group's settings, collects the grads and
+measures them (:func:`_measure`: one reduction, one per-tensor pass, or a unit-wise
+rule's squares), turns the norms into one coefficient per group (:func:`_coefficients`:
+a threshold, or a rule's decision), judges a spike and a non-finite norm, and returns
+one :class:`clipopt._step.ClipDecision` with whether to fold it into a fused kernel. The
+wrapper applies and records it. What it reads of the wrapper is a :class:`ClipConfig`,
+made for each decision, since a load may change the settings; the inner optimizer and
+the step record are passed as they are.
+
+What a decision could not work with is refused before any step: the constructor's
+arguments by :func:`check_config`, a group's own threshold beside a rule by
+:func:`check_rule_groups` (also at each step, since a group may be given one later).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from clipopt import _fused, _monitor, _step
+from clipopt._clip_state import (
+    MAX_NORM_KEY,
+    NORM_TYPE_KEY,
+    NonFinite,
+    Settings,
+    rename_legacy_keys,
+)
+from clipopt._nonfinite import StepRecord, device_verdict, host_verdict, spike_verdict
+from clipopt._reduce import NormScope
+from clipopt._rule import ClipRule, UnitWiseRule
+from clipopt._spike_skip import SpikeSkip
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["ClipConfig", "check_config", "check_rule_groups", "decide"]
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    """What a decision reads of the wrapper: its rules and its settings."""
+
+    rule: ClipRule | None
+    skip_spikes: SpikeSkip | None
+    per_group: bool
+    nonfinite: NonFinite
+    max_consecutive_skips: int | None
+    foreach: bool | None
+    norm_scope: NormScope
+    track_tensor_norms: bool
+
+
+def check_config(
+    rule: ClipRule | None,
+    settings: Settings,
+    process_group: ProcessGroup | None,
+    track_tensor_norms: Any,
+    skip_spikes: Any,
+) -> None:
+    """Refuse a wrapper's arguments that no decision could measure with, or of the wrong
+    type: a rule per group, a per-tensor or unit-wise rule or tracked norms with a
+    ``process_group`` (it splits tensors across ranks), a unit-wise rule's bad order."""
+    if rule is not None and settings.per_group:
+        raise ValueError(
+            f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one "
+            "history of one norm; use per_group=False, or per_tensor=True where the "
+            "rule has it"
+        )
+    local = rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
+    if local and process_group is not None:
+        raise ValueError(
+            f"{rule!r} measures each grad on its own, and with a process_group each rank "
+            "holds other tensors (pipeline stages, model-parallel slices), so its grads "
+            "would differ by rank: per-tensor and unit-wise rules need unsplit parameters "
+            "(DDP), or, per tensor, DTensor grads (FSDP2, tensor parallel) and no "
+            "process_group"
+        )
+    if isinstance(rule, UnitWiseRule):
+        rule.check_norm_type(settings.norm_type)
+    if not isinstance(track_tensor_norms, bool):
+        raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
+    if track_tensor_norms and process_group is not None:
+        raise ValueError(
+            "track_tensor_norms=True measures each grad on its own, which a process_group "
+            "splits across ranks; it needs unsplit parameters"
+        )
+    if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
+        raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
+
+
+def check_rule_groups(groups: Iterable[Mapping[str, Any]], rule: ClipRule | None) -> None:
+    """With a rule, no group may carry a threshold of its own: the rule sets them all."""
+    if rule is None:
+        return
+    for index, group in enumerate(groups):
+        value = group.get(MAX_NORM_KEY, math.inf)
+        if not (isinstance(value, (int, float)) and value == math.inf):
+            raise ValueError(
+                f"param_groups[{index}][{MAX_NORM_KEY!r}] is {value!r}, but max_norm is "
+                f"{rule!r}, which sets the threshold of every group; remove the group's own"
+            )
+
+
+@torch.no_grad()
+def decide(
+    optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
+) -> tuple[_step.ClipDecision, bool]:
+    """Measure, compute the coefficients and rule on a non-finite norm; change nothing.
+
+    Args:
+      optimizer: the inner optimizer: its param groups, defaults and fused kernel.
+      config: the wrapper's rules and settings.
+      record: the step record, whose skip streak the non-finite verdict reads.
+      may_fold: the decision may be folded into a fused kernel (no closure).
+      may_skip: a non-finite norm or a spike may skip the step (not in a re-evaluation
+        of the closure, once the step has started).
+
+    Returns:
+      The decision, and whether it is to be folded into the fused inner kernel.
+
+    Raises:
+      NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
+    """
+    rename_legacy_keys(optimizer.param_groups, optimizer.defaults)  # "max_norm" set on a group
+    settings = _step.read_group_settings(
+        optimizer.param_groups, optimizer.defaults, config.per_group
+    )
+    grads = _step.collect_grads(optimizer.param_groups)
+    measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings)
+    spike = None
+    spikes = config.skip_spikes
+    if may_skip and spikes is not None and spikes.may_trigger():
+        spike = spikes.verdict(measured.norm)
+    fold = may_fold and _fused.can_fold(
+        optimizer, lambda: _step.grad_dtypes(grads, measured), coefficients
+    )
+    if config.nonfinite == "propagate" and spike is None:
+        return _step.ClipDecision(grads, measured, coefficients, rule_outcome=outcome), fold
+    norms = measured.norm if measured.stacked is None else measured.stacked
+    values = _step.coefficient_values(coefficients, norms)
+    limit = config.max_consecutive_skips
+    if fold and config.nonfinite != "raise" and _fused.skips_cleanly(optimizer):
+        found_inf = None
+        if config.nonfinite == "skip":
+            found_inf = device_verdict(norms, values, record, limit)
+        if spike is not None:
+            found_inf = spike_verdict(found_inf, spike)
+        return _step.ClipDecision(
+            grads,
+            measured,
+            coefficients,
+            found_inf=found_inf,
+            rule_outcome=outcome,
+            spike=spike,
+        ), fold
+    streak = host_verdict(norms, values, record, config.nonfinite, limit, may_skip, spike)
+    skip = streak is not None
+    return _step.ClipDecision(
+        grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
+    ), fold
+
+
+def _coefficients(
+    optimizer: Optimizer,
+    config: ClipConfig,
+    grads: list[list[Tensor]],
+    settings: _step.GroupSettings,
+) -> tuple[_step.Measurement, list[_step.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
+    """The step's norms, each group's coefficient and what a rule decided. A unit-wise
+    rule decides first: the norms come from what it measured, where it says."""
+    norm_types = settings.norm_types
+    if isinstance(config.rule, UnitWiseRule):
+        check_rule_groups(optimizer.param_groups, config.rule)
+        coefficients, outcome, squares, check = _step.unit_rule_coefficients(
+            config.rule, optimizer.param_groups, grads, norm_types[0]
+        )
+        return _measure(optimizer, config, grads, norm_types, squares, check), coefficients, outcome
+    measured = _measure(optimizer, config, grads, norm_types)
+    if config.rule is None:
+        return (
+            measured,
+            _step.threshold_coefficients(measured.group_norms, settings.thresholds),
+            None,
+        )
+    check_rule_groups(optimizer.param_groups, config.rule)
+    coefficients, outcome = _step.rule_coefficients(config.rule, grads, measured, norm_types[0])
+    return measured, coefficients, outcome
+
+
+def _measure(
+    optimizer: Optimizer,
+    config: ClipConfig,
+    grads: list[list[Tensor]],
+    norm_types: list[float],
+    squares: tuple[Tensor, ...] | None = None,
+    check: Tensor | None = None,
+) -> _step.Measurement:
+    """The step's norms: from a unit-wise rule's ``squares`` where it measured them
+    (AGC: no grad read again, no collective more; its ``check`` NaN where the ranks'
+    grads do not line up); with per-tensor norms wanted
+    (tracked, or for a per-tensor rule), all of them from one per-tensor pass, and
+    for DTensor grads one collective (the constructor refuses a process_group then)."""
+    default = float(optimizer.defaults[NORM_TYPE_KEY])
+    names = _monitor.grad_names(optimizer.param_groups) if config.track_tensor_norms else None
+    if squares is not None and all(p == 2.0 for p in norm_types):
+        return _monitor.measure_from_squares(
+            grads, names, squares, default, config.per_group, config.track_tensor_norms, check
+        )
+    per_rule = config.rule is not None and config.rule.per_tensor
+    if config.norm_scope.process_group is None and (config.track_tensor_norms or per_rule):
+        return _monitor.measure_per_tensor(
+            grads,
+            names,
+            norm_types,
+            default,
+            config.per_group,
+            config.foreach,
+            lambda: [group["params"] for group in optimizer.param_groups],
+            strict=per_rule,
+        )
+    return _step.measure(
+        grads,
+        norm_types,
+        default,
+        config.per_group,
+        config.norm_scope,
+        config.foreach,
+        lambda: [p for group in optimizer.param_groups for p in group["params"]],
+    )
