@@ -1,6 +1,7 @@
 """The decision of a ``ClippedOptimizer`` step: measure, then decide; nothing changes.
 
-A step is measure -> decide -> apply (:mod:`clipopt._step` holds the parts).
+A step is measure -> decide -> apply (:mod:`clipopt._step` holds the parts,
+:mod:`clipopt._rule_step` what a clip rule decides in them).
 :func:`decide` is the first two: it reads each group's settings, collects the grads and
 measures them (:func:`_measure`: one reduction, one per-tensor pass, or a unit-wise
 rule's squares), turns the norms into one coefficient per group (:func:`_coefficients`:
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _monitor, _step
+from clipopt import _fused, _monitor, _rule_step, _step
 from clipopt._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
@@ -180,7 +181,7 @@ def _coefficients(
     norm_types = settings.norm_types
     if isinstance(config.rule, UnitWiseRule):
         check_rule_groups(optimizer.param_groups, config.rule)
-        coefficients, outcome, squares, check = _step.unit_rule_coefficients(
+        coefficients, outcome, squares, check = _rule_step.unit_rule_coefficients(
             config.rule, optimizer.param_groups, grads, norm_types[0]
         )
         return _measure(optimizer, config, grads, norm_types, squares, check), coefficients, outcome
@@ -192,7 +193,9 @@ def _coefficients(
             None,
         )
     check_rule_groups(optimizer.param_groups, config.rule)
-    coefficients, outcome = _step.rule_coefficients(config.rule, grads, measured, norm_types[0])
+    coefficients, outcome = _rule_step.rule_coefficients(
+        config.rule, grads, measured, norm_types[0]
+    )
     return measured, coefficients, outcome
 
 

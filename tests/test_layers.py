@@ -26,8 +26,9 @@ LAYERS: list[set[str]] = [
     {"_reduce", "_per_tensor", "_units", "_clip_state", "_nonfinite", "_rule"},
     # the API; the step; the fold; one module per rule
     {"functional", "_step", "_fused", "_adagc", "_agc", "_autoclip", "_zclip", "_spike_skip"},
-    # the wrapper; the rules' facade; per-tensor norms; what a checkpoint or 0.1.0 gives
-    {"_wrapper", "rules", "_monitor", "_saved"},
+    # the wrapper; the rules' facade; per-tensor norms; what a checkpoint or 0.1.0 gives;
+    # a rule's coefficients in a step (on the step's dataclasses)
+    {"_wrapper", "rules", "_monitor", "_saved", "_rule_step"},
     {"_decide"},  # the step's measure -> decide, on the wrapper's configuration
     {"optimizer"},  # ClippedOptimizer
     {"_checkpoint"},  # DCP helpers on the wrapper
