@@ -39,6 +39,7 @@ from typing import Any, Literal, TypeAlias, cast
 import torch
 from torch import Tensor
 
+from clipopt._errors import user_stacklevel
 from clipopt._validation import check_norm_type, check_positive
 
 __all__ = [
@@ -176,7 +177,7 @@ def rename_legacy_keys(
             f"param group keys {renamed} are read as {[f'clip_{k}' for k in renamed]} and "
             "renamed so: an optimizer may own the old names. Write the clip_ names",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -28,6 +28,8 @@ import sys
 import warnings
 from types import FrameType
 
+from clipopt._errors import user_stacklevel
+
 __all__ = ["called_by_torch_dcp", "warn_entry_dropped"]
 
 TORCH_MODULE = "torch.distributed.checkpoint.state_dict"
@@ -69,5 +71,5 @@ def warn_entry_dropped(wrapper: str, key: str, saving: bool) -> None:
         f"counters and last norms; the per-group settings in param_groups are kept). Use "
         f"{_HELPERS}, which keep it.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )

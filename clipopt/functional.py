@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from clipopt import _cpu, _kernels, _mesh, _reduce
-from clipopt._errors import NonFiniteNormError
+from clipopt._errors import NonFiniteNormError, user_stacklevel
 from clipopt._validation import (
     MaxNorm,
     NormType,
@@ -242,7 +242,7 @@ def _checked_params(
     if not params and isinstance(parameters, types.GeneratorType):
         warnings.warn(
             "`parameters` is an empty generator, no gradient clipping will occur.",
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     return params
 

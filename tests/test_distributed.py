@@ -1036,8 +1036,9 @@ def test_torchs_dcp_functions_warn_that_clip_is_dropped_and_do_not_step_the_wrap
     trained.step()
     clip_before = trained.state_dict()["clip"]
     helpers = r"clipopt\.distributed\.get_optimizer_state_dict"
-    with pytest.warns(UserWarning, match=rf"drops ClippedOptimizer's 'clip' entry.*{helpers}"):
+    with pytest.warns(UserWarning, match=rf"drops ClippedOptimizer's 'clip' entry.*{helpers}") as w:
         saved = dcp_state_dict.get_optimizer_state_dict(model, trained)
+    assert w[0].filename == __file__  # the call to torch's function, not a frame inside it
     assert "clip" not in saved and saved["param_groups"][0]["clip_max_norm"] == 0.5
     assert_same(trained.state_dict()["clip"], clip_before)
     with pytest.warns(UserWarning, match="'clip' entry"):

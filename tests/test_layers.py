@@ -16,8 +16,8 @@ import clipopt
 PACKAGE = Path(clipopt.__file__).parent
 
 LAYERS: list[set[str]] = [
-    {"_errors", "_validation", "_native", "_torch_dcp", "_hooks"},  # no clipopt imports
-    {"_cpu"},  # the C kernels' Python side
+    {"_errors", "_validation", "_native", "_hooks"},  # no clipopt imports
+    {"_cpu", "_torch_dcp"},  # the C kernels' Python side; recognising torch's DCP calls
     # partial norms of CPU grads by torch ops; kept groupings; DTensor shards
     {"_torch_norms", "_plan", "_mesh"},
     # local norms, scales; collectives; where each unit (AGC's rows) lies on this rank

@@ -70,14 +70,16 @@ def test_0_1_0_group_keys_are_renamed_with_a_warning_where_the_optimizer_does_no
 ):
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
     inner = torch.optim.SGD([{"params": [a]}, {"params": [b], "max_norm": 10.0}], lr=0.1)
-    with pytest.warns(FutureWarning, match="clip_max_norm"):
+    with pytest.warns(FutureWarning, match="clip_max_norm") as made:
         opt = clipopt.ClippedOptimizer(inner, max_norm=1.0, per_group=True)
+    assert made[0].filename == __file__  # the user's line, not clipopt's or torch's
     assert "max_norm" not in inner.param_groups[1]
     assert [g["clip_max_norm"] for g in inner.param_groups] == [1.0, 10.0]
     inner.param_groups[0]["max_norm"] = 2.0  # set by 0.1.0-era code after construction
     a.grad, b.grad = torch.tensor([30.0, 40.0]), torch.tensor([20.0])
-    with pytest.warns(FutureWarning, match="clip_max_norm"):
+    with pytest.warns(FutureWarning, match="clip_max_norm") as stepped:
         opt.step()
+    assert stepped[0].filename == __file__
     torch.testing.assert_close(a.grad, torch.tensor([30.0, 40.0]) * (2.0 / (50.0 + 1e-6)))
     torch.testing.assert_close(b.grad, torch.tensor([20.0]) * (10.0 / (20.0 + 1e-6)))
 
