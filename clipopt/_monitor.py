@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from clipopt import _kernels, _mesh, _per_tensor
-from clipopt._step import Measurement
+from clipopt._step import Measurement, flatten
 
 __all__ = ["TensorNorms", "grad_names", "measure_from_squares", "measure_per_tensor"]
 
@@ -65,7 +65,7 @@ def measure_per_tensor(
     default_norm_type: float,
     per_group: bool,
     foreach: bool | None,
-    params: Callable[[], Sequence[Sequence[Tensor]]] = lambda: (),
+    params: Callable[[], list[list[Tensor]]] = lambda: [],
     strict: bool = False,
 ) -> Measurement:
     """:func:`clipopt._step.measure` (without a process group) with each grad's norm
@@ -91,9 +91,9 @@ def measure_per_tensor(
       ValueError: DTensor grads mixed with plain ones, or on meshes that cannot be
         reduced together; a Partial DTensor grad.
     """
-    flat = [g for group in grads for g in group]
+    flat = flatten(grads)
     flat_names = () if names is None else tuple(n for group in names for n in group)
-    groups = () if flat and _mesh.all_plain(flat) else params()
+    groups = [] if flat and _mesh.all_plain(flat) else params()
     if not _mesh.all_plain(flat) or (not flat and _any_sharded(groups)):
         norms, totals = _sharded_norms(grads, norm_types, per_group, foreach, groups, strict)
     elif flat:
@@ -189,14 +189,10 @@ def _assembled(
     return Measurement(norm, totals, stacked, norms, names)
 
 
-def _flat(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
-    return [t for group in groups for t in group]
-
-
-def _any_sharded(groups: Sequence[Sequence[Tensor]]) -> bool:
+def _any_sharded(groups: list[list[Tensor]]) -> bool:
     """Whether a parameter that requires grad is a DTensor: then a rank without grads
     still joins the other ranks' reduction."""
-    return any(q.requires_grad for q in _mesh.dtensors(_flat(groups)))
+    return any(q.requires_grad for q in _mesh.dtensors(flatten(groups)))
 
 
 def _local_norms(
@@ -216,18 +212,18 @@ def _sharded_norms(
     norm_types: list[float],
     per_group: bool,
     foreach: bool | None,
-    params: Sequence[Sequence[Tensor]],
+    params: list[list[Tensor]],
     strict: bool,
 ) -> tuple[Tensor, list[Tensor]]:
     """Each whole DTensor grad's norm, and the totals, from one reduction of p-th powers."""
     slots: list[list[Tensor | None]] = [[q.grad for q in group] for group in params]
     orders = norm_types
     if not per_group:
-        slots, orders = [[t for group in slots for t in group]], norm_types[:1]
+        slots, orders = [flatten(slots)], norm_types[:1]
     powers = _per_tensor.global_tensor_powers(
-        slots, orders, foreach, params=_flat(params), strict=strict
+        slots, orders, foreach, params=flatten(params), strict=strict
     )
-    dtype = _kernels.result_dtype([g.dtype for g in _flat(grads)])
+    dtype = _kernels.result_dtype([g.dtype for g in flatten(grads)])
     triples = list(zip(powers, slots, orders, strict=True))
     mine = torch.cat([_per_tensor.root(_per_tensor.held(pw, own), p) for pw, own, p in triples])
     totals = [_per_tensor.total_root(pw, p).to(dtype) for pw, _, p in triples]
@@ -237,7 +233,7 @@ def _sharded_norms(
 def _each_norm(grads: list[list[Tensor]], norm_types: list[float], foreach: bool | None) -> Tensor:
     """Each plain grad's norm, by one :func:`~clipopt._kernels.per_tensor_norms` call (one
     per group where their orders differ), on the first grad's device."""
-    flat = [g for group in grads for g in group]
+    flat = flatten(grads)
     if len(set(norm_types)) == 1:
         return _kernels.per_tensor_norms(flat, norm_types[0], foreach)
     device, dtype = flat[0].device, _kernels.result_dtype([g.dtype for g in flat])
