@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --constraint constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest pytest-fallback dist docs bench clean
+.PHONY: demo test lint typecheck pytest pytest-fallback compat-oldest matrix dist docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,10 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The suite again with the C kernel left unused, so that the torch-ops path every install
-# without a compiler takes cannot rot; tests of the C kernel itself skip, saying why. Run
+# The suite again with the C kernel and every private torch API left unused, so that the
+# torch-ops path every install without a compiler takes, and the public path of each torch
+# internal (clipopt/_torch_internals.py), cannot rot; tests of what they replace skip,
+# saying why. Run
 # once, above, and not here: the framework integrations (they test the frameworks), the
 # benchmark's smoke tests, the examples and the long-run memory tests (they test no
 # norm), and torch.compile's (a minute of tracing; without the C kernel a compiled step
@@ -37,7 +39,18 @@ FALLBACK_SKIPS := --ignore=tests/test_benchmark_smoke.py --ignore=tests/test_exa
 	--ignore=tests/test_example_adaptive.py --ignore=tests/test_rule_memory.py \
 	--ignore=tests/test_compile.py
 pytest-fallback: $(STAMP)
-	CLIPOPT_DISABLE_NATIVE=1 $(BIN)/python -m pytest tests -q -m "not integrations" $(FALLBACK_SKIPS)
+	CLIPOPT_DISABLE_NATIVE=1 CLIPOPT_DISABLE_TORCH_INTERNALS=1 \
+		$(BIN)/python -m pytest tests -q -m "not integrations" $(FALLBACK_SKIPS)
+
+# The compat subset on the oldest torch clipopt supports, in a venv of its own under
+# .cache/ (the pinned torch, the newest, runs the whole suite above); `make matrix` runs it
+# on every supported release.
+OLDEST_TORCH := 2.6.0
+compat-oldest:
+	scripts/torch_matrix.sh $(OLDEST_TORCH)
+
+matrix:
+	scripts/torch_matrix.sh
 
 # An sdist and a wheel, each installed into a fresh venv and checked there; the sdist
 # with CC=/bin/false, as on a machine without a C compiler.
@@ -51,13 +64,13 @@ dist: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-test: lint typecheck pytest pytest-fallback docs dist
+test: lint typecheck pytest pytest-fallback compat-oldest docs dist
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) site quickstart-out .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist clipopt/*.so
+	rm -rf $(VENV) .cache site quickstart-out .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist clipopt/*.so
 
 # On a CUDA machine: every CUDA test, the host-sync tests and the CUDA benchmark, in
 # under 8 minutes, writing to $(OUT) if set (else benchmarks/results/). Installs nothing:

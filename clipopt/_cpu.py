@@ -11,7 +11,7 @@ grad.
 ``torch.linalg.vector_norm`` accumulates the whole tensor in its own dtype.
 
 The scale of float32, float64 and bfloat16 grads is one call too, rounding as
-``mul_`` does, where ``torch._foreach_mul_`` on CPU is one ``mul_`` (and one parallel
+``mul_`` does, where torch's foreach ``mul_`` on CPU is one ``mul_`` (and one parallel
 region) per grad. A coefficient of exactly 1 writes nothing: the kernel reads it from
 the coefficient's memory, so no Python code looks at its value.
 
@@ -35,6 +35,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
+
+from clipopt import _torch_internals
 
 _native: types.ModuleType | None
 try:
@@ -185,12 +187,8 @@ def _raw_data_ptr() -> int:
     ``Tensor.data_ptr`` (a method call and a Python int per tensor) cost as much as
     reading 500 floats (2000 grads: 130 us, against 22 us).
     """
-    try:
-        from torch._C._dynamo import guards
-    except ImportError:
-        return 0
-    address = getattr(guards, "_torchinductor_pyobject_tensor_data_ptr", 0)
-    if _native is None or not isinstance(address, int) or address <= 0:
+    address = _torch_internals.tensor_data_ptr_reader()
+    if _native is None or address == 0:
         return 0
     # It is private: check once that it reads what data_ptr does, or leave it unused.
     probe = [torch.arange(1.0, 9.0)]
@@ -266,7 +264,12 @@ def _reduce(run: Run, p: float, threads: int) -> Tensor:
     return torch.tensor([norm_value(run, p, threads)], dtype=torch.float64)
 
 
-@torch.library.custom_op("clipopt::dense_partial_norm", mutates_args=())
+# The schemas are written out: torch 2.6 cannot infer one from ``list[Tensor]``.
+@torch.library.custom_op(
+    "clipopt::dense_partial_norm",
+    mutates_args=(),
+    schema="(Tensor[] dense, float p, int threads) -> Tensor",
+)
 def _reduce_op(dense: list[Tensor], p: float, threads: int) -> Tensor:
     return _reduce(Run(dense), p, threads)
 
@@ -317,7 +320,11 @@ def _scale(run: Run, coef: Tensor) -> None:
     )
 
 
-@torch.library.custom_op("clipopt::dense_scale_", mutates_args=("dense",))
+@torch.library.custom_op(
+    "clipopt::dense_scale_",
+    mutates_args=("dense",),
+    schema="(Tensor(a!)[] dense, Tensor coef) -> ()",
+)
 def _scale_op(dense: list[Tensor], coef: Tensor) -> None:
     _scale(Run(dense), coef)
 

@@ -55,7 +55,7 @@ def inner_step(opt: Optimizer, closure: Callable[[], Any] | None) -> Any:
     """
     step = type(opt).step
     unwrapped = getattr(step, "__wrapped__", None)
-    if unwrapped is None or not getattr(step, "hooked", False) or "step" in vars(opt):
+    if unwrapped is None or not getattr(step, "hooked", False) or "step" in opt.__dict__:
         return opt.step() if closure is None else opt.step(closure)
     args: tuple[Any, ...] = () if closure is None else (closure,)
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):

@@ -20,7 +20,7 @@ not in use (not built, or ``CLIPOPT_DISABLE_NATIVE``): blocked and packed torch 
 :mod:`clipopt._torch_norms`, with powers that would leave float32's range taken in
 double.
 
-Other devices (CUDA): one ``torch._foreach_norm`` per (device, dtype) group (one
+Other devices (CUDA): one torch's foreach norm per (device, dtype) group (one
 ``vector_norm`` per grad with ``foreach=False``), accumulating in :func:`range_dtype`:
 float32 for half types, float64 for float32 and bfloat16 powers on CUDA.
 """
@@ -34,7 +34,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from clipopt import _cpu
+from clipopt import _cpu, _torch_internals
 from clipopt._plan import GroupKey, Groups, group
 from clipopt._torch_norms import (
     Scratch,
@@ -127,7 +127,7 @@ def _dense_partial_norms(
     # float32 grads take float64 partials here: _foreach_norm accumulates in its output
     # dtype; vector_norm first copies the tensor to it.
     if _uses_foreach(device, foreach):
-        return [torch.stack(torch._foreach_norm(tensors, p, dtype=acc))]
+        return [torch.stack(_torch_internals.foreach_norm(tensors, p, dtype=acc))]
     return [torch.linalg.vector_norm(t, p, dtype=acc).reshape(1) for t in tensors]
 
 
@@ -174,7 +174,12 @@ def grouped_total_norm(
     A clip that measures and then scales the same tensors groups them once: on
     thousands of small grads the grouping costs as much as a tenth of the clip.
     """
-    out_device = next((t.device for t in tensors if _holds_values(t)), None)
+    # Loops, not next(..., default): torch 2.6's dynamo cannot trace the default.
+    out_device = None
+    for t in tensors:
+        if _holds_values(t):
+            out_device = t.device
+            break
     if out_device is None:  # nothing to measure: a zero where a norm would have been
         device = tensors[0].device if tensors else None
         zero = torch.zeros((), dtype=result_dtype([t.dtype for t in tensors]), device=device)
@@ -227,7 +232,7 @@ def _run_norm(run: _cpu.Run, p: float) -> Tensor:
 def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
     """The p-norm of each tensor, in one 1-D tensor in the order given (for per-tensor rules).
 
-    One ``torch._foreach_norm`` per (device, dtype) group (one ``vector_norm`` per
+    One torch's foreach norm per (device, dtype) group (one ``vector_norm`` per
     tensor with ``foreach=False``, and for sparse ones, by their values), accumulating
     as :func:`total_norm` does on CUDA; on the CPU, where the C reduction applies, one
     call into it per group, whatever ``foreach`` says (as :func:`total_norm`), which
@@ -264,7 +269,7 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
         elif foreach is False:
             found = [torch.linalg.vector_norm(t, p, dtype=acc) for t in group]
         else:
-            found = list(torch._foreach_norm(group, p, dtype=acc))
+            found = _torch_internals.foreach_norm(group, p, dtype=acc)
         for i, norm in zip(indices, found, strict=True):
             norms[i] = norm
     ready = [cast(Tensor, n).to(device=out_device, dtype=out_dtype) for n in norms]
@@ -389,7 +394,7 @@ def _scale_cpu_group_(groups: Groups, key: GroupKey, coef: Tensor, foreach: bool
     if run.tensors:
         _cpu.scale_(run, coef)
     if gappy:
-        torch._foreach_mul_(gappy, coef)
+        _torch_internals.foreach_mul_(gappy, coef)
 
 
 def _scale_by_torch_(group: list[Tensor], coef: Tensor, foreach: bool | None) -> None:
@@ -397,7 +402,7 @@ def _scale_by_torch_(group: list[Tensor], coef: Tensor, foreach: bool | None) ->
         for t in group:
             t.mul_(coef)
     else:
-        torch._foreach_mul_(group, coef)
+        _torch_internals.foreach_mul_(group, coef)
 
 
 def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> None:

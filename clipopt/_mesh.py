@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt import _cpu
+from clipopt import _cpu, _torch_internals
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -136,11 +136,18 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
     meshes = _distinct_meshes(grads)
     if len(meshes) == 1:
         return meshes[0]
-    root = meshes[0]._get_root_mesh()
+    root: DeviceMesh | None = _torch_internals.root_mesh(meshes[0])
+    if root is None:
+        why = f" ({_torch_internals.DISABLE_ENV} is set)" if _torch_internals.disabled() else ""
+        raise ValueError(
+            f"DTensor grads live on {meshes}: reducing them together needs torch's lookup "
+            f"of their root mesh, which torch {torch.__version__} does not offer here{why}; "
+            "compute one norm per mesh instead"
+        )
     root_names = root.mesh_dim_names or ()
     for mesh in meshes:
         names = mesh.mesh_dim_names
-        same_root = mesh._get_root_mesh() == root
+        same_root = _torch_internals.root_mesh(mesh) == root
         if not same_root or names is None or not set(names) <= set(root_names):
             raise ValueError(
                 f"DTensor grads live on {meshes}: they can be reduced together only when "

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _mesh, _per_tensor
+from clipopt import _kernels, _mesh, _per_tensor, _torch_internals
 from clipopt._step import Measurement, flatten
 
 __all__ = ["TensorNorms", "grad_names", "measure_from_squares", "measure_per_tensor"]
@@ -148,7 +148,8 @@ def measure_from_squares(
     totals = [total.to(dtype) for total in totals]
     norms = None
     if tensor_norms and squares:
-        sums = torch._foreach_norm(list(squares), 1.0)  # squares: their 1-norm is their sum
+        # squares: their 1-norm is their sum
+        sums = _torch_internals.foreach_norm(list(squares), 1.0)
         norms = _per_tensor.root(torch.stack(sums), 2.0).to(dtype)
     elif tensor_norms:
         norms = like.new_zeros(0, dtype=dtype)

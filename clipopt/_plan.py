@@ -28,12 +28,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from clipopt import _cpu
+from clipopt import _cpu, _torch_internals
 
 __all__ = [
     "CAPACITY",
@@ -80,13 +80,6 @@ class Groups:
             dense, gappy = _cpu.split_dense(self.dense[key])
             found = self.cpu[key] = (_cpu.Run(dense), gappy)
         return found
-
-
-_Guard: Any
-try:
-    from torch._C._dynamo.guards import TensorGuards as _Guard
-except ImportError:  # a torch without it: every call plans afresh
-    _Guard = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,10 +135,8 @@ def _is_dense(t: Tensor) -> bool:
 
 def _by_group(tensors: Sequence[Tensor]) -> dict[GroupKey, list[int]]:
     """Positions of ``tensors`` by (device, dtype), groups in order of first appearance."""
-    listed: list[Tensor | None] = list(tensors)
-    grouped = torch._C._group_tensors_by_device_and_dtype([listed], True)
-    ordered = sorted(grouped.items(), key=lambda item: item[1][1][0])
-    return {key: list(indices) for key, (_, indices) in ordered}
+    grouped = _torch_internals.group_by_device_and_dtype(tensors)
+    return {key: indices for key, (_, indices) in grouped.items()}
 
 
 def _plain(t: Tensor) -> bool:
@@ -156,15 +147,7 @@ def _plain(t: Tensor) -> bool:
         type(t) is Tensor
         and t.layout == torch.strided
         and not t.is_nested
-        and torch._C._has_storage(t)
-    )
-
-
-def _guard(tensors: Sequence[Tensor]) -> Any:
-    return _Guard(
-        *tensors,
-        dynamic_dims_sizes=[list(t.shape) for t in tensors],
-        dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        and _torch_internals.has_storage(t)
     )
 
 
@@ -180,7 +163,11 @@ def make_plan(tensors: Sequence[Tensor], guarded: bool = False) -> Plan:
         dense.append(_positions(dense_at, len(members)))
         gappy.append(tuple(k for k, ok in enumerate(flags) if not ok))
         numels.append([members[k].numel() for k in dense_at])
-    first = next((i for i, t in enumerate(tensors) if t.numel() > 0), -1)
+    first = -1
+    for i, t in enumerate(tensors):  # not next(..., -1): torch 2.6's dynamo cannot trace it
+        if t.numel() > 0:
+            first = i
+            break
     # torch.compile traces neither, and an unguarded plan is never matched again.
     traced = torch.compiler.is_compiling()
     return Plan(
@@ -193,7 +180,7 @@ def make_plan(tensors: Sequence[Tensor], guarded: bool = False) -> Plan:
         not traced and torch.is_inference_mode_enabled(),
         not traced and any(t.is_inference() for t in tensors),
         not traced and all(map(_plain, tensors)),
-        _guard(tensors) if guarded and _Guard is not None else None,
+        _torch_internals.tensor_guard(tensors) if guarded else None,
     )
 
 
@@ -249,12 +236,8 @@ def _group_in_cpp(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
     Groups come in order of first appearance, and each keeps its tensors' order: the
     helper's own dict order is unspecified, but it reports each tensor's index.
     """
-    if not tensors:
-        return {}
-    listed = cast(list[Tensor | None], list(tensors))
-    grouped = torch._C._group_tensors_by_device_and_dtype([listed], True)
-    by_first_index = sorted(grouped.items(), key=lambda item: item[1][1][0])
-    return {key: cast(list[Tensor], lists[0]) for key, (lists, _) in by_first_index}
+    grouped = _torch_internals.group_by_device_and_dtype(tensors)
+    return {key: members for key, (members, _) in grouped.items()}
 
 
 def _with_sparse(tensors: Sequence[Tensor]) -> Groups:

@@ -175,7 +175,11 @@ def measure(
         norm = scope.global_norms([flat], norm_types[:1], foreach, params())[0]
         return Measurement(norm, [norm] * len(grads), None)
     own = scope.global_norms(grads, norm_types, foreach, params())
-    device = next((g[0].device for g in grads if g), own[0].device)
+    device = own[0].device
+    for g in grads:  # not next(..., default): torch 2.6's dynamo cannot trace it
+        if g:
+            device = g[0].device
+            break
     dtype = _kernels.result_dtype([n.dtype for n in own])
     # A group without grads here gets its zero made here, unless its norm was reduced
     # across ranks (then it is on the device, and others' grads count): moving the CPU
@@ -206,22 +210,37 @@ def threshold_coefficients(
     that a global clip has one coefficient (and can fold into a fused kernel).
     """
     coefficients: list[Coefficient] = []
-    shared: dict[tuple[int, Any], Tensor] = {}
+    # Matched by identity in a list, not by id() keys: torch 2.6's dynamo cannot trace
+    # id() of a tensor made in the graph.
+    shared: list[tuple[Tensor, Threshold, Tensor]] = []
     for norm, threshold in zip(group_norms, thresholds, strict=True):
         if _scales_nothing(threshold):
             coefficients.append(None)
             continue
-        key = (id(norm), threshold if isinstance(threshold, float) else id(threshold))
-        if key not in shared:
-            shared[key] = _kernels.clip_coefficient(threshold, norm)
-        coefficients.append(shared[key])
+        found = None
+        for seen_norm, seen_threshold, coefficient in shared:
+            same = seen_threshold is threshold or (
+                isinstance(threshold, float)
+                and isinstance(seen_threshold, float)
+                and seen_threshold == threshold
+            )
+            if seen_norm is norm and same:
+                found = coefficient
+                break
+        if found is None:
+            found = _kernels.clip_coefficient(threshold, norm)
+            shared.append((norm, threshold, found))
+        coefficients.append(found)
     return coefficients
 
 
 def _one_coefficient(grads: list[list[Tensor]], coefficients: list[Coefficient]) -> Tensor | None:
     """The 0-dim coefficient every group with grads shares, if they share one."""
-    found = {id(c): c for c, group in zip(coefficients, grads, strict=True) if group}
-    only = next(iter(found.values())) if len(found) == 1 else None
+    found: list[Coefficient] = []
+    for c, group in zip(coefficients, grads, strict=True):
+        if group and not any(c is seen for seen in found):  # identity, as above
+            found.append(c)
+    only = found[0] if len(found) == 1 else None
     return only if isinstance(only, Tensor) else None
 
 

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+import torch
 from torch import Tensor
 
-from clipopt import _mesh
+from clipopt import _mesh, _torch_internals
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -84,22 +85,33 @@ def plain_rows(t: Tensor) -> Rows:
 
 
 def _check_placements(t: DTensor) -> None:
-    """Only Shard, _StridedShard and Replicate say which part of each unit a rank holds."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+    """Only Shard, FSDP2's strided shard and Replicate say which part of each unit a rank
+    holds; a placement of another type (a subclass included) is refused, not guessed."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
 
+    known = (Shard, Replicate, *_torch_internals.strided_shard_types())
     for placement in t.placements:
         if placement.is_partial():
             why = "a Partial tensor has no norm until it is reduced; redistribute it first"
             raise ValueError(_layout_error(t, why))
-        if not isinstance(placement, (Shard, _StridedShard, Replicate)):
-            raise ValueError(_layout_error(t, "only Shard and Replicate say where its units are"))
+        if type(placement) not in known:
+            why = "only Shard and Replicate say where its units are"
+            if type(placement).__name__ == "_StridedShard":
+                why = (
+                    "a strided shard (FSDP2 over TP) needs torch's own layout rule, which "
+                    f"torch {torch.__version__} does not offer here"
+                )
+                if _torch_internals.disabled():
+                    why += f" ({_torch_internals.DISABLE_ENV} is set)"
+            raise ValueError(_layout_error(t, why))
 
 
 def _shard_dim(placement: Placement) -> int | None:
-    """The tensor dim a Shard or _StridedShard splits, None for Replicate."""
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+    """The tensor dim a Shard or strided shard splits, None for Replicate."""
+    from torch.distributed.tensor.placement_types import Shard
 
-    return int(placement.dim) if isinstance(placement, (Shard, _StridedShard)) else None
+    sharding = (Shard, *_torch_internals.strided_shard_types())
+    return int(cast(Shard, placement).dim) if isinstance(placement, sharding) else None
 
 
 def _chunk(size: int, chunks: int, index: int) -> tuple[int, int]:
@@ -136,16 +148,12 @@ def rows_at(
 ) -> Rows | None:
     """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` of a
     mesh of ``mesh_shape`` holds, or None when some rank's rows are not one range."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+    strided = _torch_internals.strided_shard_types()
     dims = [_shard_dim(p) for p in placements]
-    if any(isinstance(p, _StridedShard) and d == 0 for p, d in zip(placements, dims, strict=True)):
+    if any(isinstance(p, strided) and d == 0 for p, d in zip(placements, dims, strict=True)):
         if not _rows_are_ranges(shape, mesh_shape, placements, dims):
             return None
-        local, offset = _compute_local_shape_and_global_offset(
-            shape, mesh_shape, list(coordinate), placements
-        )
+        local, offset = _local_shape_and_offset(shape, mesh_shape, list(coordinate), placements)
         return Rows(shape[0], offset[0] if local[0] else shape[0], local[0])
     start, count = 0, shape[0]
     for mesh_dim, dim in enumerate(dims):  # left to right, as DTensor places them
@@ -153,6 +161,18 @@ def rows_at(
             begin, count = _chunk(count, mesh_shape[mesh_dim], coordinate[mesh_dim])
             start += begin
     return Rows(shape[0], start, count)
+
+
+def _local_shape_and_offset(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: list[int],
+    placements: tuple[Placement, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    found = _torch_internals.local_shape_and_offset(shape, mesh_shape, coordinate, placements)
+    if found is None:  # _check_placements admits a strided shard only where torch has both
+        raise RuntimeError(f"torch {torch.__version__} has no layout rule for {placements}")
+    return found
 
 
 def _rows_are_ranges(
@@ -165,17 +185,13 @@ def _rows_are_ranges(
     and count: true when those ranges, over the mesh coordinates that split dim 0, tile
     the rows (a rank's rows are a set of ``count`` rows, the least of them ``offset``,
     and the ranks' sets tile them too)."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
     splitting = [m for m, d in enumerate(dims) if d == 0]
     ranges = []
     for flat in range(math.prod(mesh_shape[m] for m in splitting)):
         coordinate = [0] * len(mesh_shape)
         for m in reversed(splitting):
             flat, coordinate[m] = divmod(flat, mesh_shape[m])
-        local, offset = _compute_local_shape_and_global_offset(
-            shape, mesh_shape, coordinate, placements
-        )
+        local, offset = _local_shape_and_offset(shape, mesh_shape, coordinate, placements)
         if local[0]:
             ranges.append((offset[0], offset[0] + local[0]))
     if not ranges:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from clipopt import _kernels, _mesh
+from clipopt import _kernels, _mesh, _torch_internals
 from clipopt._collective import (
     REDUCE_DTYPE,
     collective_device,
@@ -62,7 +62,7 @@ def unit_norms(
     A tensor of 2 dims or more has one unit per index of dim 0, measured over all its
     other dims by one ``vector_norm`` (no copy, whatever the strides); 0- and 1-D tensors,
     and every tensor of ``whole`` (whatever its dims), are one unit each, measured by one
-    ``torch._foreach_norm`` per device and dtype (a sparse one of ``whole`` by its values).
+    torch's foreach norm per device and dtype (a sparse one of ``whole`` by its values).
     Half types accumulate in float32, others in their own dtype, as timm's
     ``unitwise_norm`` (``Tensor.norm``) does; the result is on ``device`` in ``dtype``.
 
@@ -87,7 +87,7 @@ def unit_norms(
             parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
     for (_, kind), indices in batched.items():
         group = [every[i] for i in indices]
-        found = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
+        found = _torch_internals.foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
         for i, norm in zip(indices, found, strict=True):
             parts[i] = norm
     ready = [cast(Tensor, part).reshape(-1).to(device=device, dtype=dtype) for part in parts]

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _cpu, _kernels, _mesh, _reduce
+from clipopt import _cpu, _kernels, _mesh, _reduce, _torch_internals
 from clipopt._errors import NonFiniteNormError, user_stacklevel
 from clipopt._validation import (
     MaxNorm,
@@ -396,7 +396,7 @@ def clip_grad_value_(
     Args:
       parameters: a tensor or an iterable of tensors (read once).
       clip_value: the largest allowed magnitude, > 0 (``inf``: nothing changes).
-      foreach: one ``_foreach_clamp`` per (device, dtype) group (True/None) or
+      foreach: one foreach clamp per (device, dtype) group (True/None) or
         per-tensor ops (False).
 
     Example:
@@ -422,8 +422,7 @@ def clip_grad_value_(
             for g in group:
                 g.clamp_(-value, value)
         else:
-            torch._foreach_clamp_min_(group, -value)
-            torch._foreach_clamp_max_(group, value)
+            _torch_internals.foreach_clamp_(group, value)
     for g in grads:
         if g.is_sparse:
             g.values().clamp_(-value, value)

@@ -91,3 +91,35 @@ def _no_host_sync() -> Iterator[None]:
 def no_host_sync() -> Callable[[], contextlib.AbstractContextManager[None]]:
     """A context manager under which ``.item()``, ``bool(t)``, ``float(t)``... raise."""
     return _no_host_sync
+
+
+COMPAT_MODULES = frozenset(
+    {
+        "test_smoke.py",
+        "test_torch_internals.py",
+        "test_functional.py",
+        "test_optimizer.py",
+        "test_wrapping.py",
+        "test_fused.py",
+        "test_amp.py",
+        "test_checkpoint.py",
+        "test_legacy.py",
+        "test_adaptive.py",
+        "test_adagc.py",
+        "test_agc.py",
+        "test_compile.py",
+        "test_distributed.py",
+        "test_plan.py",
+        "test_kernels.py",
+    }
+)
+"""The ``compat`` subset, the tests the torch matrix runs on every release: the
+functional API, the wrapper and its hooks, fused folding and AMP, checkpoints, resume and
+0.1.0 files, every clip rule against its reference, torch.compile, 2-rank distributed
+layouts, the plans and kernels, and the fence around torch's private APIs."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in COMPAT_MODULES:
+            item.add_marker(pytest.mark.compat)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from autoclip.torch import QuantileClip
-from helpers import assert_same
+from helpers import assert_same, needs_torch_internal
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
@@ -648,6 +648,7 @@ def test_a_per_tensor_rule_needs_the_same_grads_every_step() -> None:
 # ---------------------------------------------------------------- kernels and fold
 
 
+@needs_torch_internal("_foreach_norm/_mul_/_clamp_min_/_clamp_max_")
 @pytest.mark.parametrize("p", [2.0, 3.0])
 def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch, p: float) -> None:
     """One ``_foreach_norm`` over the group; on the CPU, where the C reduction has the

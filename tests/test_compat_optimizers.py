@@ -144,12 +144,15 @@ def _torch_optim_names() -> set[str]:
     }
 
 
-TORCH_CASES = _torch_cases()
-TORCH_OPTIMIZER_CASES = _torch_optimizer_cases()
-
-
 def _base_name(case_id: str) -> str:
     return case_id.split("-", 1)[0]
+
+
+# Only the optimizers this torch has: Muon came in 2.9, Adafactor in 2.5.
+TORCH_CASES = {
+    name: case for name, case in _torch_cases().items() if hasattr(torch.optim, _base_name(name))
+}
+TORCH_OPTIMIZER_CASES = _torch_optimizer_cases()
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_all_ok, forbid_fsdp2_where_it_cannot_run
 from test_distributed import (
     WORLD_SIZE,
     CountAllReduce,
@@ -373,6 +374,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     results: dict[str, Any] = {}
     try:
         torch.set_num_threads(1)
+        forbid_fsdp2_where_it_cannot_run()
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -421,10 +423,7 @@ def test_every_rank_joins_the_same_collectives(
     case: str, case_results: dict[str, list[dict[str, Any]]]
 ) -> None:
     outcomes = case_results[case]
-    failures = [
-        f"rank {r}:\n{o['outcome']}" for r, o in enumerate(outcomes) if o["outcome"] != "ok"
-    ]
-    assert not failures, "\n".join(failures)
+    assert_all_ok([o["outcome"] for o in outcomes])
     # A rank left waiting would have taken the whole timeout: every case takes seconds.
     slowest = max(o["seconds"] for o in outcomes)
     assert slowest < PG_TIMEOUT.total_seconds(), f"{case} took {slowest:.1f} s"

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_identical, sync_is_an_error
+from helpers import assert_all_ok, assert_identical, needs_torch_internal, sync_is_an_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_agc import timm_agc
@@ -583,8 +583,7 @@ def case_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_match_one_process(case: str, case_results: dict[str, list[str]]) -> None:
-    failures = [f"rank {r}:\n{o}" for r, o in enumerate(case_results[case]) if o != "ok"]
-    assert not failures, "\n".join(failures)
+    assert_all_ok(case_results[case])
 
 
 # --------------------------------------------------------------------------- one process
@@ -957,6 +956,7 @@ def test_unit_norms_refuse_partial_and_mixed_tensors(mesh_of_one: Any) -> None:
         _units.whole_unit_norms([shard], [torch.ones(3, 2)], torch.float32)
 
 
+@needs_torch_internal("_StridedShard")
 def test_unit_norms_refuse_a_grad_shard_unlike_its_weights_and_unrelated_meshes(
     mesh_of_one: Any,
 ) -> None:
@@ -977,6 +977,7 @@ def test_unit_norms_refuse_a_grad_shard_unlike_its_weights_and_unrelated_meshes(
         _units.whole_unit_norms(pair, pair, torch.float32)
 
 
+@needs_torch_internal("_StridedShard")
 def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
     """On a (2, 2) mesh, _StridedShard on dp then Shard on tp (FSDP2 over TP) gives each
     rank a range of rows; the other order, or a _StridedShard alone, strides them."""
@@ -1023,6 +1024,7 @@ def placement_kinds() -> Any:
     return st.sampled_from([Replicate(), Shard(0), Shard(1), *strided])
 
 
+@needs_torch_internal("_StridedShard")
 @settings(max_examples=200, deadline=None)
 @given(
     rows=st.integers(0, 12),

@@ -16,8 +16,9 @@ import clipopt
 PACKAGE = Path(clipopt.__file__).parent
 
 LAYERS: list[set[str]] = [
-    {"_errors", "_validation", "_native", "_hooks"},  # no clipopt imports
-    {"_cpu", "_torch_dcp"},  # the C kernels' Python side; recognising torch's DCP calls
+    {"_errors", "_validation", "_native", "_torch_internals"},  # no clipopt imports
+    # the C kernels' Python side; recognising torch's DCP calls; torch.optim's step hooks
+    {"_cpu", "_torch_dcp", "_hooks"},
     # partial norms of CPU grads by torch ops; kept groupings; DTensor shards
     {"_torch_norms", "_plan", "_mesh"},
     # local norms, scales; collectives; where each unit (AGC's rows) lies on this rank

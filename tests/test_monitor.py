@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import needs_torch_internal
 from torch import Tensor
 
 import clipopt
@@ -184,6 +185,7 @@ RULES: dict[str, Callable[[], float | clipopt.ClipRule]] = {
 }
 
 
+@needs_torch_internal("_foreach_norm/_mul_/_clamp_min_/_clamp_max_")
 @pytest.mark.parametrize("name", sorted(RULES))
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_every_grad_is_read_once_per_step(
@@ -208,6 +210,7 @@ def test_every_grad_is_read_once_per_step(
         assert tracked is not None and len(tracked) == len(grads)
 
 
+@needs_torch_internal("_foreach_norm/_mul_/_clamp_min_/_clamp_max_")
 def test_a_per_tensor_rule_reuses_its_norms_without_tracking(reads: list[list[int]]) -> None:
     net = model()
     rule = clipopt.AutoClip(50.0, 5, per_tensor=True)

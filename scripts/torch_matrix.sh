@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The suite on each torch release: one venv per release under .cache/ (made once, reused
+# while constraints.txt is unchanged), clipopt installed into it, then the tests run twice:
+# as installed, and with every private torch API and the C kernel left unused
+# (CLIPOPT_DISABLE_TORCH_INTERNALS=1 CLIPOPT_DISABLE_NATIVE=1), the public paths every
+# release must also get right. Prints a table of release x passed/failed/skipped, and
+# exits non-zero if any release fails to import clipopt or fails a test.
+#
+#   scripts/torch_matrix.sh                  every supported release, the compat subset
+#   scripts/torch_matrix.sh 2.6.0 2.14.1     only those
+#   MATRIX_SELECT="" scripts/torch_matrix.sh the whole suite (tests/), not only compat
+#
+# Each venv takes the registry's default torch build for Linux (a CUDA build, 3-5 GB with
+# its NVIDIA libraries; it runs on a CPU-only machine) and the test extras at the versions
+# constraints.txt pins; the pinned torch itself comes from the Makefile's .venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUPPORTED=(2.6.0 2.7.1 2.8.0 2.9.1 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1)
+PYTHON=${PYTHON:-python3}
+CACHE=${MATRIX_CACHE:-.cache}
+SELECT=${MATRIX_SELECT-compat}
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=("${SUPPORTED[@]}")
+
+mkdir -p "$CACHE"
+constraints="$CACHE/constraints-without-torch.txt"
+grep -v '^torch==' constraints.txt >"$constraints"
+stamp_of() { cat constraints.txt pyproject.toml setup.py clipopt/_native.c | sha256sum | cut -c1-16; }
+stamp=$(stamp_of)
+
+venv_for() {  # make (or reuse) the venv of release $1 and print its python
+    local venv="$CACHE/torch-$1"
+    if [ ! -f "$venv/.installed-$stamp" ]; then
+        rm -rf "$venv"
+        "$PYTHON" -m venv "$venv"
+        "$venv/bin/python" -m pip install --quiet --constraint "$constraints" \
+            "torch==$1" -e '.[test]' 2>&1 | grep -v "^WARNING: Location" >&2 || true
+        "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$1'"
+        touch "$venv/.installed-$stamp"
+    fi
+    echo "$venv/bin/python"
+}
+
+summary() {  # "passed failed skipped" from pytest's closing line in file $1
+    local line
+    line=$(grep -E '^=+ .* in [0-9.]+s' "$1" | tail -1 || true)
+    count() { echo "$line" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' || echo 0; }
+    echo "$(count passed) $(count 'failed|error') $(count skipped)"
+}
+
+run_suite() {  # python, log, extra env...: run the selected tests, print the summary
+    local python=$1 log=$2
+    shift 2
+    local marker=()
+    [ -z "$SELECT" ] || marker=(-m "$SELECT")
+    env "$@" "$python" -m pytest tests -q -p no:cacheprovider "${marker[@]}" >"$log" 2>&1 || true
+    summary "$log"
+}
+
+status=0
+rows=()
+logs="$CACHE/matrix-logs"
+mkdir -p "$logs"
+for version in "${versions[@]}"; do
+    echo "== torch $version" >&2
+    start=$SECONDS
+    python=$(venv_for "$version")
+    if "$python" -c "import clipopt" 2>"$logs/$version-import.log"; then
+        imported=yes
+    else
+        imported=no
+        status=1
+    fi
+    read -r p1 f1 s1 <<<"$(run_suite "$python" "$logs/$version.log")"
+    read -r p2 f2 s2 <<<"$(run_suite "$python" "$logs/$version-public.log" \
+        CLIPOPT_DISABLE_TORCH_INTERNALS=1 CLIPOPT_DISABLE_NATIVE=1)"
+    if [ "$f1" != 0 ] || [ "$f2" != 0 ] || [ "$p1" = 0 ] || [ "$p2" = 0 ]; then
+        status=1
+    fi
+    rows+=("| $version | $imported | $p1 / $f1 / $s1 | $p2 / $f2 / $s2 | $((SECONDS - start)) s |")
+done
+
+echo
+echo "torch matrix, $(date -u +%Y-%m-%d), tests: ${SELECT:-all} (passed / failed / skipped)"
+echo
+echo "| torch | import | as installed | public paths only | time |"
+echo "|---|---|---|---|---|"
+printf '%s\n' "${rows[@]}"
+[ "$status" = 0 ] || echo "FAILED: see $logs/" >&2
+exit "$status"
