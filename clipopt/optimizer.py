@@ -210,6 +210,45 @@ class ClippedOptimizer(OptimizerWrapper):
 
     # ------------------------------------------------------------------ public state
 
+    def _group_setting(self, key: str) -> float | list[float]:
+        """Each param group's ``key``: one number where every group has the same."""
+        values = [float(group[key]) for group in self.param_groups]
+        return values[0] if len(set(values)) == 1 else values
+
+    @property
+    def max_norm(self) -> float | list[float] | ClipRule:
+        """The threshold the step uses: the rule, else the param groups'
+        ``clip_max_norm`` (one number where every group has the same, else one per group).
+
+        Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and
+        ``opt.defaults["clip_max_norm"]`` for groups added later) to change it, as an LR
+        scheduler changes ``lr``.
+        """
+        return self._rule if self._rule is not None else self._group_setting(MAX_NORM_KEY)
+
+    @max_norm.setter
+    def max_norm(self, value: object) -> None:
+        raise AttributeError(
+            f"ClippedOptimizer.max_norm cannot be assigned (max_norm={value!r}): the step "
+            f"reads each param group's {MAX_NORM_KEY!r}; set opt.param_groups[i]"
+            f"[{MAX_NORM_KEY!r}] (and opt.defaults[{MAX_NORM_KEY!r}] for groups added "
+            "later), or make a new ClippedOptimizer for a rule"
+        )
+
+    @property
+    def norm_type(self) -> float | list[float]:
+        """The norm's order the step uses: the param groups' ``clip_norm_type`` (one
+        number where every group has the same). Read-only, as :attr:`max_norm`."""
+        return self._group_setting(NORM_TYPE_KEY)
+
+    @norm_type.setter
+    def norm_type(self, value: object) -> None:
+        raise AttributeError(
+            f"ClippedOptimizer.norm_type cannot be assigned (norm_type={value!r}): the step "
+            f"reads each param group's {NORM_TYPE_KEY!r}; set opt.param_groups[i]"
+            f"[{NORM_TYPE_KEY!r}] in every group (one order for all unless per_group=True)"
+        )
+
     @property
     def per_group(self) -> bool:
         """Whether each param group is clipped by its own norm."""
@@ -311,8 +350,7 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def __repr__(self) -> str:
         shown = self._settings().as_dict()
-        if self._rule is not None:
-            shown["max_norm"] = self._rule
+        shown["max_norm"], shown["norm_type"] = self.max_norm, self.norm_type
         if self._skip_spikes is not None:
             shown["skip_spikes"] = self._skip_spikes
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
@@ -482,3 +520,27 @@ class ClippedOptimizer(OptimizerWrapper):
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  see clipopt._wrapper
+
+
+def _refuse_assignment(name: str) -> Callable[[Any, object], None]:
+    def refuse(self: Any, value: object) -> None:
+        raise AttributeError(
+            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): it is fixed when "
+            "the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
+        )
+
+    return refuse
+
+
+# Settings fixed at construction say so when assigned, rather than "has no setter".
+for _name in (
+    "per_group",
+    "foreach",
+    "nonfinite",
+    "max_consecutive_skips",
+    "rule",
+    "skip_spikes",
+    "track_tensor_norms",
+):
+    _read = getattr(ClippedOptimizer, _name)
+    setattr(ClippedOptimizer, _name, _read.setter(_refuse_assignment(_name)))

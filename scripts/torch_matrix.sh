@@ -26,8 +26,9 @@ versions=("$@")
 mkdir -p "$CACHE"
 constraints="$CACHE/constraints-without-torch.txt"
 grep -v '^torch==' constraints.txt >"$constraints"
-stamp_of() { cat constraints.txt pyproject.toml setup.py clipopt/_native.c | sha256sum | cut -c1-16; }
-stamp=$(stamp_of)
+# A venv is remade when what it installs changes: the test dependencies' pins, or
+# clipopt's declared dependencies; clipopt itself is reinstalled (editable) every run.
+stamp=$( (cat "$constraints"; grep -E '^(dependencies|test) = ' pyproject.toml) | sha256sum | cut -c1-16)
 
 venv_for() {  # make (or reuse) the venv of release $1 and print its python
     local venv="$CACHE/torch-$1"
@@ -38,6 +39,8 @@ venv_for() {  # make (or reuse) the venv of release $1 and print its python
             "torch==$1" -e '.[test]' 2>&1 | grep -v "^WARNING: Location" >&2 || true
         "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$1'"
         touch "$venv/.installed-$stamp"
+    else
+        "$venv/bin/python" -m pip install --quiet --no-deps -e . 2>&1 | grep -v "^WARNING: Location" >&2 || true
     fi
     echo "$venv/bin/python"
 }

@@ -1293,3 +1293,80 @@ def test_per_group_norms_are_stacked_once_per_step(monkeypatch: pytest.MonkeyPat
         assert math.isclose(got, ref, rel_tol=1e-6)
     assert opt.last_norm is not None
     assert math.isclose(opt.last_norm.item(), math.hypot(*expected), rel_tol=1e-6)
+
+
+# --------------------------------------------------------------------------- no silent settings
+
+
+def _clipped_by_hand(max_norm: float) -> list[Tensor]:
+    """One SGD step on the same model, clipped by torch's own clip at ``max_norm`` (its
+    float32 norm may differ from clipopt's in the last bit, hence the tolerance below)."""
+    torch.manual_seed(3)
+    model = nn.Linear(6, 4)
+    model(torch.randn(5, 6)).pow(2).sum().mul(30).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _wrapped_sgd() -> tuple[nn.Module, clipopt.ClippedOptimizer]:
+    torch.manual_seed(3)
+    model = nn.Linear(6, 4)
+    model(torch.randn(5, 6)).pow(2).sum().mul(30).backward()
+    return model, clipopt.ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 1.0)
+
+
+def test_assigning_max_norm_raises_naming_the_group_key_and_changes_nothing() -> None:
+    model, opt = _wrapped_sgd()
+    before = repr(opt)
+    with pytest.raises(AttributeError, match=r"max_norm=2\.0.*'clip_max_norm'"):
+        opt.max_norm = 2.0  # type: ignore[assignment]
+    with pytest.raises(AttributeError, match=r"norm_type=1\.0.*'clip_norm_type'"):
+        opt.norm_type = 1.0  # type: ignore[assignment]
+    assert opt.max_norm == 1.0 and opt.norm_type == 2.0 and repr(opt) == before
+    opt.step()
+    for ours, theirs in zip(model.parameters(), _clipped_by_hand(1.0), strict=True):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_the_documented_way_reaches_the_step_and_the_repr() -> None:
+    model, opt = _wrapped_sgd()
+    for group in opt.param_groups:
+        group["clip_max_norm"] = 2.5
+    assert opt.max_norm == 2.5
+    assert "max_norm=2.5" in repr(opt)
+    opt.step()
+    for ours, theirs in zip(model.parameters(), _clipped_by_hand(2.5), strict=True):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(_clipped_by_hand(1.0)[0], _clipped_by_hand(2.5)[0])
+
+
+def test_per_group_thresholds_read_and_show_one_per_group() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    groups = [
+        {"params": model[0].parameters(), "clip_max_norm": 0.5},
+        {"params": model[1].parameters()},
+    ]
+    opt = clipopt.ClippedOptimizer(torch.optim.SGD(groups, lr=0.1), 2.0, per_group=True)
+    assert opt.max_norm == [0.5, 2.0]
+    assert "max_norm=[0.5, 2.0]" in repr(opt)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("per_group", True),
+        ("foreach", False),
+        ("nonfinite", "skip"),
+        ("max_consecutive_skips", 3),
+        ("rule", None),
+        ("skip_spikes", None),
+        ("track_tensor_norms", True),
+    ],
+)
+def test_settings_fixed_at_construction_refuse_assignment_by_name(name: str, value: object) -> None:
+    _, opt = _wrapped_sgd()
+    before = getattr(opt, name)
+    with pytest.raises(AttributeError, match=rf"{name}={value!r}.*new ClippedOptimizer"):
+        setattr(opt, name, value)
+    assert getattr(opt, name) == before
