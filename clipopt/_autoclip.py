@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,30 @@ import torch
 from torch import Tensor
 
 from clipopt._rule import ClipRule, checked, integer, number, saved
+
+
+def _ranks_by_quantile_of_this_torch(filled: Tensor, q: float, dtype: torch.dtype) -> Tensor:
+    """``q * (n - 1)`` as this torch's ``torch.quantile`` computes it: up to 2.13 in the
+    values' dtype; from 2.14 in float64, of ``q`` rounded to that dtype."""
+    steps = (filled - 1).clamp(min=0)
+    if not _RANKS_IN_FLOAT64 or dtype != torch.float32:  # float64 norms: the same either way
+        return steps.to(dtype) * q
+    q_in_float32: float = struct.unpack("f", struct.pack("f", q))[0]  # no tensor, no read
+    return steps.to(torch.float64) * q_in_float32
+
+
+def _quantile_ranks_in_float64() -> bool:
+    """Which rank arithmetic this torch's quantile uses, read once from torch itself on
+    values where the two differ in float32: 40% of [0, 0, 1, 1] is 0.2 + 2e-8 in float64
+    ranks and 0.2 + 5e-8 in float32 ones."""
+    values = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    found = float(torch.quantile(values, 0.4))
+    in_float32 = float(torch.tensor(3.0) * 0.4 - 1.0)
+    return found != in_float32
+
+
+_RANKS_IN_FLOAT64 = _quantile_ranks_in_float64()
+_ranks = _ranks_by_quantile_of_this_torch
 
 __all__ = ["AutoClip", "replace_sorted_", "sorted_history"]
 
@@ -173,14 +198,15 @@ class AutoClip(ClipRule):
     def threshold(self, norms: Tensor) -> Tensor:
         buffer, count, ordered = self._ensure(norms)
         filled = torch.clamp(count, max=self.history)  # [rows]
-        # torch.quantile's interpolation: rank = q * (n - 1) in the values' dtype, the
-        # value below at the truncated rank, above at its ceiling, lerp by the fraction.
-        # q is a Python scalar: a tensor made from it on CUDA would be a blocking copy.
-        ranks = (filled - 1).clamp(min=0).to(buffer.dtype) * (self.percentile / 100.0)
+        # torch.quantile's interpolation: rank = q * (n - 1), the value below at the
+        # truncated rank, above at its ceiling, lerp by the fraction (in the values'
+        # dtype). q is a Python scalar: a tensor made from it on CUDA would be a blocking
+        # copy.
+        ranks = _ranks(filled, self.percentile / 100.0, buffer.dtype)
         below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
         low = ordered.gather(1, below[:, None])[:, 0]
         high = ordered.gather(1, above[:, None])[:, 0]
-        value = torch.lerp(low, high, ranks - below.to(buffer.dtype))
+        value = torch.lerp(low, high, (ranks - below.to(ranks.dtype)).to(buffer.dtype))
         value = torch.where(filled > 0, value, math.inf)
         return value.reshape(norms.shape)
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 import clipopt
 
@@ -264,9 +265,19 @@ def test_sparse_embedding_grads_clip_like_their_dense_equivalent(
     torch.testing.assert_close(sparse[0].grad.to_dense(), dense[0].grad, rtol=1e-6, atol=0)
 
 
-def test_torch_cannot_clip_sparse_embedding_grads() -> None:
-    with pytest.raises(NotImplementedError):
-        torch.nn.utils.clip_grad_norm_(embedding_grads(True, [1, 2]), 1.0)
+def test_torch_clips_sparse_embedding_grads_only_from_2_14_and_then_as_clipopt_does() -> None:
+    theirs_params, ours_params = embedding_grads(True, [1, 7, 1]), embedding_grads(True, [1, 7, 1])
+    try:
+        theirs = torch.nn.utils.clip_grad_norm_(theirs_params, 1.0)
+    except NotImplementedError:
+        assert TorchVersion(torch.__version__) < (2, 14)
+        return
+    assert TorchVersion(torch.__version__) >= (2, 14)
+    ours = clipopt.clip_grad_norm_(ours_params, 1.0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    ours_grad, theirs_grad = ours_params[0].grad, theirs_params[0].grad
+    assert ours_grad is not None and theirs_grad is not None
+    torch.testing.assert_close(ours_grad.to_dense(), theirs_grad.to_dense(), rtol=1e-6, atol=0)
 
 
 def uncoalesced() -> Tensor:
