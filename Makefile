@@ -14,7 +14,14 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_native.
 	$(PIP) -e '.[test,dev,integrations,docs,examples,plot]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo needs only torch, clipopt, the progress bar and the plot: not the test,
+# framework and docs extras `make test` installs.
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_native.c
+	$(PIP) -e '.[examples,plot]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python examples/quickstart.py
 
 lint: $(STAMP)

@@ -19,6 +19,10 @@ update and the kernel does not. With ``c = 1`` (no clipping) they are bit-identi
 With ``nonfinite="skip"`` the skip goes through ``found_inf``, so nothing waits for the
 device (see :mod:`clipopt._nonfinite` for when ``max_consecutive_skips`` raises then).
 
+``grad_scale`` and ``found_inf`` are torch's own attributes, set by ``GradScaler`` and
+read by the fused kernels in every release 2.6 to 2.14; this is the one module that
+sets them (the matrix runs the fused tests on each release).
+
 This module knows only ``torch.optim.Optimizer``: the wrapper decides (measure, verdict,
 coefficient) and asks :func:`can_fold` whether :func:`apply_folded` may apply it.
 """

@@ -5,6 +5,13 @@ step, ``opt``'s own post-hooks, then the global post-hooks
 (``torch.optim.Optimizer.profile_hook_step``). A wrapper fires that sequence around its
 whole step; the inner optimizer's step inside it then fires only the inner optimizer's
 own hooks (:func:`inner_step`), so that global hooks fire once, in torch's places.
+
+This is the one module that reads ``torch.optim``'s private hook state
+(``optimizer._global_optimizer_pre_hooks`` / ``_post_hooks``, an optimizer's
+``_optimizer_step_pre_hooks`` / ``_post_hooks`` and ``_optimizer_step_code``, and the
+``hooked`` mark on a wrapped ``step``): no public API exposes them. All exist in torch
+2.6 to 2.14 (the matrix runs the hook tests on each); where one is missing the globals
+read as none and the inner step runs as ``opt.step()``, which fires its hooks itself.
 """
 
 from __future__ import annotations

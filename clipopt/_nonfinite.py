@@ -19,7 +19,8 @@ writes on an ``Optimizer`` instance, but keeps those on the objects it holds.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -175,6 +176,18 @@ def _what(norms: Tensor) -> str:
     return f"the gradient norm is non-finite ({values})"
 
 
+def _flags_as_ints(flags: Tensor) -> tuple[int, int, int]:
+    """The three flags as Python ints: the one host read, which the user asked for."""
+    bad, streak, spike = (int(v) for v in flags.tolist())
+    return bad, streak, spike
+
+
+# Outside any compiled graph: torch 2.7's dynamo traces ``tolist`` into data-dependent
+# symbols it then cannot branch on; a graph break here is what every release does.
+_compiler: Any = torch.compiler  # its disable() is untyped
+_read_on_host = cast(Callable[[Tensor], tuple[int, int, int]], _compiler.disable(_flags_as_ints))
+
+
 def host_verdict(
     norms: Tensor,
     coefficients: Tensor,
@@ -199,8 +212,7 @@ def host_verdict(
     nonfinite = _nonfinite(norms, coefficients)
     streak_here = counters.consecutive_skips.to(nonfinite.device)
     spiked = torch.zeros_like(nonfinite) if spike is None else spike.to(nonfinite)
-    flags = torch.stack([nonfinite, streak_here, spiked]).tolist()  # the user asked for it
-    is_bad, streak, is_spike = (int(v) for v in flags)
+    is_bad, streak, is_spike = _read_on_host(torch.stack([nonfinite, streak_here, spiked]))
     if mode == "propagate":
         is_bad = 0
     if not is_bad:
