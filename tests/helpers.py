@@ -14,10 +14,12 @@ from torch.torch_version import TorchVersion
 
 from clipopt import _torch_internals
 
-FSDP2_ON_CPU = TorchVersion(torch.__version__) >= (2, 8)
-"""Whether torch's FSDP2 (``fully_shard``) runs on CPU with gloo, as the distributed tests
-run it: from 2.8. In 2.6 it records CUDA-style stream events that CPU streams lack; in 2.7
-it reduce-scatters with ``ReduceOp.AVG``, which gloo lacks."""
+FSDP2_ON_CPU = TorchVersion(torch.__version__) >= (2, 9)
+"""Whether torch's FSDP2 (``fully_shard``) trains correctly on CPU with gloo, as the
+distributed tests run it: from 2.9. In 2.6 it records CUDA-style stream events that CPU
+streams lack; in 2.7 it reduce-scatters with ``ReduceOp.AVG``, which gloo lacks; in 2.8 it
+sums the ranks' grads where it should average them (every grad comes out world-size times
+the one-process grad, and so does every norm of them, clipopt's and torch's alike)."""
 
 FSDP2_UNAVAILABLE = f"FSDP2 cannot run on CPU with gloo in torch {torch.__version__}"
 
