@@ -47,9 +47,9 @@ venv_for() {  # make (or reuse) the venv of release $1 and print its python
 
 summary() {  # "passed failed skipped" from pytest's closing line in file $1
     local line
-    line=$(grep -E '^=+ .* in [0-9.]+s' "$1" | tail -1 || true)
-    count() { echo "$line" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' || echo 0; }
-    echo "$(count passed) $(count 'failed|error') $(count skipped)"
+    line=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)\b.* in [0-9.]+s' "$1" | tail -1 || true)
+    count() { echo "$line" | { grep -oE "[0-9]+ ($1)" || true; } | awk '{s += $1} END {print s + 0}'; }
+    echo "$(count passed) $(count 'failed|errors?') $(count skipped)"
 }
 
 run_suite() {  # python, log, extra env...: run the selected tests, print the summary
