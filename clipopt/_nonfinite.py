@@ -178,6 +178,7 @@ def _what(norms: Tensor) -> str:
 
 def _flags_as_ints(flags: Tensor) -> tuple[int, int, int]:
     """The three flags as Python ints: the one host read, which the user asked for."""
+    # The host read the user asked for: nonfinite='raise' or 'skip' on a non-fused step.
     bad, streak, spike = (int(v) for v in flags.tolist())
     return bad, streak, spike
 

@@ -228,12 +228,11 @@ class ClippedOptimizer(OptimizerWrapper):
 
     @max_norm.setter
     def max_norm(self, value: object) -> None:
-        raise AttributeError(
-            f"ClippedOptimizer.max_norm cannot be assigned (max_norm={value!r}): the step "
-            f"reads each param group's {MAX_NORM_KEY!r}; set opt.param_groups[i]"
-            f"[{MAX_NORM_KEY!r}] (and opt.defaults[{MAX_NORM_KEY!r}] for groups added "
-            "later), or make a new ClippedOptimizer for a rule"
+        how = (
+            f"(and opt.defaults[{MAX_NORM_KEY!r}] for groups added later), or make a new "
+            "ClippedOptimizer for a rule"
         )
+        raise AttributeError(_group_setting_refused("max_norm", MAX_NORM_KEY, value, how))
 
     @property
     def norm_type(self) -> float | list[float]:
@@ -243,11 +242,8 @@ class ClippedOptimizer(OptimizerWrapper):
 
     @norm_type.setter
     def norm_type(self, value: object) -> None:
-        raise AttributeError(
-            f"ClippedOptimizer.norm_type cannot be assigned (norm_type={value!r}): the step "
-            f"reads each param group's {NORM_TYPE_KEY!r}; set opt.param_groups[i]"
-            f"[{NORM_TYPE_KEY!r}] in every group (one order for all unless per_group=True)"
-        )
+        how = "in every group (one order for all unless per_group=True)"
+        raise AttributeError(_group_setting_refused("norm_type", NORM_TYPE_KEY, value, how))
 
     @property
     def per_group(self) -> bool:
@@ -520,6 +516,13 @@ class ClippedOptimizer(OptimizerWrapper):
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  see clipopt._wrapper
+
+
+def _group_setting_refused(name: str, key: str, value: object, how: str) -> str:
+    return (
+        f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): the step reads each "
+        f"param group's {key!r}; set opt.param_groups[i][{key!r}] {how}"
+    )
 
 
 def _refuse_assignment(name: str) -> Callable[[Any, object], None]:
