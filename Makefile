@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PIP := $(BIN)/python -m pip install --quiet --constraint constraints.txt
+PIP := $(BIN)/python -m pip install --quiet --no-cache-dir --constraint constraints.txt
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest pytest-fallback compat-oldest matrix dist docs bench clean
@@ -64,7 +64,7 @@ matrix:
 dist: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
-	scripts/check_dist.sh $(PYTHON) dist
+	scripts/check_dist.sh $(PYTHON) dist $(BIN)/python
 
 # The documentation site, into site/. --strict turns every warning into a failure: a
 # broken link or anchor, a page missing from the nav, a ::: reference that does not resolve.

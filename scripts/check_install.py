@@ -27,7 +27,8 @@ def grads() -> list[torch.Tensor]:
 def check(expect_native: bool, license_file: bool) -> None:
     """Raises AssertionError where the installed package does not behave."""
     location = Path(clipopt.__file__).parent
-    assert "site-packages" in str(location), f"clipopt imported from {location}, not the venv"
+    venv = Path(sys.prefix).resolve()
+    assert venv in location.resolve().parents, f"clipopt imported from {location}, not {venv}"
     assert importlib.metadata.version("clipopt") == clipopt.__version__
     assert _cpu.available() is expect_native, (_cpu.available(), expect_native)
     built = sorted(p.name for p in location.glob("_native*"))

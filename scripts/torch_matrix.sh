@@ -25,7 +25,7 @@ versions=("$@")
 
 mkdir -p "$CACHE"
 constraints="$CACHE/constraints-without-torch.txt"
-grep -v '^torch==' constraints.txt >"$constraints"
+grep -v -e '^torch==' -e '^#' constraints.txt >"$constraints"
 # A venv is remade when what it installs changes: the test dependencies' pins, or
 # clipopt's declared dependencies; clipopt itself is reinstalled (editable) every run.
 stamp=$( (cat "$constraints"; grep -E '^(dependencies|test) = ' pyproject.toml) | sha256sum | cut -c1-16)
@@ -35,7 +35,7 @@ venv_for() {  # make (or reuse) the venv of release $1 and print its python
     if [ ! -f "$venv/.installed-$stamp" ]; then
         rm -rf "$venv"
         "$PYTHON" -m venv "$venv"
-        "$venv/bin/python" -m pip install --quiet --constraint "$constraints" \
+        "$venv/bin/python" -m pip install --quiet --no-cache-dir --constraint "$constraints" \
             "torch==$1" -e '.[test]' 2>&1 | grep -v "^WARNING: Location" >&2 || true
         "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$1'"
         touch "$venv/.installed-$stamp"
