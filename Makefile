@@ -39,10 +39,11 @@ pytest: $(STAMP)
 # internal (clipopt/_torch_internals.py), cannot rot; tests of what they replace skip,
 # saying why. Run
 # once, above, and not here: the framework integrations (they test the frameworks), the
-# benchmark's smoke tests, the examples and the long-run memory tests (they test no
+# benchmark's smoke tests, the examples, the docs site and the long-run memory tests (they test no
 # norm), and torch.compile's (a minute of tracing; without the C kernel a compiled step
 # is plain torch ops, which dynamo traces as any; the custom ops are what they check).
 FALLBACK_SKIPS := --ignore=tests/test_benchmark_smoke.py --ignore=tests/test_examples.py \
+	--ignore=tests/test_site.py \
 	--ignore=tests/test_example_adaptive.py --ignore=tests/test_rule_memory.py \
 	--ignore=tests/test_compile.py
 pytest-fallback: $(STAMP)
