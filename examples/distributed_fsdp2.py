@@ -5,7 +5,8 @@ has fewer output rows than there are ranks), so a rank-local norm would be wrong
 :class:`clipopt.ClippedOptimizer` sees DTensor grads and reduces the norm across the mesh
 with one ``all_reduce``; nothing FSDP-specific is passed.
 
-Run on CPU (gloo) with two processes::
+Run on CPU (gloo) with two processes (without torchrun the script prints this command
+and exits)::
 
     .venv/bin/torchrun --nproc_per_node=2 examples/distributed_fsdp2.py
 """
@@ -13,6 +14,9 @@ Run on CPU (gloo) with two processes::
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,9 @@ import clipopt
 
 STEPS = 5
 BATCH = 8
+NPROC = 2
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets for each process, and ``init_process_group()`` reads."""
 
 
 def build_model() -> nn.Sequential:
@@ -61,10 +68,28 @@ def train(steps: int = STEPS) -> torch.Tensor:
     return norm
 
 
+def torchrun_command() -> str:
+    """The command that launches this script: the torchrun beside this Python (the
+    venv's), else the one on the PATH, with both paths as this run was given them."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if torchrun.is_file():
+        shown = os.path.relpath(torchrun) if torchrun.is_relative_to(Path.cwd()) else torchrun
+    else:
+        shown = Path("torchrun")
+    return f"{shown} --nproc_per_node={NPROC} {sys.argv[0]}"
+
+
 def main() -> None:
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing and not dist.is_initialized():
+        raise SystemExit(
+            f"{sys.argv[0]} runs as {NPROC} processes that torchrun starts and tells their\n"
+            f"rank ({', '.join(missing)} are not set here). Launch it with:\n\n"
+            f"    {torchrun_command()}\n"
+        )
     torch.set_num_threads(1)
     launched_here = not dist.is_initialized()
-    if launched_here:  # torchrun provides RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    if launched_here:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
         norm = train()

@@ -1,16 +1,18 @@
 """Train a small model with ClippedOptimizer, checkpoint it, resume it, plot its norms.
 
-One command (``make demo``), well under a minute on a CPU:
+One command (``make demo``), a few seconds on a CPU:
 
 1. a small MLP learns a synthetic regression; every ``SPIKE_EVERY``-th batch has its
    targets blown up, the kind of outlier batch that throws a run off, and its gradient
    norm jumps by orders of magnitude;
 2. ``ClippedOptimizer`` wraps AdamW and clips every step to ``MAX_NORM`` first, with a
-   OneCycle LR schedule on top; the progress bar (plain lines when stdout is not a
-   terminal) shows the loss, the pre-clip norm ``opt.last_norm`` and how often it clipped;
-3. halfway through it saves model, optimizer and scheduler with ``torch.save``, loads
-   them with ``torch.load(weights_only=True)`` into fresh objects, trains the second half
-   again, and checks that the parameters are bit-identical to the uninterrupted run's;
+   OneCycle LR schedule on top; on a terminal a progress bar shows the pre-clip norm
+   ``opt.last_norm`` and how many steps were clipped, and each phase ends in one summary
+   line (the only output when stdout is not a terminal);
+3. halfway through it saves model, optimizer, scheduler and the clipped-step count with
+   ``torch.save``, loads them with ``torch.load(weights_only=True)`` into fresh objects,
+   trains the second half again, and checks that the parameters and norms are
+   bit-identical to the uninterrupted run's;
 4. it draws the pre-clip norm against the threshold per step as a PNG (needs
    matplotlib: ``pip install clipopt[plot]``; without it the plot is skipped).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ RESUME_AT = 30
 MAX_NORM = 5.0
 SPIKE_EVERY = 12
 """Batches 11, 23, 35, ... have outlier targets (x100)."""
+SPIKES = [step for step in range(STEPS) if step % SPIKE_EVERY == SPIKE_EVERY - 1]
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +44,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     data = torch.Generator().manual_seed(step)
     x = torch.randn(64, 16, generator=data)
     y = x @ torch.linspace(-1.0, 1.0, 16).unsqueeze(1) + 0.1 * torch.randn(64, 1, generator=data)
-    if step % SPIKE_EVERY == SPIKE_EVERY - 1:
+    if step in SPIKES:
         y = y * 100.0
     return x, y
 
@@ -54,53 +58,58 @@ def build() -> tuple[torch.nn.Module, clipopt.ClippedOptimizer, Any]:
     return model, opt, sched
 
 
-class Progress:
-    """A tqdm bar on a terminal; otherwise (a pipe, a test, CI) one plain line per step."""
+@dataclass
+class Phase:
+    """Steps ``start`` to ``stop - 1`` of one run: each step's pre-clip norm and loss, and
+    how many of the run's steps before ``start`` were clipped."""
 
-    def __init__(self, start: int, stop: int, label: str, norms: list[float]) -> None:
-        self.bar: Any = None
-        if sys.stdout.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                desc = f"{label} steps {start}-{stop - 1}"
-                self.bar = tqdm(range(start, stop), desc=desc, unit="step", file=sys.stdout)
-        self.label, self.norms = label, norms
+    label: str
+    start: int
+    stop: int
+    clipped_before: int
+    norms: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
 
-    def update(self, step: int, loss: float) -> None:
-        """Show ``step``, whose pre-clip norm is the last of ``norms``."""
-        norm = self.norms[-1]
-        clipped = norm > MAX_NORM
-        share = f"{sum(n > MAX_NORM for n in self.norms)}/{len(self.norms)}"  # so far
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3g}", norm=f"{norm:.3g}", clipped=share)
-            self.bar.update()
-        else:
-            verdict = "clipped" if clipped else "kept"
-            print(
-                f"{self.label} step {step:2d}  loss {loss:10.4f}  grad norm {norm:10.4f}  "
-                f"{verdict:7s}  clipped {share}"
-            )
+    @property
+    def clipped(self) -> int:
+        """Steps of this phase whose pre-clip norm was above ``MAX_NORM``."""
+        return sum(norm > MAX_NORM for norm in self.norms)
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    def summary(self, steps_taken: int) -> str:
+        outliers = ", ".join(
+            f"{norm:.0f}" for step, norm in enumerate(self.norms, self.start) if step in SPIKES
+        )
+        total = self.clipped_before + self.clipped
+        return (
+            f"{self.label:8s} steps {self.start:2d}-{self.stop - 1:2d}  clipped {self.clipped:2d} "
+            f"({total}/{steps_taken} so far)  outlier norms {outliers} -> {MAX_NORM:g}"
+        )
 
 
-def train(
-    model: torch.nn.Module,
-    opt: clipopt.ClippedOptimizer,
-    sched: Any,
-    start: int,
-    stop: int,
-    label: str,
-    norms: list[float],
-) -> None:
-    """Steps ``start`` to ``stop - 1``, appending each step's pre-clip norm to ``norms``."""
-    progress = Progress(start, stop, label, norms)
-    for step in range(start, stop):
+def progress_bar(phase: Phase) -> Any:
+    """A tqdm bar over the whole run, starting at the phase's first step, on a terminal
+    only: anywhere else (a pipe, a test, CI) the summary lines are the whole output."""
+    if not sys.stdout.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(
+        total=STEPS,
+        initial=phase.start,
+        desc=phase.label,
+        unit="step",
+        file=sys.stdout,
+        leave=False,  # the summary line replaces it
+        postfix=f"clipped {phase.clipped_before}/{phase.start}",
+    )
+
+
+def train(model: torch.nn.Module, opt: clipopt.ClippedOptimizer, sched: Any, phase: Phase) -> Phase:
+    """Train ``phase``'s steps, recording each one's pre-clip norm and loss."""
+    bar = progress_bar(phase)
+    for step in range(phase.start, phase.stop):
         x, y = batch(step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
@@ -108,9 +117,17 @@ def train(
         opt.step()  # clips to MAX_NORM, then AdamW steps
         sched.step()
         assert opt.last_norm is not None
-        norms.append(opt.last_norm.item())  # the only host read: for printing and the plot
-        progress.update(step, loss.item())
-    progress.close()
+        phase.norms.append(opt.last_norm.item())  # the only host read: for printing, the plot
+        phase.losses.append(loss.item())
+        if bar is not None:
+            clipped = phase.clipped_before + phase.clipped
+            shown = f"norm {phase.norms[-1]:.3g}, clipped {clipped}/{int(opt.step_count)}"
+            bar.set_postfix_str(shown, refresh=False)
+            bar.update()
+    if bar is not None:
+        bar.close()
+    print(phase.summary(int(opt.step_count)))
+    return phase
 
 
 def plot(norms: list[float], path: Path) -> None:
@@ -126,8 +143,7 @@ def plot(norms: list[float], path: Path) -> None:
     steps = range(len(norms))
     ax.plot(steps, norms, marker=".", lw=1, label="pre-clip gradient norm (opt.last_norm)")
     ax.axhline(MAX_NORM, color="tab:red", ls="--", lw=1, label=f"max_norm = {MAX_NORM:g}")
-    spikes = [s for s in steps if s % SPIKE_EVERY == SPIKE_EVERY - 1]
-    ax.scatter(spikes, [norms[s] for s in spikes], color="tab:orange", zorder=3, label="outlier")
+    ax.scatter(SPIKES, [norms[s] for s in SPIKES], color="tab:orange", zorder=3, label="outlier")
     ax.set_yscale("log")
     ax.set_ylim(0.2, 3e4)  # headroom above the spikes for the legend
     ax.set_xlabel("step")
@@ -148,16 +164,32 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = args.out / "checkpoint.pt"
+    print(
+        f"clipping to max_norm {MAX_NORM:g}; outlier batches (targets x100) at steps "
+        + ", ".join(map(str, SPIKES))
+    )
 
     # The uninterrupted run, saving a checkpoint on the way.
     model, opt, sched = build()
-    norms: list[float] = []
-    train(model, opt, sched, 0, RESUME_AT, "run", norms)
-    state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+    first = train(model, opt, sched, Phase("run", 0, RESUME_AT, clipped_before=0))
+    # The optimizer counts its steps (step_count, in its state dict) but, with a fixed
+    # max_norm, not its clipped ones (a ClipRule's clipped_count would): the loop's own.
+    state = {
+        "model": model.state_dict(),
+        "opt": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "clipped": first.clipped,
+    }
     torch.save(state, checkpoint)
-    train(model, opt, sched, RESUME_AT, STEPS, "run", norms)
-    clipped = sum(n > MAX_NORM for n in norms)
-    print(f"{STEPS} steps, {clipped} clipped, final lr {sched.get_last_lr()[0]:.2e}")
+    print(f"saved    {checkpoint} at step {int(opt.step_count)} ({first.clipped} clipped)")
+    second = train(model, opt, sched, Phase("run", RESUME_AT, STEPS, clipped_before=first.clipped))
+    ordinary = [
+        loss for step, loss in enumerate(first.losses + second.losses) if step not in SPIKES
+    ]
+    print(
+        f"done     loss {ordinary[0]:.3g} -> {ordinary[-1]:.3g} on ordinary batches, "
+        f"final lr {sched.get_last_lr()[0]:.2e}"
+    )
 
     # Fresh objects, the checkpoint loaded, the second half again.
     model2, opt2, sched2 = build()
@@ -165,17 +197,16 @@ def main(argv: list[str] | None = None) -> None:
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     sched2.load_state_dict(saved["sched"])
-    print(f"resumed from {checkpoint} at step {int(opt2.step_count)}")
-    resumed: list[float] = []
-    train(model2, opt2, sched2, RESUME_AT, STEPS, "resumed", resumed)
+    start = int(opt2.step_count)  # restored from the checkpoint, as the lr schedule is
+    print(f"resumed  {checkpoint} at step {start} ({saved['clipped']} clipped)")
+    resumed = train(model2, opt2, sched2, Phase("resumed", start, STEPS, saved["clipped"]))
     pairs = zip(model.parameters(), model2.parameters(), strict=True)
-    same = all(torch.equal(a, b) for a, b in pairs)
-    same = same and resumed == norms[RESUME_AT:]
+    same = all(torch.equal(a, b) for a, b in pairs) and resumed.norms == second.norms
     print(f"resume check: parameters and norms bit-identical to the uninterrupted run: {same}")
     if not same:
         raise SystemExit("the resumed run diverged from the uninterrupted one")
 
-    plot(norms, args.plot or args.out / "norms.png")
+    plot(first.norms + second.norms, args.plot or args.out / "norms.png")
 
 
 if __name__ == "__main__":

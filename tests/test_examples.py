@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 import re
 import runpy
+import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +21,19 @@ import torch
 import clipopt._cpu
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
-STEP = re.compile(
-    r"(run|resumed) step +(\d+) +loss +([\d.]+) +grad norm +([\d.]+) +(clipped|kept) +"
-    r"clipped (\d+)/(\d+)"
+HEADER = re.compile(
+    r"clipping to max_norm ([\d.]+); outlier batches \(targets x100\) at steps ([\d, ]+)"
 )
-MAX_NORM = 5.0  # quickstart.MAX_NORM
-SPIKES = [11, 23, 35, 47, 59]  # quickstart's outlier batches
+SUMMARY = re.compile(
+    r"(run|resumed) +steps +(\d+)-(\d+) +clipped +(\d+) \((\d+)/(\d+) so far\) +"
+    r"outlier norms ([\d, ]+) -> ([\d.]+)"
+)
+CHECKPOINT = re.compile(r"(saved|resumed) +(\S+) at step (\d+) \((\d+) clipped\)")
+DONE = re.compile(r"done +loss ([\d.]+) -> ([\d.]+) on ordinary batches, final lr (\S+)")
+BAR = re.compile(
+    r"\r(run|resumed): +\d+%\|[^|]*\| (\d+)/(\d+) \[[^]]*?step/s, (norm \S+, )?"
+    r"clipped (\d+)/(\d+)\]"
+)
 
 
 def quickstart_globals() -> dict[str, Any]:
@@ -29,51 +42,125 @@ def quickstart_globals() -> dict[str, Any]:
     return main.__globals__  # type: ignore[no-any-return]  # run_path returns a copy
 
 
+@dataclass(frozen=True)
+class Replay:
+    """The quickstart's uninterrupted run again, each step clipped by
+    ``torch.nn.utils.clip_grad_norm_`` instead of ClippedOptimizer: its own record of
+    the pre-clip norms, losses and last lr, to recount what the example prints."""
+
+    max_norm: float
+    norms: list[float]
+    losses: list[float]
+    final_lr: float
+
+    def clipped(self, start: int, stop: int) -> int:
+        return sum(norm > self.max_norm for norm in self.norms[start:stop])
+
+    @property
+    def outliers(self) -> list[int]:
+        """Steps whose norm is orders of magnitude past the threshold."""
+        return [step for step, norm in enumerate(self.norms) if norm > 50 * self.max_norm]
+
+
+@pytest.fixture(scope="module")
+def replay() -> Replay:
+    example = quickstart_globals()
+    max_norm = example["MAX_NORM"]
+    model, wrapper, sched = example["build"]()  # the example's model and schedule
+    adamw = wrapper.optimizer  # stepped here directly: the wrapper does nothing
+    norms, losses = [], []
+    with warnings.catch_warnings():
+        # The scheduler counts the wrapper's steps, which this loop bypasses.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        for step in range(example["STEPS"]):
+            x, y = example["batch"](step)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            adamw.zero_grad()
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            losses.append(loss.item())
+            adamw.step()
+            sched.step()
+    return Replay(max_norm, norms, losses, sched.get_last_lr()[0])
+
+
+def check_summary(match: re.Match[str] | None, label: str, replay: Replay) -> tuple[int, int]:
+    """A phase's summary line says what the replay recounts; returns its step range."""
+    assert match, label
+    start, last = int(match[2]), int(match[3])
+    assert match[1] == label
+    assert int(match[4]) == replay.clipped(start, last + 1)
+    assert (int(match[5]), int(match[6])) == (replay.clipped(0, last + 1), last + 1)
+    shown = [float(norm) for norm in match[7].split(", ")]
+    expected = [replay.norms[s] for s in replay.outliers if start <= s <= last]
+    assert shown == pytest.approx(expected, abs=0.5)  # printed as integers
+    assert float(match[8]) == replay.max_norm
+    return start, last
+
+
 def test_quickstart_clips_the_spikes_and_resumes_bit_exactly(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    replay: Replay,
 ) -> None:
     monkeypatch.setattr(sys, "argv", [str(QUICKSTART), "--out", str(tmp_path)])
     runpy.run_path(str(QUICKSTART), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()
-    steps = [m.groups() for m in map(STEP.fullmatch, lines) if m]
-    run = [s[1:] for s in steps if s[0] == "run"]
-    resumed = [s[1:] for s in steps if s[0] == "resumed"]
-    assert [int(s[0]) for s in run] == list(range(60))
-    assert [int(s[0]) for s in resumed] == list(range(30, 60))
-    # The resumed half prints the same losses and norms as the uninterrupted one.
-    assert [s[:3] for s in resumed] == [s[:3] for s in run[30:]]
-    for step, _, norm, verdict, clipped, seen in run:
-        assert (verdict == "clipped") == (float(norm) > MAX_NORM)
-        assert int(seen) == int(step) + 1
-        assert int(clipped) == sum(float(s[2]) > MAX_NORM for s in run[: int(seen)])
-    for spike in SPIKES:  # an outlier batch's norm is far past the threshold
-        assert float(run[spike][2]) > 50 * MAX_NORM, run[spike]
-    calm = [float(s[1]) for s in run if int(s[0]) not in SPIKES]
-    assert calm[-1] < calm[0] / 5, calm
-    assert f"60 steps, {sum(s[3] == 'clipped' for s in run)} clipped, final lr" in lines[60]
-    assert lines[61] == f"resumed from {tmp_path / 'checkpoint.pt'} at step 30"
-    assert "resume check: parameters and norms bit-identical to the uninterrupted run: True" in (
-        lines
+    checkpoint = tmp_path / "checkpoint.pt"
+    saved = torch.load(checkpoint, weights_only=True)
+    assert sorted(saved) == ["clipped", "model", "opt", "sched"]
+    saved_step = int(saved["opt"]["clip"]["step_count"])  # the optimizer's own counter
+
+    header = HEADER.fullmatch(lines[0])
+    assert header, lines[0]
+    assert float(header[1]) == replay.max_norm
+    assert [int(s) for s in header[2].split(", ")] == replay.outliers
+    assert len(replay.outliers) >= 4 and replay.clipped(0, len(replay.norms)) > len(
+        replay.outliers
+    )  # the spikes are clipped, and so are a few ordinary early steps
+    # The uninterrupted run: two phases around the checkpoint.
+    first = check_summary(SUMMARY.fullmatch(lines[1]), "run", replay)
+    saving = CHECKPOINT.fullmatch(lines[2])
+    assert saving and saving[1] == "saved" and saving[2] == str(checkpoint), lines[2]
+    assert first == (0, saved_step - 1) and int(saving[3]) == saved_step
+    assert int(saving[4]) == saved["clipped"] == replay.clipped(0, saved_step)
+    second = check_summary(SUMMARY.fullmatch(lines[3]), "run", replay)
+    assert second == (saved_step, len(replay.norms) - 1)
+    done = DONE.fullmatch(lines[4])
+    assert done, lines[4]
+    ordinary = [loss for step, loss in enumerate(replay.losses) if step not in replay.outliers]
+    assert float(done[1]) == pytest.approx(ordinary[0], rel=5e-3)
+    assert float(done[2]) == pytest.approx(ordinary[-1], rel=5e-3)
+    assert float(done[2]) < float(done[1]) / 5
+    assert float(done[3]) == pytest.approx(replay.final_lr, rel=5e-3)
+    # The resumed run starts from the checkpoint's counts and continues them.
+    resuming = CHECKPOINT.fullmatch(lines[5])
+    assert resuming and resuming[1] == "resumed" and resuming[2] == str(checkpoint), lines[5]
+    assert (int(resuming[3]), int(resuming[4])) == (saved_step, saved["clipped"])
+    assert check_summary(SUMMARY.fullmatch(lines[6]), "resumed", replay) == second
+    assert lines[6].replace("resumed ", "run     ", 1) == lines[3]
+    assert (
+        lines[7]
+        == "resume check: parameters and norms bit-identical to the uninterrupted run: True"
     )
-    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert sorted(saved) == ["model", "opt", "sched"]
-    assert int(saved["opt"]["clip"]["step_count"]) == 30
     # What docs/getting-started.md says the run prints, it prints.
     page = (QUICKSTART.parent.parent / "docs" / "getting-started.md").read_text()
     shown = page.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
-    summary = [line for line in lines[60:] if not STEP.fullmatch(line)]  # the step lines aside
-    assert shown and [line.replace("quickstart-out", str(tmp_path)) for line in shown] == summary
-    if importlib.util.find_spec("matplotlib") is not None:
-        assert lines[-1] == f"plot: {tmp_path / 'norms.png'}"
-        png = (tmp_path / "norms.png").read_bytes()
-        assert png[:8] == b"\x89PNG\r\n\x1a\n"
-        # The plot on the Getting started page is this run's, byte for byte (matplotlib is
-        # pinned; regenerate it with: python examples/quickstart.py --plot docs/img/...).
-        # It was made with the C kernel, whose norms the torch-ops path matches only to
-        # rounding, which moves the curve by a pixel's fraction: compared with the kernel on.
-        if clipopt._cpu.available():
-            committed = QUICKSTART.parent.parent / "docs" / "img" / "quickstart-norms.png"
-            assert png == committed.read_bytes()
+    assert [line.replace("quickstart-out", str(tmp_path)) for line in shown] == lines
+    if importlib.util.find_spec("matplotlib") is None:
+        assert lines[8:] == ["matplotlib is not installed (pip install clipopt[plot]): no plot"]
+        return
+    assert lines[8:] == [f"plot: {tmp_path / 'norms.png'}"]
+    png = (tmp_path / "norms.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # The plot on the Getting started page is this run's, byte for byte (matplotlib is
+    # pinned; regenerate it with: python examples/quickstart.py --plot docs/img/...).
+    # It was made with the C kernel, whose norms the torch-ops path matches only to
+    # rounding, which moves the curve by a pixel's fraction: compared with the kernel on.
+    if clipopt._cpu.available():
+        committed = QUICKSTART.parent.parent / "docs" / "img" / "quickstart-norms.png"
+        assert png == committed.read_bytes()
 
 
 def test_quickstart_check_fails_when_the_resume_is_not_exact(
@@ -109,17 +196,34 @@ def test_quickstart_skips_the_plot_without_matplotlib(
 
 
 def test_quickstart_shows_a_progress_bar_on_a_terminal(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    replay: Replay,
 ) -> None:
     pytest.importorskip("tqdm")
-    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     example = quickstart_globals()
     example["main"](["--out", str(tmp_path)])
+    plain = capsys.readouterr().out
+    assert "\r" not in plain  # no bar where stdout is no terminal
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    example["main"](["--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert not STEP.search(out)  # no plain step lines: the bar shows them
-    assert "run steps 0-29: 100%" in out and "run steps 30-59: 100%" in out
-    assert "resumed steps 30-59: 100%" in out
-    assert "clipped=13/60" in out and "clipped=3/30" in out
+    bars = [m.groups() for m in BAR.finditer(out)]
+    for _, step, total, _, clipped, steps in bars:
+        # Every frame counts the steps so far, the run's whole length as its total.
+        assert (int(steps), int(total)) == (int(step), len(replay.norms))
+        assert int(clipped) == replay.clipped(0, int(step))
+    # A bar's first frame (no norm yet) is where its phase starts: the resumed one at the
+    # checkpoint's step, with the checkpoint's clipped count.
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    saved_step = int(saved["opt"]["clip"]["step_count"])
+    starts = [(label, int(step)) for label, step, _, norm, _, _ in bars if norm is None]
+    assert starts == [("run", 0), ("run", saved_step), ("resumed", saved_step)], out
+    assert len(bars) > len(starts)  # and they move
+    # Each bar is cleared when its phase ends (leave=False) and the phase's summary line
+    # takes its place: what the terminal is left showing is the plain output.
+    assert "\n".join(line.rsplit("\r", 1)[-1] for line in out.split("\n")) == plain
 
 
 AMP_STEP = re.compile(
@@ -171,18 +275,98 @@ def test_framework_example_trains_to_a_zero_lr(
     assert lines[-1] == "12 steps, final lr 0.00e+00"
 
 
+def test_distributed_example_says_how_to_launch_it_without_torchrun() -> None:
+    """Run as a plain script it exits, printing the torchrun command docs/distributed.md
+    gives (with the torchrun of the Python that ran it), before any process group."""
+    root = QUICKSTART.parent.parent
+    script = "examples/distributed_fsdp2.py"
+    torchrun_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun_env}
+    done = subprocess.run(
+        [sys.executable, script], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done
+    assert done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+    assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set" in done.stderr
+    page = (root / "docs" / "distributed.md").read_text()
+    documented = re.search(r"\n(\S*torchrun --nproc_per_node=\d+ " + script + r")\n", page)
+    assert documented, "docs/distributed.md shows no torchrun command"
+    (command,) = [line.split() for line in done.stderr.splitlines() if line.startswith("    ")]
+    assert command[1:] == documented[1].split()[1:]
+    beside = Path(sys.executable).with_name("torchrun")
+    if beside.is_file():
+        assert (root / command[0]).absolute() == beside.absolute()
+    else:
+        assert command[0] == "torchrun"
+
+
+class Collect(logging.Handler):
+    """Keeps every record that reaches the handlers: what a logger would print."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def transformers_warnings() -> Iterator[list[str]]:
+    """The warnings transformers logs meanwhile (its loggers do not propagate to root)."""
+    collect = Collect()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(collect)
+    try:
+        yield collect.messages
+    finally:
+        logger.removeHandler(collect)
+
+
 @pytest.mark.integrations
-def test_hf_trainer_example_resumes_to_the_same_loss(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_hf_trainer_example_resumes_to_the_same_loss_without_warnings(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    transformers_warnings: list[str],
 ) -> None:
     pytest.importorskip("transformers")
-    lines = run_example("hf_trainer_example", ["--output-dir", str(tmp_path)], capsys, monkeypatch)
+    path = QUICKSTART.parent / "hf_trainer_example.py"
+    monkeypatch.setattr(sys, "argv", [str(path), "--output-dir", str(tmp_path)])
+    runpy.run_path(str(path), run_name="__main__")
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
     first = re.fullmatch(r"first run: loss ([\d.]+) -> ([\d.]+)", lines[-3])
     resumed = re.fullmatch(r"resumed at step 8: 8 more steps to ([\d.]+)", lines[-2])
     assert first and resumed, lines[-3:]
     assert float(first[2]) < float(first[1]) and resumed[1] == first[2]
     assert lines[-1].startswith("wrapper steps 16, last grad norm ")
     assert (tmp_path / "checkpoint-8" / "optimizer.pt").is_file()
+    assert transformers_warnings == []
+    assert "Writing model shards" not in err  # the save's progress bar
+    # save_steps matches the checkpoint's only to keep the Trainer quiet: nothing is saved.
+    assert not list((tmp_path / "resumed").glob("checkpoint-*"))
+
+
+@pytest.mark.integrations
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_trainer_example_drops_the_missing_head_warning_only_when_tied(
+    tied: bool, transformers_warnings: list[str]
+) -> None:
+    pytest.importorskip("transformers")
+    example = runpy.run_path(str(QUICKSTART.parent / "hf_trainer_example.py"), run_name="hf")
+    model = example["tiny_gpt2"]()
+    if not tied:
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    trainer_logger = logging.getLogger("transformers.trainer")
+    missing = "There were missing keys in the checkpoint model loaded: ['lm_head.weight']."
+    other = "There were missing keys in the checkpoint model loaded: ['transformer.wte.weight']."
+    with example["tied_head_not_reported_missing"](model):
+        trainer_logger.warning(missing)
+        trainer_logger.warning(other)
+    trainer_logger.warning(missing)  # the filter is gone after the block
+    assert transformers_warnings == ([] if tied else [missing]) + [other, missing]
 
 
 @pytest.mark.integrations
