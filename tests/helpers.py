@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,3 +111,16 @@ def sync_is_an_error() -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def assert_same_picture(png: Path, committed: Path, max_changed: float = 0.001) -> None:
+    """``png`` draws what ``committed`` draws: the same size, and at most ``max_changed``
+    of its pixels different. Not byte for byte: a model's matmuls round differently in
+    the last bit on other CPUs (AVX2 against AVX-512), which moves a curve by a pixel here
+    and there; a changed curve, label or threshold changes thousands."""
+    import matplotlib.image
+
+    ours, theirs = matplotlib.image.imread(png), matplotlib.image.imread(committed)
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    changed = (abs(ours - theirs) > 1 / 255).any(axis=-1).mean()
+    assert changed <= max_changed, f"{changed:.4%} of the pixels differ from {committed}"
