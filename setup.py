@@ -44,9 +44,10 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _skip(error: BaseException) -> None:
         print(
-            "WARNING: clipopt: the C kernel (clipopt._native) could not be built "
+            "WARNING: clipopt: the C kernel (clipopt._kernels._native) could not be built "
             f"({type(error).__name__}: {error}); installing without it. clipopt gives the "
-            "same results through torch ops, more slowly; clipopt._cpu.available() is False.",
+            "same results through torch ops, more slowly; "
+            "clipopt._kernels._cpu.available() is False.",
             file=sys.stderr,
         )
 
@@ -55,8 +56,8 @@ setup(
     cmdclass={"build_ext": OptionalBuildExt},
     ext_modules=[
         Extension(
-            "clipopt._native",
-            sources=["clipopt/_native.c"],
+            "clipopt._kernels._native",
+            sources=["clipopt/_kernels/_native.c"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 import clipopt
-from clipopt import _cpu
+from clipopt._kernels import _cpu
 
 __all__ = [
     "HOST_CASE",

@@ -71,7 +71,7 @@ from torch import Tensor, nn
 
 import clipopt
 from benchmarks import host
-from clipopt import _cpu
+from clipopt._kernels import _cpu
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MAX_NORM = 1.0

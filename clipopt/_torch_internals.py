@@ -30,7 +30,7 @@ same bits; on CUDA the foreach kernels may round differently in the last place.
 
 Two more places use torch internals of their own subsystem, and say so at their top:
 :mod:`clipopt._hooks` (``torch.optim``'s step-hook dicts, which a wrapper must fire in
-torch's order) and :mod:`clipopt._fused` (the ``grad_scale`` / ``found_inf`` attributes
+torch's order) and :mod:`clipopt._step._fold` (the ``grad_scale`` / ``found_inf`` attributes
 that torch's fused optimizers read, as ``GradScaler`` sets them).
 """
 
@@ -144,7 +144,7 @@ def has_storage(t: Tensor) -> bool:
 def tensor_data_ptr_reader() -> int:
     """The address of torch's C function that reads a tensor's data pointer (the one
     inductor's generated CPU code calls); 0 where there is none. It aborts the process on
-    a tensor without storage, and :mod:`clipopt._cpu` checks it against ``data_ptr``
+    a tensor without storage, and :mod:`clipopt._kernels._cpu` checks it against ``data_ptr``
     before using it."""
     try:
         from torch._C._dynamo import guards

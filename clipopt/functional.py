@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _cpu, _kernels, _mesh, _reduce, _torch_internals
+from clipopt import _torch_internals
+from clipopt._dist import _mesh, _reduce
 from clipopt._errors import NonFiniteNormError, user_stacklevel
+from clipopt._kernels import _cpu, _norms
 from clipopt._validation import (
     MaxNorm,
     NormType,
@@ -204,7 +206,7 @@ def clip_grads_with_norm_(
 def _coefficient(max_norm: MaxNorm, norm: Tensor, error_if_nonfinite: bool) -> Tensor:
     """The clip coefficient; with ``error_if_nonfinite``, a NaN one (a tensor ``max_norm``
     that is not > 0, an absurd ``norm / max_norm``) raises before any grad is written."""
-    coef = _kernels.clip_coefficient(max_norm, norm)
+    coef = _norms.clip_coefficient(max_norm, norm)
     if error_if_nonfinite and not torch.isfinite(coef).item():  # the caller asked for this
         value = norm.item()  # raising, as the caller asked
         raise NonFiniteNormError(
@@ -226,7 +228,7 @@ def _scale_by_norm_(
     if not grads or _measures_only(max_norm):
         return
     coef = _coefficient(max_norm, total_norm, error_if_nonfinite)
-    _kernels.scale_(_mesh.local_tensors(grads), coef, foreach)
+    _norms.scale_(_mesh.local_tensors(grads), coef, foreach)
 
 
 def _checked_params(
@@ -326,11 +328,11 @@ def _clip_local_(
 ) -> Tensor:
     """:func:`clip_grad_norm_` of grads on this rank alone: one grouping for norm and scale."""
     p = check_norm_type(norm_type)
-    norm, groups = _kernels.grouped_total_norm(grads, p, foreach)
+    norm, groups = _norms.grouped_total_norm(grads, p, foreach)
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
     if grads and not _measures_only(max_norm):
-        _kernels.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
+        _norms.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
     return norm
 
 
@@ -417,7 +419,7 @@ def clip_grad_value_(
             q.grad = q.grad.coalesce()  # clamping duplicates separately would be wrong
     grads = _grads(params)
     dense = [g for g in grads if not g.is_sparse]
-    for group in _kernels.group_by_device_and_dtype(dense).values():
+    for group in _norms.group_by_device_and_dtype(dense).values():
         if foreach is False:
             for g in group:
                 g.clamp_(-value, value)

@@ -3,12 +3,12 @@
 Gradient-norm clipping as an optimizer wrapper. The wrapper's plumbing (pass-through
 ``param_groups`` / ``state`` / ``defaults``, hooks, pickling, the state-dict templates)
 is :class:`clipopt._wrapper.OptimizerWrapper`; this module is the clip: its settings,
-its step (measure -> decide -> apply: :mod:`clipopt._decide` makes the decision from the
-parts in :mod:`clipopt._step`) and its entry of the state dict (its layout checked by
-:mod:`clipopt._clip_state`, written, checked against the wrapper's rules and installed
-by :mod:`clipopt._saved`). A decision is applied in exactly one of two ways: scale the
+its step (measure -> decide -> apply: :mod:`clipopt._step._decide` makes the decision from the
+parts in :mod:`clipopt._step._parts`) and its entry of the state dict (its layout checked by
+:mod:`clipopt._step._clip_state`, written, checked against the wrapper's rules and installed
+by :mod:`clipopt._step._saved`). A decision is applied in exactly one of two ways: scale the
 grads, then run the inner step; or fold the scale (and a skip) into a fused inner
-optimizer's kernel (:mod:`clipopt._fused`).
+optimizer's kernel (:mod:`clipopt._step._fold`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _hooks, _monitor, _step
-from clipopt._clip_state import (
+from clipopt import _hooks
+from clipopt._dist._reduce import NormScope
+from clipopt._step import _fold, _monitor, _parts
+from clipopt._step._clip_state import (
     CLIP_KEY,
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
@@ -35,14 +37,18 @@ from clipopt._clip_state import (
     rename_legacy_keys,
     validated_settings,
 )
-from clipopt._decide import ClipConfig, check_config, check_rule_groups, decide
-from clipopt._nonfinite import StepRecord
-from clipopt._reduce import NormScope
-from clipopt._rule import ClipRule
-from clipopt._saved import check_saved_rules, clip_entry, load_clip_state, upgrade_0_1_0_pickle
-from clipopt._spike_skip import SpikeSkip
+from clipopt._step._decide import ClipConfig, check_config, check_rule_groups, decide
+from clipopt._step._nonfinite import StepRecord
+from clipopt._step._saved import (
+    check_saved_rules,
+    clip_entry,
+    load_clip_state,
+    upgrade_0_1_0_pickle,
+)
 from clipopt._validation import check_foreach
 from clipopt._wrapper import Closure, OptimizerWrapper
+from clipopt.rules._base import ClipRule
+from clipopt.rules._spike_skip import SpikeSkip
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -406,8 +412,8 @@ class ClippedOptimizer(OptimizerWrapper):
             self._skip_spikes.commit(decision.measurement.norm, decision.spike)
         return result
 
-    def _decide(self, may_fold: bool, may_skip: bool) -> tuple[_step.ClipDecision, bool]:
-        """:func:`clipopt._decide.decide` with this wrapper's configuration."""
+    def _decide(self, may_fold: bool, may_skip: bool) -> tuple[_parts.ClipDecision, bool]:
+        """:func:`clipopt._step._decide.decide` with this wrapper's configuration."""
         config = ClipConfig(
             self._rule,
             self._skip_spikes,
@@ -421,17 +427,17 @@ class ClippedOptimizer(OptimizerWrapper):
         return decide(self.optimizer, config, self._record, may_fold, may_skip)
 
     def _apply_folded(
-        self, decision: _step.ClipDecision, closure: Closure | None, loss: Any
-    ) -> tuple[Any, _step.Measurement]:
+        self, decision: _parts.ClipDecision, closure: Closure | None, loss: Any
+    ) -> tuple[Any, _parts.Measurement]:
         """Apply ``decision`` inside the fused inner kernel (no closure: see ``_decide``)."""
         coefficient = decision.coefficients[0]
         assert not isinstance(coefficient, tuple)  # can_fold refuses per-grad coefficients
-        result = _fused.apply_folded(self.optimizer, coefficient, decision.found_inf)
+        result = _fold.apply_folded(self.optimizer, coefficient, decision.found_inf)
         return result, decision.measurement
 
     def _apply_explicit(
-        self, decision: _step.ClipDecision, closure: Closure | None, loss: Any
-    ) -> tuple[Any, _step.Measurement]:
+        self, decision: _parts.ClipDecision, closure: Closure | None, loss: Any
+    ) -> tuple[Any, _parts.Measurement]:
         """Scale the grads, then run the inner step; return its result and the last norms.
 
         The inner optimizer gets a closure that returns ``loss`` once and afterwards
@@ -439,7 +445,7 @@ class ClippedOptimizer(OptimizerWrapper):
         last evaluation are the step's last norms.
         """
         grouped = decision.measurement.groups
-        _step.scale(decision.grads, decision.coefficients, self._foreach, grouped)
+        _parts.scale(decision.grads, decision.coefficients, self._foreach, grouped)
         if closure is None:
             return _hooks.inner_step(self.optimizer, None), decision.measurement
         pending = [loss]
@@ -451,7 +457,7 @@ class ClippedOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 again = closure()
             redo, _ = self._decide(may_fold=False, may_skip=False)
-            _step.scale(redo.grads, redo.coefficients, self._foreach, redo.measurement.groups)
+            _parts.scale(redo.grads, redo.coefficients, self._foreach, redo.measurement.groups)
             latest.append(redo.measurement)
             return again
 
@@ -462,7 +468,7 @@ class ClippedOptimizer(OptimizerWrapper):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus the clip state under ``"clip"``.
 
-        The layout of ``"clip"`` is in :mod:`clipopt._clip_state`: tensors and plain
+        The layout of ``"clip"`` is in :mod:`clipopt._step._clip_state`: tensors and plain
         Python values only, so ``torch.load(..., weights_only=True)`` reads it.
         Per-group ``clip_max_norm`` / ``clip_norm_type`` are saved in ``param_groups``
         like ``lr``.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the built sdist and wheel into one fresh venv and checks that they work:
 #   1. the sdist with CC=/bin/false, i.e. no working C compiler: the install must
-#      succeed without clipopt._native, and clipopt must clip like torch through the
+#      succeed without clipopt._kernels._native, and clipopt must clip like torch through the
 #      torch-ops path;
 #   2. the wheel (built with the compiler), which must carry the C kernel and use it.
 # The venv borrows torch from TORCH_PYTHON's environment (the project's .venv, with the
@@ -33,7 +33,7 @@ if ! CC=/bin/false "$venv/bin/python" -m pip install --verbose --disable-pip-ver
     cat "$log"
     exit 1
 fi
-grep -o "WARNING: clipopt: the C kernel (clipopt._native) could not be built" "$log" || { echo "check_dist: no warning of the skipped build"; exit 1; }
+grep -o "WARNING: clipopt: the C kernel (clipopt._kernels._native) could not be built" "$log" || { echo "check_dist: no warning of the skipped build"; exit 1; }
 (cd "$venv" && $check --expect-native no)
 echo "check_dist: the wheel"
 $pip --no-deps --force-reinstall "$wheel"

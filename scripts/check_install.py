@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import clipopt
-from clipopt import _cpu
+from clipopt._kernels import _cpu
 
 
 def grads() -> list[torch.Tensor]:
@@ -31,7 +31,7 @@ def check(expect_native: bool, license_file: bool) -> None:
     assert venv in location.resolve().parents, f"clipopt imported from {location}, not {venv}"
     assert importlib.metadata.version("clipopt") == clipopt.__version__
     assert _cpu.available() is expect_native, (_cpu.available(), expect_native)
-    built = sorted(p.name for p in location.glob("_native*"))
+    built = sorted(p.name for p in (location / "_kernels").glob("_native*"))
     assert any(name.endswith((".so", ".pyd")) for name in built) is expect_native, built
     if license_file:
         files = importlib.metadata.files("clipopt") or []

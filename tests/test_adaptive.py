@@ -31,7 +31,7 @@ from torch import Tensor
 from zclip import ZClip as ReferenceZClip
 
 import clipopt
-from clipopt import _kernels
+from clipopt._kernels import _norms
 
 SHAPES = [(4, 3), (3,), (2, 2)]
 STEPS = 2000
@@ -653,7 +653,7 @@ def test_a_per_tensor_rule_needs_the_same_grads_every_step() -> None:
 def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch, p: float) -> None:
     """One ``_foreach_norm`` over the group; on the CPU, where the C reduction has the
     order, one call into it for the group instead (torch's CPU foreach is a loop)."""
-    from clipopt import _cpu
+    from clipopt._kernels import _cpu
 
     calls: list[tuple[str, int]] = []
     original, original_partial = torch._foreach_norm, _cpu.norm_partial
@@ -675,23 +675,23 @@ def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
     monkeypatch.setattr(_cpu, "tensor_norms", counting_each)
     tensors = [torch.randn(s) for s in [(5,), (3, 3), (7,), (2, 2, 2)]]
-    norms = _kernels.per_tensor_norms(tensors, p)
+    norms = _norms.per_tensor_norms(tensors, p)
     expected = [("C each", 4)] if _cpu.supports(p, torch.float32) else [("foreach", 4)]
     assert calls == expected
     torch.testing.assert_close(norms, torch.stack([t.norm(p) for t in tensors]))
 
 
 def test_a_global_rule_folds_into_the_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from clipopt import _fused
+    from clipopt._step import _fold
 
     folded = []
-    original = _fused.apply_folded
+    original = _fold.apply_folded
 
     def spying(*args: Any) -> Any:
         folded.append(args[1])
         return original(*args)
 
-    monkeypatch.setattr(_fused, "apply_folded", spying)
+    monkeypatch.setattr(_fold, "apply_folded", spying)
     fused_params, plain_params = fresh_params(), fresh_params()
     fused = clipopt.ClippedOptimizer(
         torch.optim.AdamW(fused_params, lr=0.01, fused=True), max_norm=clipopt.AutoClip(50.0, 10)

@@ -34,8 +34,9 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import clipopt
-from clipopt import _cpu, _fused, _kernels, _monitor
-from clipopt._unit_rows import unit_shape
+from clipopt._dist._unit_rows import unit_shape
+from clipopt._kernels import _cpu, _norms
+from clipopt._step import _fold, _monitor
 
 STEPS = 200
 
@@ -325,9 +326,9 @@ def norm_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         (torch.linalg, "vector_norm"),
         (torch, "_foreach_norm"),
         (_cpu, "norm_partial"),
-        (_kernels, "grouped_total_norm"),
-        (_kernels, "per_tensor_norms"),
-        (_kernels, "total_norm"),
+        (_norms, "grouped_total_norm"),
+        (_norms, "per_tensor_norms"),
+        (_norms, "total_norm"),
     ):
         monkeypatch.setattr(owner, name, counted(getattr(owner, name)))
     return reads
@@ -506,7 +507,7 @@ def test_coefficients_are_in_0_1_and_clipped_units_within_their_threshold(
     decision = clipopt.AGC(clipping=clipping).decide_units(params, grads, 2.0)
     assert bool(((decision.coefficients > 0) & (decision.coefficients <= 1)).all())
     after = [g * c for g, c in zip(grads, decision.per_grad, strict=True) if c is not None]
-    from clipopt._units import unit_norms
+    from clipopt._dist._units import unit_norms
 
     norms = unit_norms([a.double() for a in after], torch.device("cpu"), torch.float64)
     limit = decision.thresholds.double() * (1 + 1e-6)
@@ -531,8 +532,8 @@ def test_thresholds_scale_with_the_params_above_eps(
 
 def test_fused_adamw_takes_the_explicit_scale_and_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
     folded: list[Any] = []
-    original = _fused.apply_folded
-    monkeypatch.setattr(_fused, "apply_folded", lambda *a: folded.append(a) or original(*a))
+    original = _fold.apply_folded
+    monkeypatch.setattr(_fold, "apply_folded", lambda *a: folded.append(a) or original(*a))
     fused_params, plain_params = list(model().parameters()), list(model().parameters())
     fused = clipopt.ClippedOptimizer(
         torch.optim.AdamW(fused_params, lr=1e-2, fused=True), max_norm=clipopt.AGC(0.05)

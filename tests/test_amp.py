@@ -144,7 +144,7 @@ def test_grad_scaler_clips_unscaled_grads(device: str, inner: str, explicit_unsc
     reference = _train_by_hand(device, inner)
     ours = _train_wrapped(device, inner, explicit_unscale)
     # A fused inner optimizer gets the clip folded into its kernel as grad_scale =
-    # 1 / coefficient (clipopt._fused): g / (1 / c) may differ from g * c in the last bit.
+    # 1 / coefficient (clipopt._step._fold): g / (1 / c) may differ from g * c in the last bit.
     exact = not inner.endswith("-fused")
     tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-6, "atol": 1e-7}
     assert ours.scales == reference.scales

@@ -231,7 +231,7 @@ def test_only_runs_the_sections_named(tmp_path: Path) -> None:
 def test_stubbed_kernels_run_nothing_and_come_back() -> None:
     """Inside, the C norm and scale do nothing (the grads keep their values); after, they
     are the real ones again."""
-    from clipopt import _cpu
+    from clipopt._kernels import _cpu
 
     params = run.make_params([(50,), (4, 5)], torch.float32, torch.device("cpu"))
     before = [p.grad.clone() for p in params if p.grad is not None]

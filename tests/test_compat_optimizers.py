@@ -220,7 +220,7 @@ def _assert_same_run(case: Case, reference: Run) -> None:
     wrapped = _train_wrapped(case)
     # Same kernels on the same grads in the same order: equality is bit for bit, except
     # that a fused inner optimizer gets the clip folded into its kernel as grad_scale =
-    # 1 / coefficient (clipopt._fused), and g / (1 / c) may differ from g * c in the last bit.
+    # 1 / coefficient (clipopt._step._fold), and g / (1 / c) may differ from g * c in the last bit.
     folded = bool(case.make([nn.Parameter(torch.zeros(2, 2))]).defaults.get("fused"))
     tolerance = {"rtol": 1e-6, "atol": 1e-7} if folded else {"rtol": 0.0, "atol": 0.0}
     for ours, theirs in zip(wrapped.norms, reference.norms, strict=True):

@@ -49,8 +49,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import clipopt
-from clipopt import _checkpoint, _reduce
 from clipopt import distributed as cdist
+from clipopt._dist import _reduce
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
@@ -1020,7 +1020,7 @@ def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one:
             cdist.set_optimizer_state_dict(model, optimizer, {**saved, **bad})
     bad_clip = optimizer.state_dict()["clip"]
     bad_clip["step_count"] = torch.tensor(-1)
-    encoded = _checkpoint._encode_clip_state(bad_clip)
+    encoded = cdist._encode_clip_state(bad_clip)
     before = copy.deepcopy(optimizer.state_dict())
     with pytest.raises(ValueError, match="step_count"):
         cdist.set_optimizer_state_dict(model, optimizer, {**saved, "clip": encoded})

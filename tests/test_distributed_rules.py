@@ -13,9 +13,9 @@ and record "ok" or the traceback; one parametrized test per case reads the recor
   and gives the global norm too, and with AGC (which runs under FSDP2 over TP too, and
   with its last layer excluded) every unit's grad and weight norms and the excluded
   grads' norms, from which the global norm is taken.
-- A norm case checks :func:`clipopt._per_tensor.global_per_tensor_norms` against the
+- A norm case checks :func:`clipopt._dist._per_tensor.global_per_tensor_norms` against the
   float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP;
-  a unit case checks :func:`clipopt._units.whole_unit_norms` alike (the squares too, and
+  a unit case checks :func:`clipopt._dist._units.whole_unit_norms` alike (the squares too, and
   grads measured whole beside the units), and each rank's rows against the gathered
   tensor.
 
@@ -52,7 +52,7 @@ from test_distributed import (
 from torch import Tensor, nn
 
 import clipopt
-from clipopt import _per_tensor, _unit_rows, _units
+from clipopt._dist import _per_tensor, _unit_rows, _units
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
@@ -666,7 +666,7 @@ def test_a_dtensor_step_measurement_matches_float64(
     """Each grad's norm, each group's and the total, in groups with grads missing ("none"),
     from the reduced sums of powers: one all_reduce (a MAX as well where inf and finite
     orders mix across groups), each norm to 1e-6 of float64."""
-    from clipopt import _monitor, _step
+    from clipopt._step import _monitor, _parts
 
     gen = torch.Generator().manual_seed(len(sizes) * 7 + len(sizes[0]))
     locals_ = [(torch.randn(tuple(s), generator=gen) * 3).to(dtype) for s in sizes]
@@ -682,7 +682,7 @@ def test_a_dtensor_step_measurement_matches_float64(
     if not per_group:
         orders = [orders[0]] * 3
     groups = [{"params": group} for group in split]
-    grads = _step.collect_grads(groups)
+    grads = _parts.collect_grads(groups)
     with CountAllReduce() as counter:
         measured = _monitor.measure_per_tensor(
             grads, None, orders, 2.0, per_group, None, lambda: split, strict=True

@@ -2,7 +2,7 @@
 through torch ops and gives the same answers.
 
 ``make test`` also runs the whole suite with the variable set; these tests force the
-fallback by patching ``clipopt._cpu._ENABLED`` so that they compare both paths in one
+fallback by patching ``clipopt._kernels._cpu._ENABLED`` so that they compare both paths in one
 process.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 import clipopt
-from clipopt import _cpu
+from clipopt._kernels import _cpu
 
 Float64Norm = Callable[[Sequence[Tensor | None], float | str], float]
 NORMS = [1.0, 2.0, 3.0, math.inf]
@@ -51,12 +51,12 @@ def grads_of(dtype: torch.dtype) -> list[Tensor]:
 
 
 def imported_available(value: str | None) -> str:
-    """``clipopt._cpu.available()`` as a fresh interpreter sees it, with the variable
+    """``clipopt._kernels._cpu.available()`` as a fresh interpreter sees it, with the variable
     set to ``value`` (or unset)."""
     env = {k: v for k, v in os.environ.items() if k != _cpu.DISABLE_ENV}
     if value is not None:
         env[_cpu.DISABLE_ENV] = value
-    code = "import clipopt._cpu as c; print(c.available())"
+    code = "import clipopt._kernels._cpu as c; print(c.available())"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
@@ -132,7 +132,7 @@ def test_fallback_refuses_an_inference_grad_before_scaling_any(fallback: None) -
 
 def test_fallback_never_calls_the_c_kernel(fallback: None, monkeypatch: pytest.MonkeyPatch) -> None:
     if _cpu._native is None:
-        pytest.skip("clipopt._native was not built: there is nothing to call")
+        pytest.skip("clipopt._kernels._native was not built: there is nothing to call")
 
     def refuse(*args: object) -> None:
         raise AssertionError("the C kernel was called with the fallback forced")

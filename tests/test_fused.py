@@ -1,4 +1,4 @@
-"""The clip folded into fused optimizers (clipopt._fused) against the explicit path.
+"""The clip folded into fused optimizers (clipopt._step._fold) against the explicit path.
 
 The explicit path is the same wrapper with folding switched off, so both run the same
 fused kernel on the same grads; the only difference is ``g * c`` (explicit) against
@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import clipopt
-from clipopt import _decide, _fused, _kernels
+from clipopt._kernels import _norms
+from clipopt._step import _decide, _fold
 
 MAX_NORM = 0.5
 STEPS = 5
@@ -67,7 +68,7 @@ def explicit_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None
     """Call to switch folding off (the explicit path: scale the grads, then step)."""
 
     def switch_off() -> None:
-        monkeypatch.setattr(_fused, "can_fold", lambda *args: False)
+        monkeypatch.setattr(_fold, "can_fold", lambda *args: False)
 
     yield switch_off
 
@@ -75,14 +76,14 @@ def explicit_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None
 def folds(opt: clipopt.ClippedOptimizer, closure: Callable[[], float] | None = None) -> bool:
     """Take a step; True if its clip was folded into the fused inner kernel."""
     calls = []
-    original = _fused.apply_folded
+    original = _fold.apply_folded
 
     def spy(*args: Any) -> Any:
         calls.append(args)
         return original(*args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_fused, "apply_folded", spy)
+        patch.setattr(_fold, "apply_folded", spy)
         if closure is None:
             opt.step()
         else:
@@ -96,7 +97,7 @@ def no_scaling_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a separate scaling pass ran")
 
-    monkeypatch.setattr(_kernels, "scale_", fail)
+    monkeypatch.setattr(_norms, "scale_", fail)
 
 
 def run(
@@ -175,7 +176,7 @@ def test_grads_after_the_step_are_the_clipped_grads() -> None:
     opt.step()
     after = [p.grad for p in params if p.grad is not None]
     assert opt.last_norm is not None
-    coefficient = MAX_NORM / (opt.last_norm.double() + _kernels.EPS)
+    coefficient = MAX_NORM / (opt.last_norm.double() + _norms.EPS)
     for b, a in zip(before, after, strict=True):
         torch.testing.assert_close(a.double(), b.double() * coefficient, rtol=2.5e-7, atol=0)
     torch.testing.assert_close(
@@ -193,7 +194,7 @@ def test_attributes_are_restored_and_never_leak() -> None:
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
     previous = torch.tensor(4.0)
     inner.found_inf = previous  # type: ignore[attr-defined]
-    with _fused._scaled_step(inner, torch.tensor(2.0), torch.tensor(0.0)):
+    with _fold._scaled_step(inner, torch.tensor(2.0), torch.tensor(0.0)):
         assert float(inner.grad_scale) == 2.0  # type: ignore[attr-defined]
     assert inner.found_inf is previous  # type: ignore[attr-defined]
     assert not hasattr(inner, "grad_scale")
@@ -406,7 +407,7 @@ def test_a_host_decided_step_between_device_skips_clears_the_lagged_count(
         poison(params)
         opt.step()
     with monkeypatch.context() as patch:
-        patch.setattr(_fused, "skips_cleanly", lambda optimizer: False)
+        patch.setattr(_fold, "skips_cleanly", lambda optimizer: False)
         set_grads(params, 1)
         opt.step()  # decided on the host: finite, so it steps and ends the streak
     assert int(opt.consecutive_skips) == 0

@@ -1,4 +1,4 @@
-"""Each path of :mod:`clipopt._kernels` against a float64 reference.
+"""Each path of :mod:`clipopt._kernels._norms` against a float64 reference.
 
 The CPU norm picks a path per tensor (rows of ``_ROW`` for large dense tensors, a
 permuted view for channels-last or transposed ones, an in-place row split for tensors
@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from clipopt import _cpu, _kernels
-from clipopt._torch_norms import CHUNK as _CHUNK
-from clipopt._torch_norms import PACK_BELOW as _PACK_BELOW
-from clipopt._torch_norms import PACK_RUN as _PACK_RUN
-from clipopt._torch_norms import ROW as _ROW
+from clipopt._kernels import _cpu, _norms
+from clipopt._kernels._torch_norms import CHUNK as _CHUNK
+from clipopt._kernels._torch_norms import PACK_BELOW as _PACK_BELOW
+from clipopt._kernels._torch_norms import PACK_RUN as _PACK_RUN
+from clipopt._kernels._torch_norms import ROW as _ROW
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf]
 HALF = [torch.float16, torch.bfloat16]
@@ -75,7 +75,7 @@ BOUNDARY_SIZES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF])
 def test_one_tensor_each_side_of_every_threshold(numel: int, p: float, dtype: torch.dtype) -> None:
     t = randn(numel, dtype, seed=numel)
-    got = _kernels.total_norm([t], p)
+    got = _norms.total_norm([t], p)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_norm_close(got, [t], p)
 
@@ -84,7 +84,7 @@ def test_one_tensor_each_side_of_every_threshold(numel: int, p: float, dtype: to
 def test_half_precision_scratch_across_its_chunk_boundary(p: float) -> None:
     """A large bf16 tensor is widened ``_CHUNK`` elements at a time; the last one is short."""
     t = randn(2 * _CHUNK + 3 * _ROW + 17, torch.bfloat16, seed=3)
-    assert_norm_close(_kernels.total_norm([t], p), [t], p)
+    assert_norm_close(_norms.total_norm([t], p), [t], p)
 
 
 @pytest.mark.parametrize("p", NORM_TYPES)
@@ -97,13 +97,13 @@ def test_many_small_tensors_fill_several_packed_runs(p: float) -> None:
         shapes.append([(n,), (n, 3), (), (2, n % 7 + 1, 2)][i % 4])
     tensors = [torch.randn(s, generator=generator) for s in shapes]
     assert sum(t.numel() for t in tensors) > 8 * _PACK_RUN
-    assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
+    assert_norm_close(_norms.total_norm(tensors, p), tensors, p)
 
 
 @pytest.mark.parametrize("p", NORM_TYPES)
 def test_tails_of_large_tensors_join_the_small_ones(p: float) -> None:
     tensors = [randn(_PACK_BELOW + k, seed=k) for k in (1, 100, _ROW - 1)] + [randn(5)]
-    assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
+    assert_norm_close(_norms.total_norm(tensors, p), tensors, p)
 
 
 # ---------------------------------------------------------------- memory layouts
@@ -129,7 +129,7 @@ def _layouts(dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
 def test_non_contiguous_large_tensors(name: str, p: float, dtype: torch.dtype) -> None:
     t = _layouts(dtype)[name]
     assert not t.is_contiguous() and t.numel() >= _PACK_BELOW
-    assert_norm_close(_kernels.total_norm([t], p), [t], p)
+    assert_norm_close(_norms.total_norm([t], p), [t], p)
 
 
 @pytest.mark.parametrize("p", NORM_TYPES)
@@ -142,14 +142,14 @@ def test_non_contiguous_small_tensors_are_packed(p: float) -> None:
         randn(600, seed=3).view(30, 20).t(),
     ):
         assert not t.is_contiguous() and t.numel() < _PACK_BELOW
-        assert_norm_close(_kernels.total_norm([t], p), [t], p)
+        assert_norm_close(_norms.total_norm([t], p), [t], p)
 
 
 def test_the_norm_never_writes_its_inputs() -> None:
     tensors = [t.clone() for t in _layouts().values()] + [randn(100), randn(70_000, torch.float16)]
     before = [t.clone() for t in tensors]
     for p in NORM_TYPES:
-        _kernels.total_norm(tensors, p)
+        _norms.total_norm(tensors, p)
     for t, b in zip(tensors, before, strict=True):
         assert torch.equal(t, b)
 
@@ -164,7 +164,7 @@ def test_inf_norm_propagates_nan_wherever_it_sits(numel: int, dtype: torch.dtype
         t = randn(numel, dtype)
         t[index] = math.nan
         for p in NORM_TYPES:
-            assert torch.isnan(_kernels.total_norm([randn(3), t], p))
+            assert torch.isnan(_norms.total_norm([randn(3), t], p))
 
 
 @pytest.mark.parametrize("numel", [10, _PACK_BELOW + 5])
@@ -173,21 +173,21 @@ def test_minus_inf_gives_an_infinite_norm(numel: int, dtype: torch.dtype) -> Non
     t = randn(numel, dtype)
     t[numel // 3] = -math.inf
     for p in NORM_TYPES:
-        assert _kernels.total_norm([t], p) == math.inf
+        assert _norms.total_norm([t], p) == math.inf
 
 
 @pytest.mark.parametrize("numel", [10, _PACK_BELOW + 5])
 def test_inf_norm_takes_the_most_negative_value(numel: int) -> None:
     t = randn(numel).clamp(-1, 1)
     t[numel // 2] = -7.5
-    assert _kernels.total_norm([t], math.inf) == 7.5
+    assert _norms.total_norm([t], math.inf) == 7.5
 
 
 @pytest.mark.parametrize("numel", [1000, 3 * _PACK_BELOW])
 def test_half_types_accumulate_in_float32(numel: int) -> None:
     """fp16 elements of 3000: the sum of squares overflows fp16 but not float32."""
     t = torch.full((numel,), 3000.0, dtype=torch.float16)
-    got = _kernels.total_norm([t], 2.0)
+    got = _norms.total_norm([t], 2.0)
     assert got.dtype == torch.float32
     expected = torch.tensor(3000.0 * math.sqrt(numel), dtype=torch.float64)
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0.0)
@@ -197,7 +197,7 @@ def test_float32_norm_is_exact_on_short_mantissa_data() -> None:
     """bf16-valued float32 data (uniform in [1, 2)) is where long float32 sums build a bias."""
     generator = torch.Generator().manual_seed(0)
     t = (torch.rand(1 << 22, generator=generator) + 1).bfloat16().float()
-    assert_norm_close(_kernels.total_norm([t], 2.0), [t], 2.0, rtol=2e-7)
+    assert_norm_close(_norms.total_norm([t], 2.0), [t], 2.0, rtol=2e-7)
 
 
 @pytest.mark.parametrize("p", NORM_TYPES)
@@ -208,7 +208,7 @@ def test_complex_small_and_large(p: float) -> None:
         torch.randn(_PACK_BELOW + 33, dtype=torch.complex64, generator=generator),
         torch.randn(40, 1000, dtype=torch.complex64, generator=generator)[:, ::2],
     ]
-    assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
+    assert_norm_close(_norms.total_norm(tensors, p), tensors, p)
 
 
 @pytest.mark.parametrize("p", NORM_TYPES)
@@ -227,15 +227,15 @@ def test_sparse_dense_empty_and_mixed_dtypes_together(p: float) -> None:
         torch.zeros(3, 0),
         randn(9),
     ]
-    got = _kernels.total_norm(tensors, p)
+    got = _norms.total_norm(tensors, p)
     assert got.dtype == torch.float64
     assert_norm_close(got, tensors, p)
 
 
 def test_nothing_to_measure_gives_zero() -> None:
-    assert torch.equal(_kernels.total_norm([], 2.0), torch.tensor(0.0))
+    assert torch.equal(_norms.total_norm([], 2.0), torch.tensor(0.0))
     assert torch.equal(
-        _kernels.total_norm([torch.zeros(0), torch.zeros(2, 0)], 2.0), torch.tensor(0.0)
+        _norms.total_norm([torch.zeros(0), torch.zeros(2, 0)], 2.0), torch.tensor(0.0)
     )
 
 
@@ -250,7 +250,7 @@ def test_every_foreach_setting_gives_the_reference(foreach: bool | None, p: floa
             (_PACK_BELOW + 1, torch.float32),
         ]
     ]
-    assert_norm_close(_kernels.total_norm(tensors, p, foreach), tensors, p)
+    assert_norm_close(_norms.total_norm(tensors, p, foreach), tensors, p)
 
 
 shapes = st.lists(
@@ -278,9 +278,9 @@ def test_random_layouts_match_the_reference(
     generator = torch.Generator().manual_seed(seed)
     tensors = [(torch.randn(s, generator=generator) * 10).to(dtype) for s in shapes]
     if all(t.numel() == 0 for t in tensors):
-        assert torch.equal(_kernels.total_norm(tensors, p), torch.tensor(0.0))
+        assert torch.equal(_norms.total_norm(tensors, p), torch.tensor(0.0))
         return
-    assert_norm_close(_kernels.total_norm(tensors, p), tensors, p)
+    assert_norm_close(_norms.total_norm(tensors, p), tensors, p)
 
 
 @settings(max_examples=30, deadline=None)
@@ -302,15 +302,15 @@ def test_one_run_gives_the_bits_of_the_general_path(
     if all(t.numel() == 0 for t in tensors):
         return
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
-    alone = _kernels.total_norm(tensors, p)
-    beside = _kernels.total_norm([*tensors, torch.empty(0, dtype=other)], p)
+    alone = _norms.total_norm(tensors, p)
+    beside = _norms.total_norm([*tensors, torch.empty(0, dtype=other)], p)
     assert alone.dtype == beside.dtype and alone.shape == beside.shape == ()
     assert torch.equal(alone.view(-1), beside.view(-1)) or (alone.isnan() & beside.isnan())
 
 
 def _one_call_each(tensors: Sequence[Tensor], p: float) -> Tensor:
     """Each tensor's norm by a call of the C reduction for it alone."""
-    dtype = _kernels.result_dtype([t.dtype for t in tensors])
+    dtype = _norms.result_dtype([t.dtype for t in tensors])
     return torch.stack([_cpu.norm_partial([t], p, threads=1)[0].to(dtype) for t in tensors])
 
 
@@ -327,10 +327,10 @@ def test_per_tensor_norms_have_the_bits_of_one_call_per_tensor(
     sizes = [0, 1, 3, 500, 65536, 65537, 200_000, *range(5, 300)]
     tensors = [(torch.randn(n, generator=generator) * 10).to(dtype) for n in sizes]
     tensors.append(torch.randn(40, 30, generator=generator).to(dtype).t())
-    got = _kernels.per_tensor_norms(tensors, p)
+    got = _norms.per_tensor_norms(tensors, p)
     assert torch.equal(got, _one_call_each(tensors, p))
     mixed = [*tensors, torch.randn(7, dtype=torch.float64)]
-    assert torch.equal(_kernels.per_tensor_norms(mixed, p), _one_call_each(mixed, p))
+    assert torch.equal(_norms.per_tensor_norms(mixed, p), _one_call_each(mixed, p))
 
 
 # ---------------------------------------------------------------- memory
@@ -350,7 +350,7 @@ def test_no_allocation_grows_with_the_model(dtype: torch.dtype, p: float) -> Non
     """One large grad and many small ones: scratch stays within one packed chunk."""
     tensors = [randn(8 * _CHUNK, dtype)] + [randn(900, dtype, seed=i) for i in range(1500)]
     bound = 2 * _CHUNK * 4
-    assert _largest_allocation(lambda: _kernels.total_norm(tensors, p)) <= bound
+    assert _largest_allocation(lambda: _norms.total_norm(tensors, p)) <= bound
     whole = sum(t.numel() for t in tensors) * 4
     assert _largest_allocation(lambda: torch.cat(tensors).float()) >= whole  # the probe works
 
@@ -369,7 +369,7 @@ def test_scale_multiplies_every_kind_of_tensor(foreach: bool | None) -> None:
         randn(4, torch.float64),
     ]
     expected = [(t.to_dense() if t.is_sparse else t).double() * 0.25 for t in tensors]
-    _kernels.scale_(tensors, torch.tensor(0.25), foreach)
+    _norms.scale_(tensors, torch.tensor(0.25), foreach)
     for t, e in zip(tensors, expected, strict=True):
         torch.testing.assert_close(
             (t.to_dense() if t.is_sparse else t).double(), e, rtol=4e-3, atol=0
@@ -388,10 +388,10 @@ def test_grouped_norm_and_scale_touch_each_tensor_once(p: float) -> None:
         randn(2 * _ROW, seed=1),
     ]
     expected = [(t.to_dense() if t.is_sparse else t).double() * 0.25 for t in tensors]
-    norm, groups = _kernels.grouped_total_norm(tensors, p)
+    norm, groups = _norms.grouped_total_norm(tensors, p)
     assert_norm_close(norm, tensors, p)
-    assert torch.equal(norm, _kernels.total_norm(tensors, p))
-    _kernels.scale_groups_(groups, torch.tensor(0.25))
+    assert torch.equal(norm, _norms.total_norm(tensors, p))
+    _norms.scale_groups_(groups, torch.tensor(0.25))
     for t, e in zip(tensors, expected, strict=True):
         torch.testing.assert_close(
             (t.to_dense() if t.is_sparse else t).double(), e, rtol=4e-3, atol=0
@@ -400,9 +400,9 @@ def test_grouped_norm_and_scale_touch_each_tensor_once(p: float) -> None:
 
 def test_clip_coefficient_is_one_below_the_threshold_and_exact_above() -> None:
     norms = torch.tensor([0.0, 0.5, 1.0 - 2e-6, 4.0])
-    coefficients = _kernels.clip_coefficient(1.0, norms)
+    coefficients = _norms.clip_coefficient(1.0, norms)
     assert torch.equal(coefficients[:3], torch.ones(3))
-    torch.testing.assert_close(coefficients[3], torch.tensor(1.0 / (4.0 + _kernels.EPS)))
+    torch.testing.assert_close(coefficients[3], torch.tensor(1.0 / (4.0 + _norms.EPS)))
 
 
 SPECIAL_NORMS = [0.0, 1e-45, 1e-38, 1e-7, 1e-6, 0.5, 1.0, 3.0, 1e19, 1e30, 3e38, 1e300]
@@ -422,9 +422,9 @@ def test_clip_coefficient_by_c_has_the_torch_ops_bits(dtype: torch.dtype) -> Non
     for i, value in enumerate(norms):
         norm = torch.tensor(value, dtype=dtype)
         for max_norm in thresholds if i < len(SPECIAL_NORMS) + 2 else thresholds[i % 7 : i % 7 + 1]:
-            got = _kernels.clip_coefficient(max_norm, norm)
+            got = _norms.clip_coefficient(max_norm, norm)
             with _cpu.disabled():
-                expected = _kernels.clip_coefficient(max_norm, norm)
+                expected = _norms.clip_coefficient(max_norm, norm)
             assert got.dtype == expected.dtype and got.shape == expected.shape == ()
             same = torch.equal(got, expected) or bool(got.isnan() and expected.isnan())
             assert same, (value, max_norm, got, expected)
@@ -438,7 +438,7 @@ def test_clip_coefficient_by_c_has_the_torch_ops_bits(dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_cuda_foreach_norm_matches_the_reference(p: float, dtype: torch.dtype) -> None:
     tensors = [randn(n, dtype, seed=n).cuda() for n in (3, 5000, 70_000)]
-    got = _kernels.total_norm(tensors, p)
+    got = _norms.total_norm(tensors, p)
     assert got.device.type == "cuda" and got.dtype == torch.float32
     assert_norm_close(got, tensors, p, rtol=1e-5)
 
@@ -446,20 +446,20 @@ def test_cuda_foreach_norm_matches_the_reference(p: float, dtype: torch.dtype) -
 @needs_cuda
 def test_cuda_half_norm_does_not_overflow_and_scale_stays_on_device() -> None:
     tensors = [torch.full((5000,), 3000.0, dtype=torch.float16, device="cuda")]
-    norm = _kernels.total_norm(tensors, 2.0)
+    norm = _norms.total_norm(tensors, 2.0)
     torch.testing.assert_close(norm.double().cpu(), torch.tensor(3000.0 * math.sqrt(5000)).double())
-    coef = _kernels.clip_coefficient(1.0, norm)
-    _kernels.scale_(tensors, coef)
+    coef = _norms.clip_coefficient(1.0, norm)
+    _norms.scale_(tensors, coef)
     assert coef.device.type == "cuda"
     torch.testing.assert_close(
-        _kernels.total_norm(tensors, 2.0).cpu(), torch.tensor(1.0), rtol=2e-3, atol=0
+        _norms.total_norm(tensors, 2.0).cpu(), torch.tensor(1.0), rtol=2e-3, atol=0
     )
 
 
 @needs_cuda
 def test_cpu_and_cuda_tensors_together() -> None:
     tensors = [randn(100).cuda(), randn(_PACK_BELOW + 1)]
-    got = _kernels.total_norm(tensors, 2.0)
+    got = _norms.total_norm(tensors, 2.0)
     assert got.device.type == "cuda"
     assert_norm_close(got, tensors, 2.0)
 
@@ -468,7 +468,7 @@ def test_groups_come_in_order_of_first_appearance_and_keep_tensor_order() -> Non
     dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float64, torch.float32]
     tensors = [torch.ones(i + 1, dtype=dtype) for i, dtype in enumerate(dtypes)]
     for _ in range(3):  # unplanned, planned with a guard, then the kept plan
-        groups = _kernels.group(tensors)
+        groups = _norms.group(tensors)
         assert not groups.sparse
         assert [dtype for _, dtype in groups.dense] == [
             torch.bfloat16,

@@ -1,7 +1,11 @@
-"""clipopt's modules import only downward: each may import only modules of lower layers.
+"""clipopt's wings and modules import only downward.
 
-Every ``import`` counts, at the top, inside functions and under ``TYPE_CHECKING``, so a
-cycle cannot hide behind a deferred import. A new module must be given a layer here.
+The package has layers of units, each a top-level module or a wing (a subpackage with
+one job); a unit may import only units of lower layers. Inside a wing, modules have
+floors of their own, and a module may import only its wing's lower floors (the wing's
+``__init__`` sits above them all). Every ``import`` counts, at the top, inside functions
+and under ``TYPE_CHECKING``, so a cycle cannot hide behind a deferred import. A new
+top-level module or wing module must be given a place here; a new clip rule needs none.
 """
 
 from __future__ import annotations
@@ -15,79 +19,145 @@ import clipopt
 
 PACKAGE = Path(clipopt.__file__).parent
 
-LAYERS: list[set[str]] = [
-    {"_errors", "_validation", "_native", "_torch_internals"},  # no clipopt imports
-    # the C kernels' Python side; recognising torch's DCP calls; torch.optim's step hooks
-    {"_cpu", "_torch_dcp", "_hooks"},
-    # partial norms of CPU grads by torch ops; kept groupings; DTensor shards
-    {"_torch_norms", "_plan", "_mesh"},
-    # local norms, scales; collectives; where each unit (AGC's rows) lies on this rank
-    {"_kernels", "_collective", "_unit_rows"},
-    # across ranks, of the total, per tensor and per unit; settings; skips; the rule protocol
-    {"_reduce", "_per_tensor", "_units", "_clip_state", "_nonfinite", "_rule"},
-    # the API; the step; the fold; one module per rule
-    {"functional", "_step", "_fused", "_adagc", "_agc", "_autoclip", "_zclip", "_spike_skip"},
-    # the wrapper; the rules' facade; per-tensor norms; what a checkpoint or 0.1.0 gives;
-    # a rule's coefficients in a step (on the step's dataclasses)
-    {"_wrapper", "rules", "_monitor", "_saved", "_rule_step"},
-    {"_decide"},  # the step's measure -> decide, on the wrapper's configuration
-    {"optimizer"},  # ClippedOptimizer
-    {"_checkpoint"},  # DCP helpers on the wrapper
-    {"distributed"},  # the facade of the distributed names
+UNIT_LAYERS: list[set[str]] = [
+    # errors, argument checks, torch's private APIs, torch.optim's step hooks
+    {"_errors", "_validation", "_torch_internals", "_hooks"},
+    {"_kernels", "_torch_dcp"},  # one rank's norms and scales; recognising DCP's calls
+    {"_dist", "_wrapper"},  # norms across ranks; the wrapper's plumbing
+    {"rules", "functional"},  # the clip rules; torch.nn.utils' names
+    {"_step"},  # one clipped step: measure, decide, apply, and its saved entry
+    {"optimizer", "_fused"},  # ClippedOptimizer; where 0.1.0's pickles look
+    {"distributed"},  # the distributed names and DCP checkpoints
     {"__init__"},
 ]
-LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
+WING_FLOORS: dict[str, list[set[str]]] = {
+    # the C kernel, its Python side, the torch-ops path and the plans, the norms and scales
+    "_kernels": [{"_native"}, {"_cpu"}, {"_plan", "_torch_norms"}, {"_norms"}],
+    # collectives and meshes; where AGC's units lie, and the reductions; units' norms
+    "_dist": [{"_collective", "_mesh"}, {"_unit_rows", "_per_tensor", "_reduce"}, {"_units"}],
+    # the protocols, then every rule (a module not named here is a rule)
+    "rules": [{"_base"}, set()],
+    # settings, skips, the fold; the step's parts, the saved entry; measuring, a rule's
+    # decision; the decision
+    "_step": [
+        {"_clip_state", "_nonfinite", "_fold"},
+        {"_parts", "_saved"},
+        {"_monitor", "_rule_step"},
+        {"_decide"},
+    ],
+}
+RULES_FLOOR = 1  # where a module of rules/ that WING_FLOORS does not name sits
+LAYER_OF = {unit: index for index, units in enumerate(UNIT_LAYERS) for unit in units}
+NATIVE = "_kernels._native"  # the C extension: a .so, no source to parse
+NATIVE_READER = "_kernels._cpu"  # the one module that imports it
 
 
-def _module_names() -> list[str]:
-    return sorted(path.stem for path in PACKAGE.glob("*.py"))
+def _modules() -> list[str]:
+    """Every clipopt module, dotted below ``clipopt`` (``_step._decide``, ``rules``)."""
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        names.append(
+            ".".join(parts[:-1]) if parts[-1] == "__init__" and parts[:-1] else ".".join(parts)
+        )
+    return names
 
 
-def _imported(tree: ast.Module) -> set[str]:
-    """The clipopt modules a module's source imports, anywhere in it."""
+def _source(module: str) -> Path:
+    path = PACKAGE.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _imported(tree: ast.Module, package: str = "") -> set[str]:
+    """The clipopt modules a module's source imports, anywhere in it, dotted below
+    ``clipopt``; ``package`` is the importing module's package, for relative imports."""
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == "clipopt":
-                    found.add(parts[1] if len(parts) > 1 else "__init__")
+                if alias.name.split(".")[0] == "clipopt":
+                    found.add(alias.name.partition(".")[2] or "__init__")
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: from . import x, from .x import y
-                target = node.module
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                module = ".".join(p for p in (base, node.module or "") if p)
             elif node.module == "clipopt" or (node.module or "").startswith("clipopt."):
-                target = node.module[len("clipopt.") :] if node.module != "clipopt" else None
+                module = node.module.partition(".")[2] if node.module else ""
             else:
                 continue
-            if target:
-                found.add(target.split(".")[0])
-            else:
-                found.update(
-                    alias.name if alias.name in LAYER_OF else "__init__" for alias in node.names
-                )
+            for alias in node.names:  # a name may be a module (from clipopt._step import _fold)
+                candidate = f"{module}.{alias.name}" if module else alias.name
+                if candidate == NATIVE or _source(candidate).exists():
+                    found.add(candidate)
+                else:
+                    found.add(module or "__init__")
     return found
 
 
-def test_every_module_has_a_layer() -> None:
-    assert set(_module_names()) <= set(LAYER_OF), set(_module_names()) - set(LAYER_OF)
+def _place(module: str) -> tuple[int, int]:
+    """(the layer of the module's unit, its floor inside a wing; -1 for a unit itself)."""
+    unit, _, inner = module.partition(".")
+    if not inner:
+        return LAYER_OF[unit], len(WING_FLOORS.get(unit, []))  # a wing's __init__: on top
+    floors = WING_FLOORS[unit]
+    for floor, names in enumerate(floors):
+        if inner in names:
+            return LAYER_OF[unit], floor
+    assert unit == "rules", f"clipopt.{module} has no floor in WING_FLOORS[{unit!r}]"
+    return LAYER_OF[unit], RULES_FLOOR
 
 
-@pytest.mark.parametrize("name", _module_names())
-def test_imports_point_only_to_lower_layers(name: str) -> None:
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text(), filename=f"{name}.py")
-    upward = {
-        target: LAYER_OF.get(target)
-        for target in _imported(tree)
-        if LAYER_OF.get(target, len(LAYERS)) >= LAYER_OF[name]
-    }
-    assert not upward, f"clipopt.{name} (layer {LAYER_OF[name]}) imports {upward}"
+def test_every_module_has_a_place() -> None:
+    for module in _modules():
+        unit = module.partition(".")[0]
+        assert unit in LAYER_OF, f"clipopt.{module}: {unit} has no layer in UNIT_LAYERS"
+        _place(module)
 
 
-def test_the_check_sees_deferred_imports() -> None:
+@pytest.mark.parametrize("module", _modules())
+def test_imports_point_only_downward(module: str) -> None:
+    tree = ast.parse(_source(module).read_text(encoding="utf-8"), filename=str(module))
+    package = module if _source(module).name == "__init__.py" else module.rpartition(".")[0]
+    layer, floor = _place(module)
+    unit = module.partition(".")[0]
+    upward = []
+    for target in _imported(tree, package):
+        target_layer, target_floor = _place(target)
+        if target.partition(".")[0] == unit:
+            if target_floor >= floor:
+                upward.append(f"{target} (floor {target_floor} of {unit}, this is {floor})")
+        elif target_layer >= layer:
+            upward.append(f"{target} (layer {target_layer}, this is {layer})")
+    assert not upward, f"clipopt.{module} imports {upward}"
+
+
+@pytest.mark.parametrize("module", _modules())
+def test_only_the_kernel_wing_reads_the_c_extension(module: str) -> None:
+    tree = ast.parse(_source(module).read_text(encoding="utf-8"), filename=str(module))
+    package = module if _source(module).name == "__init__.py" else module.rpartition(".")[0]
+    if module != NATIVE_READER:
+        assert NATIVE not in _imported(tree, package), module
+
+
+def test_the_wings_stay_low() -> None:
+    assert len(UNIT_LAYERS) <= 8
+    assert all(len(floors) <= 4 for floors in WING_FLOORS.values())
+
+
+def test_the_check_sees_deferred_and_relative_imports() -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from clipopt.optimizer import ClippedOptimizer\n"
         "def f():\n    from clipopt import _wrapper\n    import clipopt.distributed\n"
-        "from . import _step\n"
+        "from clipopt._step import _fold\nfrom clipopt._dist._reduce import NormScope\n"
+        "from . import _parts\nfrom .._kernels import _norms\n"
     )
-    assert _imported(ast.parse(source)) == {"optimizer", "_wrapper", "distributed", "_step"}
+    assert _imported(ast.parse(source), "_step") == {
+        "optimizer",
+        "_wrapper",
+        "distributed",
+        "_step._fold",
+        "_dist._reduce",
+        "_step._parts",
+        "_kernels._norms",
+    }

@@ -20,7 +20,7 @@ from helpers import needs_torch_internal
 from torch import Tensor
 
 import clipopt
-from clipopt import _cpu, _kernels
+from clipopt._kernels import _cpu, _norms
 
 
 def model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -172,7 +172,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
     monkeypatch.setattr(torch, "_foreach_norm", counting)
     monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
     monkeypatch.setattr(_cpu, "tensor_norms", counting_each)
-    monkeypatch.setattr(_kernels, "grouped_total_norm", forbidden)
+    monkeypatch.setattr(_norms, "grouped_total_norm", forbidden)
     yield calls
 
 

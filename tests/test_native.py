@@ -1,4 +1,4 @@
-"""The C kernels (``clipopt/_native.c``): the norm against float64 references, the
+"""The C kernels (``clipopt/_kernels/_native.c``): the norm against float64 references, the
 scale bit for bit against torch's ``mul_``.
 
 It cuts buffers into chunks of ``CHUNK`` elements (the unit handed to a thread) and
@@ -24,16 +24,16 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import clipopt
-from clipopt import _cpu
+from clipopt._kernels import _cpu
 
 if not _cpu.available():
     pytest.skip(
-        "the C kernel is not in use: clipopt._native was not built, or "
+        "the C kernel is not in use: clipopt._kernels._native was not built, or "
         f"{_cpu.DISABLE_ENV} is set (tests/test_fallback.py covers that path)",
         allow_module_level=True,
     )
 
-from clipopt import _native
+from clipopt._kernels import _native
 
 CHUNK = 1 << 16
 BLOCK = 1024

@@ -1,4 +1,4 @@
-"""Kept plans (``clipopt/_plan.py``): reused while the grads' metadata holds, remade on
+"""Kept plans (``clipopt/_kernels/_plan.py``): reused while the grads' metadata holds, remade on
 any change, and every clip exact either way.
 
 Each test clips, changes something between clips, and clips again; after every clip
@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 import clipopt
-from clipopt import _cpu, _plan, _torch_internals
+from clipopt import _torch_internals
+from clipopt._kernels import _cpu, _plan
 
 MAX_NORM = 0.5
 

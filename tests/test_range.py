@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import clipopt
-from clipopt import _cpu
-from clipopt._torch_norms import CHUNK as _CHUNK
-from clipopt._torch_norms import PACK_BELOW as _PACK_BELOW
+from clipopt._kernels import _cpu
+from clipopt._kernels._torch_norms import CHUNK as _CHUNK
+from clipopt._kernels._torch_norms import PACK_BELOW as _PACK_BELOW
 
 Float64Norm = Callable[[Sequence[Tensor | None], float | str], float]
 

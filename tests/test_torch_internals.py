@@ -252,7 +252,7 @@ def test_a_strided_shard_without_a_layout_rule_is_refused(
     plain Shard (up to 2.13 it is a subclass of Shard)."""
     from torch.distributed.tensor.placement_types import Replicate, Shard
 
-    from clipopt import _unit_rows
+    from clipopt._dist import _unit_rows
 
     class _StridedShard(Shard):  # stands in for torch's, unknown to the fence
         pass

@@ -2,7 +2,8 @@
 from a checkpoint or from clipopt 0.1.0.
 
 :func:`clip_entry` writes the ``"clip"`` entry of the state dict, in the layout
-:mod:`clipopt._clip_state` describes and checks (:func:`clipopt._clip_state.prepare_load`).
+:mod:`clipopt._step._clip_state` describes and checks
+(:func:`clipopt._step._clip_state.prepare_load`).
 :func:`check_saved_rules` checks what only the wrapper knows: that the saved rule and
 spike skip are the ones it was constructed with, and that their own state loads (into
 copies), before anything is loaded; :func:`load_clip_state` then installs them and the
@@ -18,10 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt._clip_state import ClipState, Settings, migrate_legacy_keys
-from clipopt._nonfinite import COUNTER_NAMES, StepRecord
-from clipopt._rule import ClipRule
-from clipopt._spike_skip import SpikeSkip
+from clipopt._step._clip_state import ClipState, Settings, migrate_legacy_keys
+from clipopt._step._nonfinite import COUNTER_NAMES, StepRecord
+from clipopt.rules._base import ClipRule
+from clipopt.rules._spike_skip import SpikeSkip
 
 __all__ = ["check_saved_rules", "clip_entry", "load_clip_state", "upgrade_0_1_0_pickle"]
 

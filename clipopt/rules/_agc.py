@@ -9,10 +9,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from clipopt._kernels import EPS, result_dtype
-from clipopt._rule import UnitDecision, UnitWiseRule, number
-from clipopt._unit_rows import Rows
-from clipopt._units import slot_unit_norms, whole_unit_norms
+from clipopt._dist._unit_rows import Rows
+from clipopt._dist._units import slot_unit_norms, whole_unit_norms
+from clipopt._kernels._norms import EPS, result_dtype
+from clipopt.rules._base import UnitDecision, UnitWiseRule, number
 
 __all__ = ["AGC"]
 
@@ -97,13 +97,13 @@ class AGC(UnitWiseRule):
 
     ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
     in the order of the param groups and their params, with
-    :func:`clipopt._unit_rows.unit_shape` entries per grad (excluded params and params
+    :func:`clipopt._dist._unit_rows.unit_shape` entries per grad (excluded params and params
     without a grad have none); ``clipped_count`` counts the steps in which some unit was
     scaled. Only the L2 norm is supported (``norm_type=2``, the paper's).
 
     DTensor params and grads (FSDP2, HSDP, tensor parallel, FSDP2 over TP) are measured
     by the whole unit across ranks, every unit's grad and weight shares (and the excluded
-    grads') in one float64 ``all_reduce`` (:mod:`clipopt._units`), the step's only one:
+    grads') in one float64 ``all_reduce`` (:mod:`clipopt._dist._units`), the step's only one:
     its global norm is the root of the sum of the grads' reduced squares. Each rank
     scales the part of each unit it holds; ``last_threshold`` then still holds every
     unit of every tensor, the same on every rank and as in one process. A parameter

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt import _cpu, _torch_internals
+from clipopt import _torch_internals
+from clipopt._kernels import _cpu
 
 __all__ = [
     "CAPACITY",
@@ -273,7 +274,7 @@ def group(tensors: Sequence[Tensor]) -> Groups:
 
     Dense tensors with no elements may remain in a group; sparse ones without values
     are dropped. The order is fixed so that eager and compiled runs add the same
-    partial norms in the same order. All-dense lists take a plan (:mod:`clipopt._plan`),
+    partial norms in the same order. All-dense lists take a plan (:mod:`clipopt._kernels._plan`),
     kept and reused while their metadata does not change.
     """
     plan = plan_for(tensors) if tensors else None

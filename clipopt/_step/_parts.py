@@ -1,7 +1,7 @@
 """The parts of a clipped step: read the settings, measure, decide, scale.
 
 A step is measure -> decide -> apply. This module holds the first two and the explicit
-scale; :mod:`clipopt._fused` holds the other way to apply (folded into a fused kernel).
+scale; :mod:`clipopt._step._fold` holds the other way to apply (folded into a fused kernel).
 A :class:`ClipDecision` is everything a step needs to apply the clip and record it, so
 that the two ways to apply it take the same thing.
 
@@ -9,7 +9,7 @@ A coefficient is given per param group: None (scale nothing), a 0-dim tensor (th
 group), or a tuple with one entry per grad of the group, each a tensor broadcastable to
 its grad or None to leave that grad alone (per-tensor or unit-wise rules). A clip
 rule's coefficients are made in :func:`threshold_coefficients`' place, by
-:mod:`clipopt._rule_step`.
+:mod:`clipopt._step._rule_step`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 from torch import Tensor
 
-from clipopt import _cpu, _kernels, _mesh, _reduce
-from clipopt._clip_state import (
+from clipopt._dist import _mesh, _reduce
+from clipopt._kernels import _cpu, _norms
+from clipopt._step._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
     Threshold,
@@ -68,7 +69,7 @@ class Measurement:
     groups' own norms on one device and dtype, ``stacked`` is them in one 1-D tensor and
     ``norm`` is its norm with the default order. ``tensor_norms`` is each grad's own norm
     (1-D, in :func:`collect_grads`' order) where the step measured them
-    (:mod:`clipopt._monitor`), ``tensor_names`` their names where asked for. ``groups``:
+    (:mod:`clipopt._step._monitor`), ``tensor_names`` their names where asked for. ``groups``:
     the grads of a norm local to this rank, as the kernels grouped them, for the scale
     to take as they are.
     """
@@ -78,7 +79,7 @@ class Measurement:
     stacked: Tensor | None
     tensor_norms: Tensor | None = None
     tensor_names: tuple[str, ...] = ()
-    groups: _kernels.Groups | None = None
+    groups: _norms.Groups | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def measure(
         flat = flatten(grads)
         if scope.process_group is None and flat and _mesh.all_plain(flat):
             # A norm of this rank's grads alone: keep their grouping for the scale.
-            norm, grouped = _kernels.grouped_total_norm(flat, norm_types[0], foreach)
+            norm, grouped = _norms.grouped_total_norm(flat, norm_types[0], foreach)
             return Measurement(norm, [norm] * len(grads), None, groups=grouped)
         norm = scope.global_norms([flat], norm_types[:1], foreach, params())[0]
         return Measurement(norm, [norm] * len(grads), None)
@@ -180,7 +181,7 @@ def measure(
         if g:
             device = g[0].device
             break
-    dtype = _kernels.result_dtype([n.dtype for n in own])
+    dtype = _norms.result_dtype([n.dtype for n in own])
     # A group without grads here gets its zero made here, unless its norm was reduced
     # across ranks (then it is on the device, and others' grads count): moving the CPU
     # zero the kernel returns for it would be a blocking host-to-device copy every step.
@@ -191,7 +192,7 @@ def measure(
         for n, bucket in zip(own, grads, strict=True)
     ]
     stacked = torch.stack(group_norms)
-    wide = _kernels.combine_dtype(stacked.device)
+    wide = _norms.combine_dtype(stacked.device)
     norm = torch.linalg.vector_norm(stacked, default_norm_type, dtype=wide).to(dtype)
     return Measurement(norm, group_norms, stacked)
 
@@ -228,7 +229,7 @@ def threshold_coefficients(
                 found = coefficient
                 break
         if found is None:
-            found = _kernels.clip_coefficient(threshold, norm)
+            found = _norms.clip_coefficient(threshold, norm)
             shared.append((norm, threshold, found))
         coefficients.append(found)
     return coefficients
@@ -249,7 +250,7 @@ def scale(
     grads: list[list[Tensor]],
     coefficients: list[Coefficient],
     foreach: bool | None,
-    grouped: _kernels.Groups | None = None,
+    grouped: _norms.Groups | None = None,
 ) -> None:
     """Multiply each group's grads by its coefficient in place.
 
@@ -262,7 +263,7 @@ def scale(
     reuse = grouped is not None and not torch.compiler.is_compiling()  # ids: see below
     shared = _one_coefficient(grads, coefficients) if reuse else None
     if grouped is not None and shared is not None:
-        _kernels.scale_groups_(grouped, shared, foreach)
+        _norms.scale_groups_(grouped, shared, foreach)
         return
     # Shared coefficients found by identity, not id(): torch.compile guards on an id,
     # and a step's new coefficient would then recompile this function every step.
@@ -275,7 +276,7 @@ def scale(
         elif coefficient is not None and group_grads:
             _bucket(by_coefficient, coefficient).extend(group_grads)
     for coefficient, tensors in by_coefficient:
-        _kernels.scale_(_mesh.local_tensors(tensors), coefficient, foreach)
+        _norms.scale_(_mesh.local_tensors(tensors), coefficient, foreach)
 
 
 def _bucket(buckets: list[tuple[Tensor, list[Tensor]]], coefficient: Tensor) -> list[Tensor]:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from clipopt._rule import ClipRule, checked, integer, number, saved, state_dtype
+from clipopt.rules._base import ClipRule, checked, integer, number, saved, state_dtype
 
 __all__ = ["AdaGC"]
 

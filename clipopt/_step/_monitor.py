@@ -1,7 +1,7 @@
 """Per-tensor norms measured in the step's one pass over the grads, and their names.
 
 With ``track_tensor_norms=True`` (or a per-tensor rule) the step reads every grad once,
-by one batched :func:`clipopt._kernels.per_tensor_norms` call, and derives the global
+by one batched :func:`clipopt._kernels._norms.per_tensor_norms` call, and derives the global
 norm (and each group's) from those norms: a p-norm is the p-norm of its parts' p-norms.
 DTensor grads (FSDP2, tensor parallel) take each whole tensor's norm across ranks in one
 collective, and the totals from the same reduced sums of p-th powers.
@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _mesh, _per_tensor, _torch_internals
-from clipopt._step import Measurement, flatten
+from clipopt import _torch_internals
+from clipopt._dist import _mesh, _per_tensor
+from clipopt._kernels import _norms
+from clipopt._step._parts import Measurement, flatten
 
 __all__ = ["TensorNorms", "grad_names", "measure_from_squares", "measure_per_tensor"]
 
@@ -53,7 +55,7 @@ def _combined(norms: Tensor, p: float, dtype: torch.dtype) -> Tensor:
     0 for none (an inf-norm of nothing would raise)."""
     if norms.numel() == 0:
         return norms.new_zeros((), dtype=dtype)
-    wide = _kernels.combine_dtype(norms.device)
+    wide = _norms.combine_dtype(norms.device)
     combined: Tensor = torch.linalg.vector_norm(norms.to(wide), p)
     return combined.to(dtype)
 
@@ -68,16 +70,16 @@ def measure_per_tensor(
     params: Callable[[], list[list[Tensor]]] = lambda: [],
     strict: bool = False,
 ) -> Measurement:
-    """:func:`clipopt._step.measure` (without a process group) with each grad's norm
+    """:func:`clipopt._step._parts.measure` (without a process group) with each grad's norm
     kept, and its name where ``names`` (from :func:`grad_names`) are given.
 
-    Plain grads: one :func:`~clipopt._kernels.per_tensor_norms` call (one per distinct
+    Plain grads: one :func:`~clipopt._kernels._norms.per_tensor_norms` call (one per distinct
     group order with ``per_group``), and the global and group norms derived from its
     output, so every grad is read once. The per-tensor norms are float32 (float64 for
     double grads), so a float32 global norm can differ from the direct one by an ulp.
 
     DTensor grads (or none here, with DTensor parameters): each whole tensor's norm
-    across ranks, in one collective (:func:`clipopt._per_tensor.global_tensor_powers`),
+    across ranks, in one collective (:func:`clipopt._dist._per_tensor.global_tensor_powers`),
     and the totals from the reduced sums of p-th powers before their roots are taken.
 
     Args:
@@ -139,7 +141,7 @@ def measure_from_squares(
       (tensor(13.), tensor([ 5., 12.]))
     """
     flat_names = () if names is None else tuple(n for group in names for n in group)
-    dtype = _kernels.result_dtype([g.dtype for group in grads for g in group])
+    dtype = _norms.result_dtype([g.dtype for group in grads for g in group])
     sizes = [len(group) for group in grads] if per_group else [len(squares)]
     ends = [0, *itertools.accumulate(sizes)]
     buckets = [squares[start:end] for start, end in itertools.pairwise(ends)]
@@ -224,7 +226,7 @@ def _sharded_norms(
     powers = _per_tensor.global_tensor_powers(
         slots, orders, foreach, params=flatten(params), strict=strict
     )
-    dtype = _kernels.result_dtype([g.dtype for g in flatten(grads)])
+    dtype = _norms.result_dtype([g.dtype for g in flatten(grads)])
     triples = list(zip(powers, slots, orders, strict=True))
     mine = torch.cat([_per_tensor.root(_per_tensor.held(pw, own), p) for pw, own, p in triples])
     totals = [_per_tensor.total_root(pw, p).to(dtype) for pw, _, p in triples]
@@ -232,15 +234,15 @@ def _sharded_norms(
 
 
 def _each_norm(grads: list[list[Tensor]], norm_types: list[float], foreach: bool | None) -> Tensor:
-    """Each plain grad's norm, by one :func:`~clipopt._kernels.per_tensor_norms` call (one
+    """Each plain grad's norm, by one :func:`~clipopt._kernels._norms.per_tensor_norms` call (one
     per group where their orders differ), on the first grad's device."""
     flat = flatten(grads)
     if len(set(norm_types)) == 1:
-        return _kernels.per_tensor_norms(flat, norm_types[0], foreach)
-    device, dtype = flat[0].device, _kernels.result_dtype([g.dtype for g in flat])
+        return _norms.per_tensor_norms(flat, norm_types[0], foreach)
+    device, dtype = flat[0].device, _norms.result_dtype([g.dtype for g in flat])
     return torch.cat(
         [
-            _kernels.per_tensor_norms(group, p, foreach).to(device, dtype)
+            _norms.per_tensor_norms(group, p, foreach).to(device, dtype)
             for group, p in zip(grads, norm_types, strict=True)
             if group
         ]

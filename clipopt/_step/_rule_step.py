@@ -1,8 +1,8 @@
 """A rule's decision in a step: per-tensor and unit-wise coefficients.
 
 A clip rule (:class:`clipopt.ClipRule`) turns the step's measurement into one
-:data:`clipopt._step.Coefficient` per param group, in
-:func:`clipopt._step.threshold_coefficients`' place: :func:`rule_coefficients` from the
+:data:`clipopt._step._parts.Coefficient` per param group, in
+:func:`clipopt._step._parts.threshold_coefficients`' place: :func:`rule_coefficients` from the
 norms the step measured, :func:`unit_rule_coefficients` from the parameters and their
 grads for a unit-wise rule (:class:`clipopt.UnitWiseRule`), which decides before the
 step measures. Each also returns what the rule decided, for it to commit once the step
@@ -16,9 +16,9 @@ from typing import Any
 
 from torch import Tensor
 
-from clipopt import _mesh
-from clipopt._rule import ClipRule, UnitDecision, UnitWiseRule
-from clipopt._step import Coefficient, Measurement
+from clipopt._dist import _mesh
+from clipopt._step._parts import Coefficient, Measurement
+from clipopt.rules._base import ClipRule, UnitDecision, UnitWiseRule
 
 __all__ = ["rule_coefficients", "unit_rule_coefficients"]
 
@@ -34,7 +34,7 @@ def rule_coefficients(
     A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
     rule one per grad, from each whole grad's norm: ``measured.tensor_norms``, which
     the step measured with the global norm (one pass, and for DTensor grads one
-    collective: :func:`clipopt._monitor.measure_per_tensor`).
+    collective: :func:`clipopt._step._monitor.measure_per_tensor`).
 
     Raises:
       ValueError: a per-tensor rule and a measurement without per-tensor norms.

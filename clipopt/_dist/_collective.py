@@ -1,7 +1,7 @@
 """The collectives norms are reduced with: float64 values, summed or maxed (NaN kept).
 
-:mod:`clipopt._reduce` (one norm per bucket), :mod:`clipopt._per_tensor` (one norm
-per tensor) and :mod:`clipopt._units` (one per unit) send their local shares through
+:mod:`clipopt._dist._reduce` (one norm per bucket), :mod:`clipopt._dist._per_tensor` (one norm
+per tensor) and :mod:`clipopt._dist._units` (one per unit) send their local shares through
 these, so they agree on the dtype every rank sends, on how a NaN survives a ``MAX``, and
 on how the ranks' counts of grads travel with the values (:func:`count_tail`).
 """

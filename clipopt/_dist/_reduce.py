@@ -16,7 +16,7 @@ The reduction runs in float64 whatever the grads' dtype: every rank must send th
 dtype (gloo aborts otherwise), and ``norm**p`` of a float32 norm overflows float32 from
 ``norm > 1.8e19`` at ``p = 2``. The result is a plain tensor, identical on every rank.
 
-Names: :func:`clipopt._kernels.total_norm` is a local norm; :func:`global_norms` /
+Names: :func:`clipopt._kernels._norms.total_norm` is a local norm; :func:`global_norms` /
 :func:`global_norm` and :meth:`NormScope.global_norms` are the norms across ranks.
 """
 
@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt import _kernels, _mesh
-from clipopt._collective import REDUCE_DTYPE, collective_device, reduce_max, reduce_sum
+from clipopt._dist import _mesh
+from clipopt._dist._collective import REDUCE_DTYPE, collective_device, reduce_max, reduce_sum
+from clipopt._kernels import _norms
 
 __all__ = [
     "NormScope",
@@ -114,7 +115,7 @@ def _local_contribution(
     for weight, tensors in classes:
         if not tensors:
             continue
-        norm = _kernels.total_norm(tensors, p, foreach).to(REDUCE_DTYPE)
+        norm = _norms.total_norm(tensors, p, foreach).to(REDUCE_DTYPE)
         parts.append(norm if p == math.inf else norm.pow(p).mul(weight))
     if not parts:
         return torch.zeros(1, dtype=REDUCE_DTYPE, device=device)
@@ -140,7 +141,7 @@ def global_norms(
     ``all_reduce(SUM)`` and all inf-norm buckets in one ``all_reduce(MAX)``: a single
     collective per step unless finite and inf orders are mixed across buckets. Without
     DTensors and without ``process_group`` nothing is communicated and the result is
-    :func:`clipopt._kernels.total_norm` of each bucket.
+    :func:`clipopt._kernels._norms.total_norm` of each bucket.
 
     Every rank of the group (or mesh) must call this with the same number of buckets and
     the same norm types, since it is a collective.
@@ -186,7 +187,7 @@ def global_norms(
         spanned = []
     if not spanned and process_group is None:
         pairs = zip(buckets, norm_types, strict=True)
-        return [_kernels.total_norm(list(b), p, foreach) for b, p in pairs]
+        return [_norms.total_norm(list(b), p, foreach) for b, p in pairs]
     if spanned:
         if flat:
             _mesh.check_unmixed(flat, dtensors)
@@ -232,7 +233,7 @@ def _finish(
     results = []
     for i, bucket in enumerate(buckets):
         out_device = bucket[0].device if bucket else device
-        out_dtype = _kernels.result_dtype([t.dtype for t in bucket])
+        out_dtype = _norms.result_dtype([t.dtype for t in bucket])
         results.append(reduced[i].to(device=out_device, dtype=out_dtype))
     return results
 
@@ -250,7 +251,7 @@ def global_norm(
 
     Example:
       >>> import torch
-      >>> from clipopt._reduce import global_norm
+      >>> from clipopt._dist._reduce import global_norm
       >>> global_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0)
       tensor(5.)
     """

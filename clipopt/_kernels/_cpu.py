@@ -22,7 +22,7 @@ code, so eager and compiled runs give the same bits.
 The extension is optional: an install without a working C compiler leaves it out, and
 ``CLIPOPT_DISABLE_NATIVE=1`` in the environment (read once, at import) leaves it unused.
 Either way :func:`available` is False, :func:`supports` and :func:`scales` say no to
-every case, and every CPU grad takes the torch-ops path of :mod:`clipopt._kernels`.
+every case, and every CPU grad takes the torch-ops path of :mod:`clipopt._kernels._norms`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from clipopt import _torch_internals
 
 _native: types.ModuleType | None
 try:
-    from clipopt import _native
+    from clipopt._kernels import _native
 except ImportError:  # installed where the C extension could not be built
     _native = None
 
@@ -126,7 +126,7 @@ def any_of_type(objects: Sequence[object], cls: type) -> bool:
 
 def coefficient(max_norm: float, norm: Tensor, eps: float) -> Tensor | None:
     """``min(1, max_norm / (norm + eps))`` with the bits of the torch ops of
-    :func:`clipopt._kernels.clip_coefficient`, by one C call, for a 0-dim float32 or
+    :func:`clipopt._kernels._norms.clip_coefficient`, by one C call, for a 0-dim float32 or
     float64 CPU ``norm`` in eager mode; None where that does not apply.
 
     The eight small torch ops cost 40 us after a clip's pass over thousands of grads.
@@ -203,7 +203,9 @@ _RAW_DATA_PTR = _raw_data_ptr()
 
 def _kernels() -> types.ModuleType:
     if _native is None:
-        raise RuntimeError("clipopt was installed without its C extension (clipopt._native)")
+        raise RuntimeError(
+            "clipopt was installed without its C extension (clipopt._kernels._native)"
+        )
     return _native
 
 

@@ -2,16 +2,16 @@
 
 :class:`AdaGC`, :class:`AutoClip` and :class:`ZClip` are rules on global or per-tensor
 norms, :class:`AGC` a unit-wise one; each lives in a module of its own over the
-protocols in :mod:`clipopt._rule` (:class:`ClipRule`, :class:`UnitWiseRule`), whose
+protocols in :mod:`clipopt.rules._base` (:class:`ClipRule`, :class:`UnitWiseRule`), whose
 docstring says what the wrapper calls and when. See ``docs/adaptive.md``.
 """
 
-from clipopt._adagc import AdaGC
-from clipopt._agc import AGC
-from clipopt._autoclip import AutoClip
-from clipopt._rule import ClipRule, UnitDecision, UnitWiseRule
-from clipopt._spike_skip import SpikeSkip
-from clipopt._zclip import ZClip, ZClipMode, ZClipOption
+from clipopt.rules._adagc import AdaGC
+from clipopt.rules._agc import AGC
+from clipopt.rules._autoclip import AutoClip
+from clipopt.rules._base import ClipRule, UnitDecision, UnitWiseRule
+from clipopt.rules._spike_skip import SpikeSkip
+from clipopt.rules._zclip import ZClip, ZClipMode, ZClipOption
 
 __all__ = [
     "AGC",

@@ -10,14 +10,14 @@ A total p-norm is the p-norm of partial p-norms, so every path reduces each
 
 CPU, p in (1, 2, inf) and float32, float64, bfloat16 or float16 grads: every grad
 whose memory is dense (contiguous, or contiguous up to a permutation of its dims, e.g.
-channels-last) is read by one call into the C reduction of :mod:`clipopt._cpu`,
+channels-last) is read by one call into the C reduction of :mod:`clipopt._kernels._cpu`,
 on torch's own threads, at the speed of ``torch.sum`` (float16's 1- and 2-norm at
 about half of it on CPUs without F16C); grads with gaps in memory (a strided slice) are
 reduced in place by torch ops, their last dim split into rows.
 
 CPU, any other p or dtype (complex), strided grads, or any case where the C kernel is
 not in use (not built, or ``CLIPOPT_DISABLE_NATIVE``): blocked and packed torch ops, in
-:mod:`clipopt._torch_norms`, with powers that would leave float32's range taken in
+:mod:`clipopt._kernels._torch_norms`, with powers that would leave float32's range taken in
 double.
 
 Other devices (CUDA): one torch's foreach norm per (device, dtype) group (one
@@ -34,9 +34,10 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from clipopt import _cpu, _torch_internals
-from clipopt._plan import GroupKey, Groups, group
-from clipopt._torch_norms import (
+from clipopt import _torch_internals
+from clipopt._kernels import _cpu
+from clipopt._kernels._plan import GroupKey, Groups, group
+from clipopt._kernels._torch_norms import (
     Scratch,
     combine_dtype,
     range_dtype,
@@ -352,7 +353,7 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor, foreach: bool | None = None)
     """Multiply every tensor in place by the 0-dim ``coef`` (moved to each device once).
 
     Dense CPU grads of float32, float64 and bfloat16 take one call into the C kernel of
-    :mod:`clipopt._cpu`, whatever ``foreach`` says (it rounds as ``mul_`` does, and
+    :mod:`clipopt._kernels._cpu`, whatever ``foreach`` says (it rounds as ``mul_`` does, and
     writes nothing when ``coef`` is exactly 1). Other dense groups use one
     ``_foreach_mul_`` unless ``foreach=False``. Sparse COO tensors are scaled one by one.
     """

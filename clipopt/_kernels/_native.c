@@ -1,7 +1,7 @@
 /* Exact norm reductions and in-place scaling over many dense CPU buffers, at the speed
  * of reading (and writing) them.
  *
- * clipopt._kernels hands over one (device, dtype) group of dense grads as lists of data
+ * clipopt._kernels._norms hands over one (device, dtype) group of dense grads as lists of data
  * pointers and element counts. Each buffer is cut into chunks of CHUNK elements;
  * threads take every threads-th chunk, each chunk is reduced alone, and the chunk
  * results are combined in chunk order on the calling thread. The result therefore does
@@ -668,7 +668,7 @@ static PyObject *native_scale(PyObject *self, PyObject *args) {
  * by calling the `data_ptr` method given (Tensor.data_ptr) on each: one pass in C where
  * Python built two lists, shared by a clip's norm and its scale. */
 
-#define LAYOUT_NAME "clipopt._native.layout"
+#define LAYOUT_NAME "clipopt._kernels._native.layout"
 
 typedef struct {
     Chunks chunks;
@@ -896,7 +896,7 @@ static PyObject *native_any_instance(PyObject *self, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
-/* min(1, max_norm / (norm + eps)) as clipopt._kernels.clip_coefficient's torch ops
+/* min(1, max_norm / (norm + eps)) as clipopt._kernels._norms.clip_coefficient's torch ops
  * round it, in the norm's precision: eps and max_norm rounded to it first, the quotient
  * as a reciprocal times max_norm (torch's scalar / tensor), a NaN norm kept, and a
  * coefficient in (0, smallest normal) made NaN. */
@@ -972,7 +972,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "clipopt._native",
+    PyModuleDef_HEAD_INIT, "clipopt._kernels._native",
     "Exact norm reductions and scaling over dense CPU buffers (see _native.c).", -1, methods,
     NULL, NULL, NULL, NULL,
 };

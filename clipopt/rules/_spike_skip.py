@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt._rule import OnDevice, checked, count_or_zero, integer, number, saved, state_dtype
+from clipopt.rules._base import (
+    OnDevice,
+    checked,
+    count_or_zero,
+    integer,
+    number,
+    saved,
+    state_dtype,
+)
 
 __all__ = ["SpikeSkip"]
 

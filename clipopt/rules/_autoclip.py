@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt._rule import ClipRule, checked, integer, number, saved
+from clipopt.rules._base import ClipRule, checked, integer, number, saved
 
 
 def _ranks_by_quantile_of_this_torch(filled: Tensor, q: float, dtype: torch.dtype) -> Tensor:

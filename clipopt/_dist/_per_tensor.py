@@ -3,14 +3,14 @@
 A per-tensor rule (``AutoClip(per_tensor=True)``, Seetharaman et al., 2020; AdaGC, Wang
 et al., 2025) clips each grad by its own norm. Under DDP every rank holds whole grads
 and each norm is local. A DTensor grad (FSDP2, HSDP, tensor parallel) holds a shard, and
-its norm is that of the whole tensor: as for the global norm in :mod:`clipopt._reduce`,
+its norm is that of the whole tensor: as for the global norm in :mod:`clipopt._dist._reduce`,
 each grad's local shard norm is raised to ``p`` and divided by its replica count (the
 mesh sizes over its Replicate dims, and the reduction mesh's dims its mesh lacks), and
 the sums over the ranks of the reduction mesh give ``norm**p`` of each grad; for the
 inf-norm the maximum is taken, with no weight. Every grad's share travels in ONE 1-D
 float64 tensor, so a step makes one ``all_reduce`` (``SUM``, or ``MAX`` for the
 inf-norm) over the mesh, whatever the number of grads; or one per mesh dimension when
-the mesh is an N-D strict subset of the world (:func:`clipopt._mesh.mesh_groups`). Grads
+the mesh is an N-D strict subset of the world (:func:`clipopt._dist._mesh.mesh_groups`). Grads
 on several named sub-meshes of one root (FSDP2 over TP) are reduced over the part of the
 root they span, in that same one collective.
 
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from clipopt import _kernels, _mesh
-from clipopt._collective import (
+from clipopt._dist import _mesh
+from clipopt._dist._collective import (
     REDUCE_DTYPE,
     collective_device,
     count_tail,
@@ -37,6 +37,7 @@ from clipopt._collective import (
     reduce_max,
     reduce_sum,
 )
+from clipopt._kernels import _norms
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -65,7 +66,7 @@ def _local_shares(
     order: list[int] = []
     for count, indices in _by_replica_count(grads, mesh).items():
         shards = [grads[i]._local_tensor for i in indices]
-        norms = _kernels.per_tensor_norms(shards, p, foreach).to(REDUCE_DTYPE)
+        norms = _norms.per_tensor_norms(shards, p, foreach).to(REDUCE_DTYPE)
         if p != math.inf:
             norms = norms.pow(p)
             norms = norms.div(count) if count > 1 else norms
@@ -231,7 +232,7 @@ def global_per_tensor_norms(
 ) -> Tensor:
     """The p-norm of each whole tensor, across the ranks its shards live on.
 
-    Plain tensors are measured locally by :func:`clipopt._kernels.per_tensor_norms`, with
+    Plain tensors are measured locally by :func:`clipopt._kernels._norms.per_tensor_norms`, with
     no collective: under DDP each rank holds whole (averaged) grads. DTensors are measured
     as the module says, in one collective (:func:`global_tensor_powers`). Every rank of
     the mesh must call this with grads of the same parameters in the same order (FSDP2
@@ -255,13 +256,13 @@ def global_per_tensor_norms(
 
     Example:
       >>> import torch
-      >>> from clipopt._per_tensor import global_per_tensor_norms
+      >>> from clipopt._dist._per_tensor import global_per_tensor_norms
       >>> global_per_tensor_norms([torch.tensor([3.0, 4.0]), torch.tensor([-2.0])], 2.0)
       tensor([5., 2.])
     """
     if not _mesh.dtensors(tensors):
-        return _kernels.per_tensor_norms(tensors, p, foreach)
+        return _norms.per_tensor_norms(tensors, p, foreach)
     powers = global_tensor_powers([tensors], [p], foreach)[0]
     device = _mesh.local_tensors(tensors[:1])[0].device
-    dtype = _kernels.result_dtype([t.dtype for t in tensors])
+    dtype = _norms.result_dtype([t.dtype for t in tensors])
     return root(powers, p).to(device=device, dtype=dtype)

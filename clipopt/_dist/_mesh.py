@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt import _cpu, _torch_internals
+from clipopt import _torch_internals
+from clipopt._kernels import _cpu
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -9,8 +9,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from clipopt._kernels import EPS
-from clipopt._rule import ClipRule, checked, integer, number, saved, state_dtype
+from clipopt._kernels._norms import EPS
+from clipopt.rules._base import ClipRule, checked, integer, number, saved, state_dtype
 
 __all__ = ["ZClip", "ZClipMode", "ZClipOption"]
 

@@ -6,7 +6,7 @@ whole of a 0- or 1-D tensor. On a DTensor (FSDP2, HSDP, tensor parallel) a rank 
 whole units (Shard(0) rows), parts of units (a 1-D tensor sharded on dim 0, a weight
 sharded on dim 1 by row-parallel TP) or copies (Replicate). What a rank holds of each
 unit is worked out from the tensor's layout alone, as one contiguous range of rows among
-the whole tensor's (another layout is refused): :mod:`clipopt._units` measures the units
+the whole tensor's (another layout is refused): :mod:`clipopt._dist._units` measures the units
 from it.
 """
 
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
-from clipopt import _mesh, _torch_internals
+from clipopt import _torch_internals
+from clipopt._dist import _mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from clipopt import _cpu
+from clipopt._kernels import _cpu
 
 __all__ = [
     "CHUNK",

@@ -7,10 +7,10 @@ whole units (Shard(0) rows), parts of units (a 1-D tensor sharded on dim 0, a we
 sharded on dim 1 by row-parallel TP) or copies (Replicate). Every unit's squared norm is
 the sum over the ranks of the reduction mesh of each rank's share: the squared norm of
 the part it holds, divided by how many ranks hold that part (as
-:mod:`clipopt._per_tensor` weighs replicas). Each rank puts its shares of each tensor's
+:mod:`clipopt._dist._per_tensor` weighs replicas). Each rank puts its shares of each tensor's
 units at those units' global positions (zeros elsewhere), so one float64 ``all_reduce``
 of one 1-D tensor gives every rank every unit's norm, whatever the layout, as long as
-the rows a rank holds are one contiguous range (:mod:`clipopt._unit_rows` finds them,
+the rows a rank holds are one contiguous range (:mod:`clipopt._dist._unit_rows` finds them,
 and refuses other layouts). Laid out over every parameter's units, whatever grads a rank
 holds (:func:`slot_unit_norms`), it is the same collective on a rank without some grads,
 or any, and it carries each rank's count of grads, so that ranks holding different grads
@@ -28,16 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from clipopt import _kernels, _mesh, _torch_internals
-from clipopt._collective import (
+from clipopt import _torch_internals
+from clipopt._dist import _mesh
+from clipopt._dist._collective import (
     REDUCE_DTYPE,
     collective_device,
     count_tail,
     counts_differ,
     reduce_sum,
 )
-from clipopt._torch_norms import accumulate_dtype, combine_dtype
-from clipopt._unit_rows import Rows, check_pairs, local_rows, plain_rows
+from clipopt._dist._unit_rows import Rows, check_pairs, local_rows, plain_rows
+from clipopt._kernels import _norms
+from clipopt._kernels._torch_norms import accumulate_dtype, combine_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -68,7 +70,7 @@ def unit_norms(
 
     Example:
       >>> import torch
-      >>> from clipopt._units import unit_norms
+      >>> from clipopt._dist._units import unit_norms
       >>> unit_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([6.0, 8.0])],
       ...            torch.device("cpu"), torch.float32, whole=[torch.ones(2, 2)])
       tensor([ 5.,  1., 10.,  2.])
@@ -79,7 +81,7 @@ def unit_norms(
     for i, t in enumerate(every):
         one = i >= len(tensors) or t.dim() <= 1
         if t.is_sparse:  # only a whole one: AGC refuses sparse grads it clips
-            parts[i] = _kernels.per_tensor_norms([t], 2.0)
+            parts[i] = _norms.per_tensor_norms([t], 2.0)
         elif one and t.numel() > 0:
             batched.setdefault((t.device, t.dtype), []).append(i)
         else:
@@ -138,7 +140,7 @@ def whole_unit_norms(
     collective. DTensors are measured as the module says, the shares of the grads, the
     weights and ``whole`` in ONE float64 ``all_reduce`` over the reduction mesh (one per
     mesh dim on an N-D mesh over only some of the ranks, as
-    :func:`clipopt._mesh.mesh_groups` says). Every rank of the mesh must call this with
+    :func:`clipopt._dist._mesh.mesh_groups` says). Every rank of the mesh must call this with
     the same parameters in the same order.
 
     Args:
@@ -161,7 +163,7 @@ def whole_unit_norms(
 
     Example:
       >>> import torch
-      >>> from clipopt._units import whole_unit_norms
+      >>> from clipopt._dist._units import whole_unit_norms
       >>> g, w = torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.ones(2, 2)
       >>> found = whole_unit_norms([g], [w], torch.float32, whole=[torch.tensor([2.0])])
       >>> found.grads, found.weights
@@ -215,7 +217,7 @@ def slot_unit_norms(
 
     Example:
       >>> import torch
-      >>> from clipopt._units import slot_unit_norms
+      >>> from clipopt._dist._units import slot_unit_norms
       >>> slot_unit_norms([None], [torch.ones(2, 2)], torch.float32)
       Traceback (most recent call last):
       ...

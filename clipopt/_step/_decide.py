@@ -1,12 +1,12 @@
 """The decision of a ``ClippedOptimizer`` step: measure, then decide; nothing changes.
 
-A step is measure -> decide -> apply (:mod:`clipopt._step` holds the parts,
-:mod:`clipopt._rule_step` what a clip rule decides in them).
+A step is measure -> decide -> apply (:mod:`clipopt._step._parts` holds the parts,
+:mod:`clipopt._step._rule_step` what a clip rule decides in them).
 :func:`decide` is the first two: it reads each group's settings, collects the grads and
 measures them (:func:`_measure`: one reduction, one per-tensor pass, or a unit-wise
 rule's squares), turns the norms into one coefficient per group (:func:`_coefficients`:
 a threshold, or a rule's decision), judges a spike and a non-finite norm, and returns
-one :class:`clipopt._step.ClipDecision` with whether to fold it into a fused kernel. The
+one :class:`clipopt._step._parts.ClipDecision` with whether to fold it into a fused kernel. The
 wrapper applies and records it. What it reads of the wrapper is a :class:`ClipConfig`,
 made for each decision, since a load may change the settings; the inner optimizer and
 the step record are passed as they are.
@@ -27,18 +27,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _fused, _monitor, _rule_step, _step
-from clipopt._clip_state import (
+from clipopt._dist._reduce import NormScope
+from clipopt._step import _fold, _monitor, _parts, _rule_step
+from clipopt._step._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
     NonFinite,
     Settings,
     rename_legacy_keys,
 )
-from clipopt._nonfinite import StepRecord, device_verdict, host_verdict, spike_verdict
-from clipopt._reduce import NormScope
-from clipopt._rule import ClipRule, UnitWiseRule
-from clipopt._spike_skip import SpikeSkip
+from clipopt._step._nonfinite import StepRecord, device_verdict, host_verdict, spike_verdict
+from clipopt.rules._base import ClipRule, UnitWiseRule
+from clipopt.rules._spike_skip import SpikeSkip
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -114,7 +114,7 @@ def check_rule_groups(groups: Iterable[Mapping[str, Any]], rule: ClipRule | None
 @torch.no_grad()
 def decide(
     optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
-) -> tuple[_step.ClipDecision, bool]:
+) -> tuple[_parts.ClipDecision, bool]:
     """Measure, compute the coefficients and rule on a non-finite norm; change nothing.
 
     Args:
@@ -132,30 +132,30 @@ def decide(
       NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
     """
     rename_legacy_keys(optimizer.param_groups, optimizer.defaults)  # "max_norm" set on a group
-    settings = _step.read_group_settings(
+    settings = _parts.read_group_settings(
         optimizer.param_groups, optimizer.defaults, config.per_group
     )
-    grads = _step.collect_grads(optimizer.param_groups)
+    grads = _parts.collect_grads(optimizer.param_groups)
     measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings)
     spike = None
     spikes = config.skip_spikes
     if may_skip and spikes is not None and spikes.may_trigger():
         spike = spikes.verdict(measured.norm)
-    fold = may_fold and _fused.can_fold(
-        optimizer, lambda: _step.grad_dtypes(grads, measured), coefficients
+    fold = may_fold and _fold.can_fold(
+        optimizer, lambda: _parts.grad_dtypes(grads, measured), coefficients
     )
     if config.nonfinite == "propagate" and spike is None:
-        return _step.ClipDecision(grads, measured, coefficients, rule_outcome=outcome), fold
+        return _parts.ClipDecision(grads, measured, coefficients, rule_outcome=outcome), fold
     norms = measured.norm if measured.stacked is None else measured.stacked
-    values = _step.coefficient_values(coefficients, norms)
+    values = _parts.coefficient_values(coefficients, norms)
     limit = config.max_consecutive_skips
-    if fold and config.nonfinite != "raise" and _fused.skips_cleanly(optimizer):
+    if fold and config.nonfinite != "raise" and _fold.skips_cleanly(optimizer):
         found_inf = None
         if config.nonfinite == "skip":
             found_inf = device_verdict(norms, values, record, limit)
         if spike is not None:
             found_inf = spike_verdict(found_inf, spike)
-        return _step.ClipDecision(
+        return _parts.ClipDecision(
             grads,
             measured,
             coefficients,
@@ -165,7 +165,7 @@ def decide(
         ), fold
     streak = host_verdict(norms, values, record, config.nonfinite, limit, may_skip, spike)
     skip = streak is not None
-    return _step.ClipDecision(
+    return _parts.ClipDecision(
         grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
     ), fold
 
@@ -174,8 +174,8 @@ def _coefficients(
     optimizer: Optimizer,
     config: ClipConfig,
     grads: list[list[Tensor]],
-    settings: _step.GroupSettings,
-) -> tuple[_step.Measurement, list[_step.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
+    settings: _parts.GroupSettings,
+) -> tuple[_parts.Measurement, list[_parts.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
     """The step's norms, each group's coefficient and what a rule decided. A unit-wise
     rule decides first: the norms come from what it measured, where it says."""
     norm_types = settings.norm_types
@@ -189,7 +189,7 @@ def _coefficients(
     if config.rule is None:
         return (
             measured,
-            _step.threshold_coefficients(measured.group_norms, settings.thresholds),
+            _parts.threshold_coefficients(measured.group_norms, settings.thresholds),
             None,
         )
     check_rule_groups(optimizer.param_groups, config.rule)
@@ -206,7 +206,7 @@ def _measure(
     norm_types: list[float],
     squares: tuple[Tensor, ...] | None = None,
     check: Tensor | None = None,
-) -> _step.Measurement:
+) -> _parts.Measurement:
     """The step's norms: from a unit-wise rule's ``squares`` where it measured them
     (AGC: no grad read again, no collective more; its ``check`` NaN where the ranks'
     grads do not line up); with per-tensor norms wanted
@@ -230,7 +230,7 @@ def _measure(
             lambda: [group["params"] for group in optimizer.param_groups],
             strict=per_rule,
         )
-    return _step.measure(
+    return _parts.measure(
         grads,
         norm_types,
         default,
