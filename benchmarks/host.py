@@ -28,6 +28,15 @@ import torch
 from torch import Tensor
 
 import clipopt
+from benchmarks.common import (
+    ShrinkingMaxNorm,
+    _grads_and_flat_copy,
+    make_params,
+    many_small_shapes,
+    release,
+    summarize,
+    time_interleaved,
+)
 from clipopt._kernels import _cpu
 
 __all__ = [
@@ -83,7 +92,6 @@ def per_tensor_floor(params: list[Tensor], floor: Callable[[], object]) -> Calla
 
 def host_contenders(params: list[Tensor], floor: Callable[[], object]) -> dict[str, Any]:
     """The floors, torch's clip, clipopt's, and the wrapper's clip, on the same grads."""
-    from benchmarks.run import ShrinkingMaxNorm
 
     grads = [p.grad for p in params if p.grad is not None]
     max_norm = ShrinkingMaxNorm.below_norm_of(grads, 2.0)
@@ -133,13 +141,6 @@ def stubbed_contenders(params: list[Tensor]) -> dict[str, Any]:
 
 
 def bench_host_cost(config: Any) -> list[Any]:
-    from benchmarks.run import (
-        _grads_and_flat_copy,
-        make_params,
-        many_small_shapes,
-        summarize,
-        time_interleaved,
-    )
 
     params = make_params(many_small_shapes(config.quick), torch.float32, config.device)
     _, flat = _grads_and_flat_copy(params)
@@ -184,7 +185,6 @@ def compiled_contenders(params: list[Tensor], backend: str = "inductor") -> dict
 
 
 def bench_compiled(config: Any) -> list[Any]:
-    from benchmarks.run import make_params, release, summarize, time_interleaved
 
     rows = []
     layouts = config.layouts

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 import clipopt
-from benchmarks.run import (
+from benchmarks.common import (
     LAYOUTS,
     MAX_NORM,
     RESULTS_DIR,

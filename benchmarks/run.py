@@ -46,21 +46,17 @@ With ``--device cuda`` (and not ``--quick``) the transformer layout is
 ``transformer_1b``: 18 blocks of width 2048 and a 50304-token embedding, 219 tensors,
 1.009e9 parameters (``transformer_1b_shapes``); the step and amp sections use it too,
 and the targets of the GPU check apply (``cuda_targets``) instead of the CPU's.
+
+This module holds the sections and ``main``; the harness they share (layouts, timing,
+the table and the JSON) is :mod:`benchmarks.common`, the goals :mod:`benchmarks.targets`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import gc
-import json
 import math
-import os
-import platform
-import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,124 +66,36 @@ import torch
 from torch import Tensor, nn
 
 import clipopt
-from benchmarks import host
+from benchmarks import host, rules
+from benchmarks.common import (
+    FOLDED_FLOOR,
+    MAX_NORM,
+    RESULTS_DIR,
+    SCALED_STEP,
+    SHRINK,
+    TORCH_OPS,
+    Config,
+    Contenders,
+    Row,
+    ShrinkingMaxNorm,
+    _grads_and_flat_copy,
+    format_table,
+    machine,
+    make_params,
+    release,
+    results_name,
+    summarize,
+    time_interleaved,
+    transformer_shapes,
+    write_results,
+)
+from benchmarks.targets import (
+    check_targets,
+    cuda_targets,
+)
 from clipopt._kernels import _cpu
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-MAX_NORM = 1.0
-SHRINK = 0.97
-UNCLIPPED_CASE = "transformer float32 p=2, max_norm not reached"  # the CPU layout's
-FOLDED_FLOOR = "fused AdamW: floor (sum, step with grad_scale)"
-SCALED_STEP = "fused AdamW: step with grad_scale alone"
-TORCH_OPS = "clipopt (torch ops)"
-Shape = tuple[int, ...]
-Contenders = dict[str, Callable[[], object]]
-
-
-@dataclasses.dataclass
-class Config:
-    """Sizes and repeats: the full run, or a quick one that only checks the script."""
-
-    quick: bool
-    repeats: int
-    warmup: int
-    device: torch.device
-
-    @property
-    def accuracy_numel(self) -> int:
-        return 100_000 if self.quick else 40_000_000
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def layouts(self) -> dict[str, Callable[[bool], list[Shape]]]:
-        """The clip section's layouts; the first is the one the step sections use."""
-        return CUDA_LAYOUTS if self.cuda else LAYOUTS
-
-    @property
-    def step_layout(self) -> str:
-        return next(iter(self.layouts))
-
-    def step_shapes(self) -> list[Shape]:
-        return self.layouts[self.step_layout](self.quick)
-
-
-@dataclasses.dataclass
-class Row:
-    """One contender in one case: medians and spread in milliseconds, and its ratio."""
-
-    section: str
-    case: str
-    contender: str
-    median_ms: float
-    min_ms: float
-    max_ms: float
-    ratio: float | None = None
-    ratio_to: str | None = None
-
-
-@dataclasses.dataclass
-class Target:
-    """A goal from the performance issue, checked against this run's numbers."""
-
-    name: str
-    value: float
-    limit: float
-    at_most: bool
-
-    @property
-    def held(self) -> bool:
-        return self.value <= self.limit if self.at_most else self.value >= self.limit
-
-
 # ---------------------------------------------------------------- layouts
-
-
-def _transformer(d: int, vocab: int, blocks: int) -> list[Shape]:
-    """An embedding, pre-norm blocks (12 * d * d + 13 * d parameters each), a final norm."""
-    shapes: list[Shape] = [(vocab, d)]
-    for _ in range(blocks):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,)]  # norm, attention
-        shapes += [(d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # norm, MLP
-    return [*shapes, (d,), (d,)]
-
-
-def transformer_shapes(quick: bool) -> list[Shape]:
-    """An embedding, 6 pre-norm blocks and a final norm: 75 tensors, 23.1M parameters."""
-    return _transformer(32, 64, 2) if quick else _transformer(512, 8192, 6)
-
-
-def transformer_1b_shapes(quick: bool) -> list[Shape]:
-    """The GPU layout: a 50304-token embedding, 18 blocks of width 2048 and a final norm,
-    219 tensors, 1,009,475,584 parameters (float32 params, grads and AdamW's two moments:
-    16 GB). Quick: the quick transformer, to check the script."""
-    return transformer_shapes(True) if quick else _transformer(2048, 50304, 18)
-
-
-def many_small_shapes(quick: bool) -> list[Shape]:
-    """2000 tensors of 1 to 999 elements (1M parameters), vectors and narrow matrices."""
-    generator = torch.Generator().manual_seed(0)
-    sizes = torch.randint(1, 1000, (50 if quick else 2000,), generator=generator).tolist()
-    return [(n,) if i % 2 else (n // 10 + 1, 10) for i, n in enumerate(sizes)]
-
-
-def few_large_shapes(quick: bool) -> list[Shape]:
-    """4 tensors of 10M elements."""
-    return [(10_000 if quick else 10_000_000,)] * 4
-
-
-LAYOUTS: dict[str, Callable[[bool], list[Shape]]] = {
-    "transformer": transformer_shapes,
-    "many_small": many_small_shapes,
-    "few_large": few_large_shapes,
-}
-CUDA_LAYOUTS: dict[str, Callable[[bool], list[Shape]]] = {
-    "transformer_1b": transformer_1b_shapes,
-    "many_small": many_small_shapes,
-    "few_large": few_large_shapes,
-}
 
 
 def unclipped_case(layout: str) -> str:
@@ -200,116 +108,10 @@ def torch_foreach(device: torch.device) -> bool | None:
     return True if device.type == "cuda" else None
 
 
-def make_params(shapes: Sequence[Shape], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """Parameters with random grads whose total L2 norm is well above ``MAX_NORM``.
-
-    On CUDA the numbers are drawn there (a billion of them on the CPU would take longer
-    than the benchmark), by a CUDA generator: other numbers than on the CPU.
-    """
-    if device.type == "cuda":
-        on_device = torch.Generator(device).manual_seed(0)
-        params: list[Tensor] = []
-        for shape in shapes:
-            param = nn.Parameter(torch.randn(shape, generator=on_device, device=device).to(dtype))
-            param.grad = torch.randn(shape, generator=on_device, device=device).to(dtype)
-            params.append(param)
-        return params
-    generator = torch.Generator().manual_seed(0)
-    params = []
-    for shape in shapes:
-        param = nn.Parameter(torch.randn(shape, generator=generator).to(device, dtype))
-        param.grad = torch.randn(shape, generator=generator).to(device, dtype)
-        params.append(param)
-    return params
-
-
-def release(device: torch.device) -> None:
-    """Hand the memory of the case just finished back before the next one (CUDA)."""
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 # ---------------------------------------------------------------- timing
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_interleaved(contenders: Contenders, config: Config) -> dict[str, list[float]]:
-    """Seconds per call of each contender, run in a rotating order over the repeats."""
-    names = list(contenders)
-    for name in names:
-        for _ in range(config.warmup):
-            contenders[name]()
-    _sync(config.device)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for repeat in range(config.repeats):
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            contenders[name]()
-            _sync(config.device)
-            samples[name].append(time.perf_counter() - start)
-    return samples
-
-
-def summarize(
-    section: str, case: str, samples: dict[str, list[float]], baseline: str | None
-) -> list[Row]:
-    """One row per contender; ``ratio`` is its median over ``baseline``'s median."""
-    medians = {name: statistics.median(times) for name, times in samples.items()}
-    rows = []
-    for name, times in samples.items():
-        ratio = medians[name] / medians[baseline] if baseline else None
-        rows.append(
-            Row(
-                section,
-                case,
-                name,
-                1e3 * medians[name],
-                1e3 * min(times),
-                1e3 * max(times),
-                ratio,
-                baseline,
-            )
-        )
-    return rows
-
-
 # ---------------------------------------------------------------- sections
-
-
-class ShrinkingMaxNorm:
-    """A ``max_norm`` 3% below the last one handed out, so every timed call clips.
-
-    Contenders share the grads, and each clip leaves their norm at the ``max_norm`` it
-    was given: a fixed ``max_norm`` would, from the second call on, give a coefficient
-    of exactly 1, which clipopt's CPU scale skips and torch's does not. Shrinking by 3%
-    a call keeps every coefficient near 0.97 and the grads far from subnormal numbers
-    over a few hundred calls.
-    """
-
-    def __init__(self, start: float = MAX_NORM) -> None:
-        self.value = start
-
-    @classmethod
-    def below_norm_of(cls, grads: list[Tensor], norm_type: float) -> ShrinkingMaxNorm:
-        """Starting just below the grads' current ``norm_type`` norm (read here, untimed)."""
-        norms = torch.stack([torch.linalg.vector_norm(g.double(), norm_type) for g in grads])
-        return cls(torch.linalg.vector_norm(norms, norm_type).item())
-
-    def __call__(self) -> float:
-        self.value *= SHRINK
-        return self.value
-
-
-def _grads_and_flat_copy(params: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-    """The grads, and one buffer holding a copy of their bytes, for the floors."""
-    grads = [p.grad for p in params if p.grad is not None]
-    return grads, torch.cat([g.reshape(-1) for g in grads])
 
 
 def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
@@ -723,242 +525,6 @@ def bench_host_syncs(config: Config) -> dict[str, int]:
 # ---------------------------------------------------------------- report
 
 
-def _median(rows: list[Row], section: str, case: str, contender: str) -> float:
-    for row in rows:
-        if (row.section, row.case, row.contender) == (section, case, contender):
-            return row.median_ms
-    raise KeyError((section, case, contender))
-
-
-def check_targets(
-    rows: list[Row], memory: dict[str, Any], layout: str = "transformer", quick: bool = False
-) -> list[Target]:
-    """The issue's targets, as ratios of medians from this run; ``layout``: the step's."""
-
-    def clip(case: str, contender: str) -> float:
-        return _median(rows, "clip", case, contender)
-
-    step_case = f"{layout} float32"
-    l2_case, inf_case = f"{layout} float32 p=2", f"{layout} float32 p=inf"
-
-    def e2e_case() -> str:
-        return next(r.case for r in rows if r.section == "end_to_end")
-
-    targets = _measured(
-        lambda: Target(
-            f"clip L2 {layout} fp32: clipopt / floor",
-            clip(l2_case, "clipopt") / clip(l2_case, "floor"),
-            1.25,
-            at_most=True,
-        ),
-        lambda: Target(
-            "clip L2 many_small fp32: torch / clipopt",
-            clip("many_small float32 p=2", "torch") / clip("many_small float32 p=2", "clipopt"),
-            1.5,
-            at_most=False,
-        ),
-        lambda: Target(
-            f"clip inf {layout} fp32: torch / clipopt",
-            clip(inf_case, "torch") / clip(inf_case, "clipopt"),
-            5.0,
-            at_most=False,
-        ),
-        lambda: Target(
-            f"step {layout} fp32: ClippedOptimizer(fused AdamW) / bare",
-            _median(rows, "step", step_case, "fused AdamW: ClippedOptimizer")
-            / _median(rows, "step", step_case, "fused AdamW: bare"),
-            1.35,
-            at_most=True,
-        ),
-        *(
-            _folded_target(rows, layout, dtype, short)
-            for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16"))
-        ),
-        lambda: Target(
-            "end to end: ClippedOptimizer / unclipped",
-            _median(rows, "end_to_end", e2e_case(), "ClippedOptimizer")
-            / _median(rows, "end_to_end", e2e_case(), "unclipped"),
-            1.02,
-            at_most=True,
-        ),
-        *host_targets(rows, len(many_small_shapes(quick))),
-    )
-    bare = memory.get("bare fused AdamW", {}).get("peak_rss_growth_bytes")
-    clipped = memory.get("ClippedOptimizer(fused AdamW)", {}).get("peak_rss_growth_bytes")
-    if memory and bare is not None and clipped is not None:
-        allowance = 4 * 2**20 + 1024 * memory["tensors"]  # one packing chunk + per tensor
-        targets.append(
-            Target(
-                "memory: clipped peak RSS growth - bare (MiB)",
-                (clipped - bare) / 2**20,
-                allowance / 2**20,
-                at_most=True,
-            )
-        )
-    return targets
-
-
-def _measured(*makers: Callable[[], Target]) -> list[Target]:
-    """The targets whose rows this run measured (``--only`` leaves sections out)."""
-    targets = []
-    for make in makers:
-        try:
-            targets.append(make())
-        except (KeyError, StopIteration):
-            continue
-    return targets
-
-
-def _folded_target(rows: list[Row], layout: str, dtype: str, short: str) -> Callable[[], Target]:
-    """The folded step against its floor: the fused step with grad_scale and a read."""
-    case = f"{layout} {dtype}"
-    return lambda: Target(
-        f"step {layout} {short}: ClippedOptimizer(fused AdamW) / folded floor",
-        _median(rows, "step", case, "fused AdamW: ClippedOptimizer")
-        / _median(rows, "step", case, FOLDED_FLOOR),
-        1.05,
-        at_most=True,
-    )
-
-
-def host_targets(rows: list[Row], tensors: int) -> list[Callable[[], Target]]:
-    """Many small tensors (``tensors`` of them): the clip and the wrapper's clip within
-    3x the floor; what limits that here (the floor plus the per-tensor calls no exact
-    clip can skip, against the same 3x); and the wrapper's own Python (kernels stubbed)
-    within 0.5 us a tensor."""
-
-    def host_ratio(contender: str) -> float:
-        return _median(rows, "host cost", host.HOST_CASE, contender) / _median(
-            rows, "host cost", host.HOST_CASE, "floor"
-        )
-
-    def stubbed(contender: str) -> Callable[[], Target]:
-        return lambda: Target(
-            f"many_small, kernels stubbed: {contender}, us per tensor",
-            host.per_tensor_us(rows, contender, tensors),
-            0.5,
-            at_most=True,
-        )
-
-    return [
-        lambda: Target("many_small fp32: clipopt clip / floor", host_ratio("clipopt"), 3.0, True),
-        lambda: Target(
-            "many_small fp32: ClippedOptimizer's clip / floor",
-            host_ratio(host.WRAPPER_CLIP),
-            3.0,
-            True,
-        ),
-        lambda: Target(
-            "many_small fp32, what limits it: floor + .grad + increment_version / floor",
-            host_ratio(host.PER_TENSOR_FLOOR),
-            3.0,
-            True,
-        ),
-        stubbed("clipopt.clip_grad_norm_"),
-        stubbed("ClippedOptimizer.step()"),
-    ]
-
-
-def cuda_targets(
-    rows: list[Row], memory: dict[str, Any], syncs: dict[str, int], layout: str
-) -> list[Target]:
-    """The GPU check's targets (CUDA only), measured as on the CPU: medians of one run.
-
-    The folded step against its floor (``FOLDED_FLOOR``: a read of the grads and the
-    fused step with ``grad_scale``), and against torch's foreach clip + the fused step;
-    clipopt's clip against torch's foreach clip on many small tensors; no host sync in
-    any clipped call, with the control call counting at least one.
-    """
-    step_case = f"{layout} float32"
-
-    def step(contender: str) -> float:
-        return _median(rows, "step", step_case, contender)
-
-    def clip(contender: str) -> float:
-        return _median(rows, "clip", "many_small float32 p=2", contender)
-
-    clipped = step("fused AdamW: ClippedOptimizer")
-    targets = [
-        Target(
-            f"cuda step {layout} fp32: ClippedOptimizer(fused AdamW) / floor",
-            clipped / step(FOLDED_FLOOR),
-            1.05,
-            at_most=True,
-        ),
-        Target(
-            f"cuda step {layout} fp32: torch foreach clip + fused AdamW / ClippedOptimizer",
-            step("fused AdamW: torch clip + step") / clipped,
-            1.2,
-            at_most=False,
-        ),
-        Target(
-            "cuda clip L2 many_small fp32: torch foreach / clipopt",
-            clip("torch") / clip("clipopt"),
-            1.3,
-            at_most=False,
-        ),
-    ]
-    control = [n for n in syncs if n.startswith("control")]
-    for name, count in syncs.items():
-        if name in control:
-            targets.append(Target(f"cuda host syncs counted, {name}", count, 1, at_most=False))
-        else:
-            targets.append(Target(f"cuda host syncs in one call: {name}", count, 0, at_most=True))
-    bare = memory.get("bare fused AdamW", {}).get("peak_cuda_growth_bytes")
-    wrapped = memory.get("ClippedOptimizer(fused AdamW)", {}).get("peak_cuda_growth_bytes")
-    if bare is not None and wrapped is not None:
-        allowance = 4 * 2**20 + 1024 * memory["tensors"]  # as on the CPU
-        targets.append(
-            Target(
-                "cuda memory: clipped peak allocation growth - bare (MiB)",
-                (wrapped - bare) / 2**20,
-                allowance / 2**20,
-                at_most=True,
-            )
-        )
-    return targets
-
-
-def results_name(quick: bool, device: torch.device) -> str:
-    """``latest.json`` / ``quick.json`` on the CPU; other devices add theirs to the name."""
-    stem = "quick" if quick else "latest"
-    return f"{stem}.json" if device.type == "cpu" else f"{stem}-{device.type}.json"
-
-
-def format_table(rows: list[Row]) -> str:
-    lines = [
-        f"{'section':<11} {'case':<36} {'contender':<32} {'median ms':>10} "
-        f"{'min-max ms':>17} {'ratio':>7}  to"
-    ]
-    for r in rows:
-        spread = f"{r.min_ms:.2f}-{r.max_ms:.2f}"
-        ratio = f"{r.ratio:.2f}" if r.ratio is not None else ""
-        lines.append(
-            f"{r.section:<11} {r.case:<36} {r.contender:<32} {r.median_ms:>10.2f} "
-            f"{spread:>17} {ratio:>7}  {r.ratio_to or ''}"
-        )
-    return "\n".join(lines)
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").exists():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cuda_runtime": torch.version.cuda,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 SECTIONS: dict[str, Callable[[Config], list[Row]]] = {
     "clip": bench_clip,
     "step": bench_steps,
@@ -982,14 +548,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
     )
     return parser.parse_args(argv)
-
-
-def write_results(results: dict[str, Any], *paths: Path | None) -> None:
-    """``results`` as JSON at each path given (None: left out), results dir made first."""
-    RESULTS_DIR.mkdir(exist_ok=True)
-    for path in paths:
-        if path is not None:
-            path.write_text(json.dumps(results, indent=2))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -1048,8 +606,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sign = "<=" if t.at_most else ">="
         print(f"  {'held' if t.held else 'MISSED':<7} {t.name:<62} {t.value:7.2f} {sign} {t.limit}")
     if everything:
-        from benchmarks import rules  # deferred: rules imports this module's helpers
-
         results["rules"] = rules.run_section(config)
     own = RESULTS_DIR / results_name(config.quick, config.device) if everything else None
     write_results(results, own, args.json)

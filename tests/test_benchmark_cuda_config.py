@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import markdown, run
+from benchmarks import common, markdown, run, targets
 
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it here
 H200_BYTES = 139 * 2**30
 
 
-def _numel(shapes: list[run.Shape]) -> int:
+def _numel(shapes: list[common.Shape]) -> int:
     return sum(math.prod(shape) for shape in shapes)
 
 
 def test_the_1b_layout_holds_a_billion_parameters() -> None:
-    shapes = run.transformer_1b_shapes(quick=False)
+    shapes = common.transformer_1b_shapes(quick=False)
     assert len(shapes) == 1 + 18 * 12 + 2
     assert _numel(shapes) == 1_009_475_584
     assert abs(_numel(shapes) / 1e9 - 1) < 0.01
@@ -37,29 +37,29 @@ def test_the_1b_steps_fit_on_one_h200() -> None:
     """The step section's optimizers all live at once: fused AdamW x 5 (bare, torch's
     clip, ClippedOptimizer, the two floors: two moments each) and foreach SGD x 3 (one
     momentum each), over float32 params and grads."""
-    n = _numel(run.transformer_1b_shapes(quick=False))
+    n = _numel(common.transformer_1b_shapes(quick=False))
     params_and_grads = 2 * 4 * n
     state = (5 * 2 + 3 * 1) * 4 * n
     assert params_and_grads + state < 0.8 * H200_BYTES
 
 
 def test_the_cuda_config_uses_the_1b_layout_and_the_cpu_one_does_not() -> None:
-    cuda = run.Config(quick=False, repeats=1, warmup=0, device=CUDA)
-    cpu = run.Config(quick=False, repeats=1, warmup=0, device=torch.device("cpu"))
+    cuda = common.Config(quick=False, repeats=1, warmup=0, device=CUDA)
+    cpu = common.Config(quick=False, repeats=1, warmup=0, device=torch.device("cpu"))
     assert cuda.step_layout == "transformer_1b" and list(cuda.layouts)[1:] == [
         "many_small",
         "few_large",
     ]
     assert _numel(cuda.step_shapes()) == 1_009_475_584
-    assert cpu.layouts is run.LAYOUTS and cpu.step_layout == "transformer"
-    assert cpu.step_shapes() == run.transformer_shapes(quick=False)
-    quick = run.Config(quick=True, repeats=1, warmup=0, device=CUDA)
-    assert quick.step_shapes() == run.transformer_shapes(quick=True)
+    assert cpu.layouts is common.LAYOUTS and cpu.step_layout == "transformer"
+    assert cpu.step_shapes() == common.transformer_shapes(quick=False)
+    quick = common.Config(quick=True, repeats=1, warmup=0, device=CUDA)
+    assert quick.step_shapes() == common.transformer_shapes(quick=True)
 
 
 def test_cuda_results_do_not_overwrite_the_cpu_ones() -> None:
     names = {
-        run.results_name(quick, device)
+        common.results_name(quick, device)
         for quick in (False, True)
         for device in (torch.device("cpu"), CUDA)
     }
@@ -75,7 +75,7 @@ def test_cuda_targets_find_every_row_they_read() -> None:
     """The GPU targets read rows by name: run the clip and step sections at the quick
     size on the CPU and check every target finds its rows and every sync count its
     target (the control at least one, the others none)."""
-    config = run.Config(quick=True, repeats=1, warmup=0, device=torch.device("cpu"))
+    config = common.Config(quick=True, repeats=1, warmup=0, device=torch.device("cpu"))
     rows = run.bench_clip(config) + run.bench_steps(config)
     syncs = {"ClippedOptimizer(fused AdamW)": 0, "control: .item()": 1}
     memory = {
@@ -83,15 +83,15 @@ def test_cuda_targets_find_every_row_they_read() -> None:
         "bare fused AdamW": {"peak_cuda_growth_bytes": 1000},
         "ClippedOptimizer(fused AdamW)": {"peak_cuda_growth_bytes": 2000},
     }
-    targets = run.cuda_targets(rows, memory, syncs, config.step_layout)
-    by_name = {t.name: t for t in targets}
+    found = targets.cuda_targets(rows, memory, syncs, config.step_layout)
+    by_name = {t.name: t for t in found}
     assert len(by_name) == 3 + len(syncs) + 1
-    assert all(t.value > 0 and math.isfinite(t.value) for t in targets[:3])
+    assert all(t.value > 0 and math.isfinite(t.value) for t in found[:3])
     assert by_name["cuda host syncs in one call: ClippedOptimizer(fused AdamW)"].held
     assert by_name["cuda host syncs counted, control: .item()"].held
-    missed = run.cuda_targets(rows, {}, {"x": 1, "control: y": 0}, config.step_layout)
+    missed = targets.cuda_targets(rows, {}, {"x": 1, "control: y": 0}, config.step_layout)
     assert [t.held for t in missed[3:]] == [False, False]
-    folded = next(t for t in targets if t.name.endswith("ClippedOptimizer(fused AdamW) / floor"))
+    folded = next(t for t in found if t.name.endswith("ClippedOptimizer(fused AdamW) / floor"))
     assert folded.limit == 1.05 and folded.at_most
     assert run.bench_host_syncs(config) == {}
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import host, run
+from benchmarks import common, host, run
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +37,21 @@ def test_every_section_and_contender_is_reported(
     results, _ = quick_results
     rows = results["rows"]
     cases = {(r["section"], r["case"]) for r in rows}
-    for layout in run.LAYOUTS:
+    for layout in common.LAYOUTS:
         for dtype in ("float32", "bfloat16"):
             for p in ("2", "inf"):
                 case = ("clip", f"{layout} {dtype} p={p}")
                 assert case in cases
                 contenders = {r["contender"] for r in rows if (r["section"], r["case"]) == case}
-                assert contenders == {"torch", "clipopt", run.TORCH_OPS, "floor"}
+                assert contenders == {"torch", "clipopt", common.TORCH_OPS, "floor"}
     step_contenders = {r["contender"] for r in rows if r["section"] == "step"}
     for optimizer in ("fused AdamW", "foreach SGD"):
         for kind in ("bare", "torch clip + step", "ClippedOptimizer"):
             assert f"{optimizer}: {kind}" in step_contenders
-    unclipped = {r["contender"] for r in rows if r["case"] == run.UNCLIPPED_CASE}
+    unclipped = {r["contender"] for r in rows if r["case"] == common.UNCLIPPED_CASE}
     assert unclipped == {"torch", "clipopt", "floor (read)"}
     amp = {r["contender"] for r in rows if r["section"] == "amp step"}
-    one = run.make_params([(3,)], torch.float32, torch.device("cpu"))
+    one = common.make_params([(3,)], torch.float32, torch.device("cpu"))
     assert amp == set(run.amp_contenders(one, torch.device("cpu")))
     e2e = {r["contender"] for r in rows if r["section"] == "end_to_end"}
     assert e2e == {"unclipped", "ClippedOptimizer", "torch clip + step"}
@@ -84,7 +84,7 @@ def test_accuracy_memory_and_targets_are_reported(
     assert any(k.endswith("clipopt.get_total_norm") for k in errors)
     assert all(0 <= e < 1e-3 for e in errors.values())
     memory = results["memory"]
-    assert memory["tensors"] == len(run.transformer_shapes(quick=True))
+    assert memory["tensors"] == len(common.transformer_shapes(quick=True))
     for name in ("bare fused AdamW", "ClippedOptimizer(fused AdamW)", "torch clip + fused AdamW"):
         assert memory[name]["largest_allocation_bytes"] >= 0
         growth = memory[name]["peak_rss_growth_bytes"]
@@ -99,7 +99,7 @@ def test_json_written_where_asked_and_in_results_dir(
     results, path = quick_results
     written = json.loads(path.read_text())
     assert written == json.loads(json.dumps(results))
-    assert json.loads((run.RESULTS_DIR / "quick.json").read_text())["config"]["quick"] is True
+    assert json.loads((common.RESULTS_DIR / "quick.json").read_text())["config"]["quick"] is True
     assert results["machine"]["torch"] == torch.__version__
 
 
@@ -128,7 +128,7 @@ def _total_norm(params: list[torch.Tensor], norm_type: float) -> float:
 def test_every_timed_clip_really_clips(norm_type: float) -> None:
     """A clip whose coefficient is exactly 1 writes nothing in clipopt: the timed calls
     must shrink the grads every time, for both contenders, in any order."""
-    params = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    params = common.make_params(common.transformer_shapes(True), torch.float32, torch.device("cpu"))
     contenders = run.clip_contenders(params, norm_type)
     for name in ["torch", "clipopt", "clipopt", "torch"] * 10:
         before = _total_norm(params, norm_type)
@@ -138,7 +138,7 @@ def test_every_timed_clip_really_clips(norm_type: float) -> None:
 
 @pytest.mark.parametrize("make", [run.step_contenders, run.amp_contenders])
 def test_every_timed_clipped_step_really_clips(make: Any) -> None:
-    params = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    params = common.make_params(common.transformer_shapes(True), torch.float32, torch.device("cpu"))
     contenders = make(params, torch.device("cpu"))
     unclipped = set(run.scaler_kernels(params, torch.device("cpu")))
     clipped = [name for name in contenders if not name.endswith("bare") and name not in unclipped]
@@ -150,7 +150,7 @@ def test_every_timed_clipped_step_really_clips(make: Any) -> None:
 
 def test_the_scaler_kernels_keep_the_grads_size() -> None:
     """Timed over and over on shared grads, the unscale must not drift them to 0 or inf."""
-    params = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    params = common.make_params(common.transformer_shapes(True), torch.float32, torch.device("cpu"))
     kernels = run.scaler_kernels(params, torch.device("cpu"))
     before = _total_norm(params, 2.0)
     for name in list(kernels) * 4:
@@ -165,7 +165,7 @@ def test_the_rule_rows_targets_and_memory_are_reported(
 
     results, _ = quick_results
     section = results["rules"]
-    one = run.make_params([(3,)], torch.float32, torch.device("cpu"))
+    one = common.make_params([(3,)], torch.float32, torch.device("cpu"))
     reported = {r["contender"] for r in section["rows"]}
     racers = {rules.OURS_VS_AUTOCLIP, rules.THEIRS, rules.CLIP_FLOOR}
     assert set(rules.rule_step_contenders(one)) | racers == reported
@@ -186,14 +186,16 @@ def test_the_per_tensor_floor_scales_each_grad_and_steps_without_grad_scale() ->
     clipped contenders) and runs the fused step as a bare one would on those grads."""
     from benchmarks import rules
 
-    floor_params = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    floor_params = common.make_params(
+        common.transformer_shapes(True), torch.float32, torch.device("cpu")
+    )
     bare_params = [torch.nn.Parameter(p.detach().clone()) for p in floor_params]
     for ours, theirs in zip(floor_params, bare_params, strict=True):
         theirs.grad = ours.grad.clone()  # type: ignore[union-attr]
     optimizer = torch.optim.AdamW(floor_params, lr=1e-2, fused=True)
-    floor = rules.per_tensor_floor(floor_params, optimizer, run.ShrinkingMaxNorm())
+    floor = rules.per_tensor_floor(floor_params, optimizer, common.ShrinkingMaxNorm())
     bare = torch.optim.AdamW(bare_params, lr=1e-2, fused=True)
-    shrink = torch.tensor(run.SHRINK, dtype=torch.float32)
+    shrink = torch.tensor(common.SHRINK, dtype=torch.float32)
     for _ in range(3):
         floor()
         for p in bare_params:
@@ -208,9 +210,11 @@ def test_the_autoclip_race_starts_both_from_the_same_history() -> None:
     clips do the same work."""
     from benchmarks import rules
 
-    config = run.Config(quick=True, repeats=1, warmup=0, device=torch.device("cpu"))
+    config = common.Config(quick=True, repeats=1, warmup=0, device=torch.device("cpu"))
     contenders, ours, theirs = rules.autoclip_pair(config)
-    original = run.make_params(run.transformer_shapes(True), torch.float32, torch.device("cpu"))
+    original = common.make_params(
+        common.transformer_shapes(True), torch.float32, torch.device("cpu")
+    )
     for step in contenders.values():
         step()
     for a, b in zip(ours, theirs, strict=True):
@@ -233,7 +237,7 @@ def test_stubbed_kernels_run_nothing_and_come_back() -> None:
     are the real ones again."""
     from clipopt._kernels import _cpu
 
-    params = run.make_params([(50,), (4, 5)], torch.float32, torch.device("cpu"))
+    params = common.make_params([(50,), (4, 5)], torch.float32, torch.device("cpu"))
     before = [p.grad.clone() for p in params if p.grad is not None]
     real = _cpu._reduce, _cpu.norm_value, _cpu._scale
     with host.stubbed_kernels():
@@ -247,7 +251,7 @@ def test_stubbed_kernels_run_nothing_and_come_back() -> None:
 def test_per_tensor_floor_runs_the_floor_and_bumps_every_grad_once() -> None:
     """The floor of any exact clip does the flat floor's work and tells autograd of one
     in-place change per grad, as ``mul_`` would; parameters without a grad are skipped."""
-    params = run.make_params([(50,), (4, 5), (3,)], torch.float32, torch.device("cpu"))
+    params = common.make_params([(50,), (4, 5), (3,)], torch.float32, torch.device("cpu"))
     params[2].grad = None
     grads = [p.grad for p in params[:2] if p.grad is not None]
     versions = [g._version for g in grads]

@@ -161,3 +161,29 @@ def test_the_check_sees_deferred_and_relative_imports() -> None:
         "_step._parts",
         "_kernels._norms",
     }
+
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+BENCHMARK_LAYERS: list[set[str]] = [
+    {"__init__", "common", "markdown"},  # the harness: layouts, timing, results; JSON to md
+    {"host", "rules"},  # sections on the harness
+    {"targets"},  # the goals, over the harness's rows and host's
+    {"run"},  # every section, and main
+]
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.stem)
+def test_benchmark_modules_import_only_downward(path: Path) -> None:
+    layer_of = {name: i for i, names in enumerate(BENCHMARK_LAYERS) for name in names}
+    assert path.stem in layer_of, f"benchmarks/{path.name} has no layer in BENCHMARK_LAYERS"
+    upward = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+            targets = [node.module.split(".")[1]] if node.module else []
+        elif isinstance(node, ast.Import):
+            targets = [a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")]
+        upward += [t for t in targets if layer_of.get(t, 99) >= layer_of[path.stem]]
+    assert not upward, f"benchmarks/{path.name} imports {upward}"

@@ -1,0 +1,211 @@
+"""The benchmark's targets: each goal against the medians of one run, and the ones that
+name CPU or CUDA costs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks import host
+from benchmarks.common import (
+    FOLDED_FLOOR,
+    Row,
+    Target,
+    many_small_shapes,
+)
+
+
+def _median(rows: list[Row], section: str, case: str, contender: str) -> float:
+    for row in rows:
+        if (row.section, row.case, row.contender) == (section, case, contender):
+            return row.median_ms
+    raise KeyError((section, case, contender))
+
+
+def check_targets(
+    rows: list[Row], memory: dict[str, Any], layout: str = "transformer", quick: bool = False
+) -> list[Target]:
+    """The issue's targets, as ratios of medians from this run; ``layout``: the step's."""
+
+    def clip(case: str, contender: str) -> float:
+        return _median(rows, "clip", case, contender)
+
+    step_case = f"{layout} float32"
+    l2_case, inf_case = f"{layout} float32 p=2", f"{layout} float32 p=inf"
+
+    def e2e_case() -> str:
+        return next(r.case for r in rows if r.section == "end_to_end")
+
+    targets = _measured(
+        lambda: Target(
+            f"clip L2 {layout} fp32: clipopt / floor",
+            clip(l2_case, "clipopt") / clip(l2_case, "floor"),
+            1.25,
+            at_most=True,
+        ),
+        lambda: Target(
+            "clip L2 many_small fp32: torch / clipopt",
+            clip("many_small float32 p=2", "torch") / clip("many_small float32 p=2", "clipopt"),
+            1.5,
+            at_most=False,
+        ),
+        lambda: Target(
+            f"clip inf {layout} fp32: torch / clipopt",
+            clip(inf_case, "torch") / clip(inf_case, "clipopt"),
+            5.0,
+            at_most=False,
+        ),
+        lambda: Target(
+            f"step {layout} fp32: ClippedOptimizer(fused AdamW) / bare",
+            _median(rows, "step", step_case, "fused AdamW: ClippedOptimizer")
+            / _median(rows, "step", step_case, "fused AdamW: bare"),
+            1.35,
+            at_most=True,
+        ),
+        *(
+            _folded_target(rows, layout, dtype, short)
+            for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16"))
+        ),
+        lambda: Target(
+            "end to end: ClippedOptimizer / unclipped",
+            _median(rows, "end_to_end", e2e_case(), "ClippedOptimizer")
+            / _median(rows, "end_to_end", e2e_case(), "unclipped"),
+            1.02,
+            at_most=True,
+        ),
+        *host_targets(rows, len(many_small_shapes(quick))),
+    )
+    bare = memory.get("bare fused AdamW", {}).get("peak_rss_growth_bytes")
+    clipped = memory.get("ClippedOptimizer(fused AdamW)", {}).get("peak_rss_growth_bytes")
+    if memory and bare is not None and clipped is not None:
+        allowance = 4 * 2**20 + 1024 * memory["tensors"]  # one packing chunk + per tensor
+        targets.append(
+            Target(
+                "memory: clipped peak RSS growth - bare (MiB)",
+                (clipped - bare) / 2**20,
+                allowance / 2**20,
+                at_most=True,
+            )
+        )
+    return targets
+
+
+def _measured(*makers: Callable[[], Target]) -> list[Target]:
+    """The targets whose rows this run measured (``--only`` leaves sections out)."""
+    targets = []
+    for make in makers:
+        try:
+            targets.append(make())
+        except (KeyError, StopIteration):
+            continue
+    return targets
+
+
+def _folded_target(rows: list[Row], layout: str, dtype: str, short: str) -> Callable[[], Target]:
+    """The folded step against its floor: the fused step with grad_scale and a read."""
+    case = f"{layout} {dtype}"
+    return lambda: Target(
+        f"step {layout} {short}: ClippedOptimizer(fused AdamW) / folded floor",
+        _median(rows, "step", case, "fused AdamW: ClippedOptimizer")
+        / _median(rows, "step", case, FOLDED_FLOOR),
+        1.05,
+        at_most=True,
+    )
+
+
+def host_targets(rows: list[Row], tensors: int) -> list[Callable[[], Target]]:
+    """Many small tensors (``tensors`` of them): the clip and the wrapper's clip within
+    3x the floor; what limits that here (the floor plus the per-tensor calls no exact
+    clip can skip, against the same 3x); and the wrapper's own Python (kernels stubbed)
+    within 0.5 us a tensor."""
+
+    def host_ratio(contender: str) -> float:
+        return _median(rows, "host cost", host.HOST_CASE, contender) / _median(
+            rows, "host cost", host.HOST_CASE, "floor"
+        )
+
+    def stubbed(contender: str) -> Callable[[], Target]:
+        return lambda: Target(
+            f"many_small, kernels stubbed: {contender}, us per tensor",
+            host.per_tensor_us(rows, contender, tensors),
+            0.5,
+            at_most=True,
+        )
+
+    return [
+        lambda: Target("many_small fp32: clipopt clip / floor", host_ratio("clipopt"), 3.0, True),
+        lambda: Target(
+            "many_small fp32: ClippedOptimizer's clip / floor",
+            host_ratio(host.WRAPPER_CLIP),
+            3.0,
+            True,
+        ),
+        lambda: Target(
+            "many_small fp32, what limits it: floor + .grad + increment_version / floor",
+            host_ratio(host.PER_TENSOR_FLOOR),
+            3.0,
+            True,
+        ),
+        stubbed("clipopt.clip_grad_norm_"),
+        stubbed("ClippedOptimizer.step()"),
+    ]
+
+
+def cuda_targets(
+    rows: list[Row], memory: dict[str, Any], syncs: dict[str, int], layout: str
+) -> list[Target]:
+    """The GPU check's targets (CUDA only), measured as on the CPU: medians of one run.
+
+    The folded step against its floor (``FOLDED_FLOOR``: a read of the grads and the
+    fused step with ``grad_scale``), and against torch's foreach clip + the fused step;
+    clipopt's clip against torch's foreach clip on many small tensors; no host sync in
+    any clipped call, with the control call counting at least one.
+    """
+    step_case = f"{layout} float32"
+
+    def step(contender: str) -> float:
+        return _median(rows, "step", step_case, contender)
+
+    def clip(contender: str) -> float:
+        return _median(rows, "clip", "many_small float32 p=2", contender)
+
+    clipped = step("fused AdamW: ClippedOptimizer")
+    targets = [
+        Target(
+            f"cuda step {layout} fp32: ClippedOptimizer(fused AdamW) / floor",
+            clipped / step(FOLDED_FLOOR),
+            1.05,
+            at_most=True,
+        ),
+        Target(
+            f"cuda step {layout} fp32: torch foreach clip + fused AdamW / ClippedOptimizer",
+            step("fused AdamW: torch clip + step") / clipped,
+            1.2,
+            at_most=False,
+        ),
+        Target(
+            "cuda clip L2 many_small fp32: torch foreach / clipopt",
+            clip("torch") / clip("clipopt"),
+            1.3,
+            at_most=False,
+        ),
+    ]
+    control = [n for n in syncs if n.startswith("control")]
+    for name, count in syncs.items():
+        if name in control:
+            targets.append(Target(f"cuda host syncs counted, {name}", count, 1, at_most=False))
+        else:
+            targets.append(Target(f"cuda host syncs in one call: {name}", count, 0, at_most=True))
+    bare = memory.get("bare fused AdamW", {}).get("peak_cuda_growth_bytes")
+    wrapped = memory.get("ClippedOptimizer(fused AdamW)", {}).get("peak_cuda_growth_bytes")
+    if bare is not None and wrapped is not None:
+        allowance = 4 * 2**20 + 1024 * memory["tensors"]  # as on the CPU
+        targets.append(
+            Target(
+                "cuda memory: clipped peak allocation growth - bare (MiB)",
+                (wrapped - bare) / 2**20,
+                allowance / 2**20,
+                at_most=True,
+            )
+        )
+    return targets
