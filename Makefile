@@ -78,7 +78,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) .cache site quickstart-out .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist clipopt/*.so
+	rm -rf $(VENV) .cache site quickstart-out .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist clipopt/_kernels/*.so
 
 # On a CUDA machine: every CUDA test, the host-sync tests and the CUDA benchmark, in
 # under 8 minutes, writing to $(OUT) if set (else benchmarks/results/). Installs nothing:
