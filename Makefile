@@ -10,14 +10,14 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_kernels/_native.c
+$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_kernels/_native.c $(wildcard clipopt/_kernels/csrc/*.h)
 	$(PIP) -e '.[test,dev,integrations,docs,examples,plot]'
 	touch $(STAMP)
 
 # The demo needs only torch, clipopt, the progress bar and the plot: not the test,
 # framework and docs extras `make test` installs.
 DEMO_STAMP := $(VENV)/.installed-demo
-$(DEMO_STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_kernels/_native.c
+$(DEMO_STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_kernels/_native.c $(wildcard clipopt/_kernels/csrc/*.h)
 	$(PIP) -e '.[examples,plot]'
 	touch $(DEMO_STAMP)
 

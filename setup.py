@@ -7,6 +7,7 @@ goes on without it and clipopt computes the same norms with torch ops, more slow
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -58,6 +59,7 @@ setup(
         Extension(
             "clipopt._kernels._native",
             sources=["clipopt/_kernels/_native.c"],
+            depends=sorted(str(p) for p in Path("clipopt/_kernels/csrc").glob("*.h")),
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,
