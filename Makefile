@@ -50,12 +50,13 @@ pytest-fallback: $(STAMP)
 	CLIPOPT_DISABLE_NATIVE=1 CLIPOPT_DISABLE_TORCH_INTERNALS=1 \
 		$(BIN)/python -m pytest tests -q -m "not integrations" $(FALLBACK_SKIPS)
 
-# The compat subset on the oldest torch clipopt supports, in a venv of its own under
-# .cache/ (the pinned torch, the newest, runs the whole suite above); `make matrix` runs it
-# on every supported release.
+# The compat subset on the oldest torch clipopt supports, as installed, in a venv of its
+# own under .cache/ (the pinned torch, the newest, runs the whole suite above, and the
+# public paths); `make matrix` runs it on every supported release, as installed and on
+# the public paths.
 OLDEST_TORCH := 2.6.0
 compat-oldest:
-	scripts/torch_matrix.sh $(OLDEST_TORCH)
+	MATRIX_PUBLIC=no scripts/torch_matrix.sh $(OLDEST_TORCH)
 
 matrix:
 	scripts/torch_matrix.sh
