@@ -34,7 +34,7 @@ from torch import Tensor
 from clipopt import _torch_internals
 from clipopt._dist import _mesh, _reduce
 from clipopt._errors import NonFiniteNormError, user_stacklevel
-from clipopt._kernels import _cpu, _norms
+from clipopt._kernels import _cpu, _norms, _scale
 from clipopt._validation import (
     MaxNorm,
     NormType,
@@ -206,7 +206,7 @@ def clip_grads_with_norm_(
 def _coefficient(max_norm: MaxNorm, norm: Tensor, error_if_nonfinite: bool) -> Tensor:
     """The clip coefficient; with ``error_if_nonfinite``, a NaN one (a tensor ``max_norm``
     that is not > 0, an absurd ``norm / max_norm``) raises before any grad is written."""
-    coef = _norms.clip_coefficient(max_norm, norm)
+    coef = _scale.clip_coefficient(max_norm, norm)
     if error_if_nonfinite and not torch.isfinite(coef).item():  # the caller asked for this
         value = norm.item()  # raising, as the caller asked
         raise NonFiniteNormError(
@@ -228,7 +228,7 @@ def _scale_by_norm_(
     if not grads or _measures_only(max_norm):
         return
     coef = _coefficient(max_norm, total_norm, error_if_nonfinite)
-    _norms.scale_(_mesh.local_tensors(grads), coef, foreach)
+    _scale.scale_(_mesh.local_tensors(grads), coef, foreach)
 
 
 def _checked_params(
@@ -332,7 +332,7 @@ def _clip_local_(
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
     if grads and not _measures_only(max_norm):
-        _norms.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
+        _scale.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
     return norm
 
 

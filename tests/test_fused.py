@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import clipopt
-from clipopt._kernels import _norms
+from clipopt._kernels import _scale
 from clipopt._step import _decide, _fold
 
 MAX_NORM = 0.5
@@ -97,7 +97,7 @@ def no_scaling_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a separate scaling pass ran")
 
-    monkeypatch.setattr(_norms, "scale_", fail)
+    monkeypatch.setattr(_scale, "scale_", fail)
 
 
 def run(
@@ -176,7 +176,7 @@ def test_grads_after_the_step_are_the_clipped_grads() -> None:
     opt.step()
     after = [p.grad for p in params if p.grad is not None]
     assert opt.last_norm is not None
-    coefficient = MAX_NORM / (opt.last_norm.double() + _norms.EPS)
+    coefficient = MAX_NORM / (opt.last_norm.double() + _scale.EPS)
     for b, a in zip(before, after, strict=True):
         torch.testing.assert_close(a.double(), b.double() * coefficient, rtol=2.5e-7, atol=0)
     torch.testing.assert_close(

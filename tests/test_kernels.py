@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from clipopt._kernels import _cpu, _norms
+from clipopt._kernels import _cpu, _norms, _scale
 from clipopt._kernels._torch_norms import CHUNK as _CHUNK
 from clipopt._kernels._torch_norms import PACK_BELOW as _PACK_BELOW
 from clipopt._kernels._torch_norms import PACK_RUN as _PACK_RUN
@@ -369,7 +369,7 @@ def test_scale_multiplies_every_kind_of_tensor(foreach: bool | None) -> None:
         randn(4, torch.float64),
     ]
     expected = [(t.to_dense() if t.is_sparse else t).double() * 0.25 for t in tensors]
-    _norms.scale_(tensors, torch.tensor(0.25), foreach)
+    _scale.scale_(tensors, torch.tensor(0.25), foreach)
     for t, e in zip(tensors, expected, strict=True):
         torch.testing.assert_close(
             (t.to_dense() if t.is_sparse else t).double(), e, rtol=4e-3, atol=0
@@ -391,7 +391,7 @@ def test_grouped_norm_and_scale_touch_each_tensor_once(p: float) -> None:
     norm, groups = _norms.grouped_total_norm(tensors, p)
     assert_norm_close(norm, tensors, p)
     assert torch.equal(norm, _norms.total_norm(tensors, p))
-    _norms.scale_groups_(groups, torch.tensor(0.25))
+    _scale.scale_groups_(groups, torch.tensor(0.25))
     for t, e in zip(tensors, expected, strict=True):
         torch.testing.assert_close(
             (t.to_dense() if t.is_sparse else t).double(), e, rtol=4e-3, atol=0
@@ -400,9 +400,9 @@ def test_grouped_norm_and_scale_touch_each_tensor_once(p: float) -> None:
 
 def test_clip_coefficient_is_one_below_the_threshold_and_exact_above() -> None:
     norms = torch.tensor([0.0, 0.5, 1.0 - 2e-6, 4.0])
-    coefficients = _norms.clip_coefficient(1.0, norms)
+    coefficients = _scale.clip_coefficient(1.0, norms)
     assert torch.equal(coefficients[:3], torch.ones(3))
-    torch.testing.assert_close(coefficients[3], torch.tensor(1.0 / (4.0 + _norms.EPS)))
+    torch.testing.assert_close(coefficients[3], torch.tensor(1.0 / (4.0 + _scale.EPS)))
 
 
 SPECIAL_NORMS = [0.0, 1e-45, 1e-38, 1e-7, 1e-6, 0.5, 1.0, 3.0, 1e19, 1e30, 3e38, 1e300]
@@ -422,9 +422,9 @@ def test_clip_coefficient_by_c_has_the_torch_ops_bits(dtype: torch.dtype) -> Non
     for i, value in enumerate(norms):
         norm = torch.tensor(value, dtype=dtype)
         for max_norm in thresholds if i < len(SPECIAL_NORMS) + 2 else thresholds[i % 7 : i % 7 + 1]:
-            got = _norms.clip_coefficient(max_norm, norm)
+            got = _scale.clip_coefficient(max_norm, norm)
             with _cpu.disabled():
-                expected = _norms.clip_coefficient(max_norm, norm)
+                expected = _scale.clip_coefficient(max_norm, norm)
             assert got.dtype == expected.dtype and got.shape == expected.shape == ()
             same = torch.equal(got, expected) or bool(got.isnan() and expected.isnan())
             assert same, (value, max_norm, got, expected)
@@ -448,8 +448,8 @@ def test_cuda_half_norm_does_not_overflow_and_scale_stays_on_device() -> None:
     tensors = [torch.full((5000,), 3000.0, dtype=torch.float16, device="cuda")]
     norm = _norms.total_norm(tensors, 2.0)
     torch.testing.assert_close(norm.double().cpu(), torch.tensor(3000.0 * math.sqrt(5000)).double())
-    coef = _norms.clip_coefficient(1.0, norm)
-    _norms.scale_(tensors, coef)
+    coef = _scale.clip_coefficient(1.0, norm)
+    _scale.scale_(tensors, coef)
     assert coef.device.type == "cuda"
     torch.testing.assert_close(
         _norms.total_norm(tensors, 2.0).cpu(), torch.tensor(1.0), rtol=2e-3, atol=0

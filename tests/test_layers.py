@@ -32,7 +32,7 @@ UNIT_LAYERS: list[set[str]] = [
 ]
 WING_FLOORS: dict[str, list[set[str]]] = {
     # the C kernel, its Python side, the torch-ops path and the plans, the norms and scales
-    "_kernels": [{"_native"}, {"_cpu"}, {"_plan", "_torch_norms"}, {"_norms"}],
+    "_kernels": [{"_native"}, {"_cpu"}, {"_plan", "_torch_norms"}, {"_norms", "_scale"}],
     # collectives and meshes; where AGC's units lie, and the reductions; units' norms
     "_dist": [{"_collective", "_mesh"}, {"_unit_rows", "_per_tensor", "_reduce"}, {"_units"}],
     # the protocols, then every rule (a module not named here is a rule)

@@ -114,10 +114,10 @@ def test_at_absurd_norms_the_folded_and_explicit_steps_agree(nonfinite: str) -> 
         assert int(folded_opt.skip_count) == int(explicit_opt.skip_count) == 1
     else:
         assert bool(torch.isnan(explicit).all())  # NaN, not a silent zero-grad step
-    coefficient = clipopt._kernels._norms.clip_coefficient(1e-3, torch.tensor(2e36))
+    coefficient = clipopt._kernels._scale.clip_coefficient(1e-3, torch.tensor(2e36))
     assert bool(torch.isnan(coefficient))
     assert float(
-        clipopt._kernels._norms.clip_coefficient(1e-3, torch.tensor(1e30))
+        clipopt._kernels._scale.clip_coefficient(1e-3, torch.tensor(1e30))
     ) == pytest.approx(1e-33, rel=1e-6)
 
 

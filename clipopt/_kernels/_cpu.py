@@ -126,7 +126,7 @@ def any_of_type(objects: Sequence[object], cls: type) -> bool:
 
 def coefficient(max_norm: float, norm: Tensor, eps: float) -> Tensor | None:
     """``min(1, max_norm / (norm + eps))`` with the bits of the torch ops of
-    :func:`clipopt._kernels._norms.clip_coefficient`, by one C call, for a 0-dim float32 or
+    :func:`clipopt._kernels._scale.clip_coefficient`, by one C call, for a 0-dim float32 or
     float64 CPU ``norm`` in eager mode; None where that does not apply.
 
     The eight small torch ops cost 40 us after a clip's pass over thousands of grads.

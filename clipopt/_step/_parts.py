@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from clipopt._dist import _mesh, _reduce
-from clipopt._kernels import _cpu, _norms
+from clipopt._kernels import _cpu, _norms, _scale
 from clipopt._step._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
@@ -229,7 +229,7 @@ def threshold_coefficients(
                 found = coefficient
                 break
         if found is None:
-            found = _norms.clip_coefficient(threshold, norm)
+            found = _scale.clip_coefficient(threshold, norm)
             shared.append((norm, threshold, found))
         coefficients.append(found)
     return coefficients
@@ -263,7 +263,7 @@ def scale(
     reuse = grouped is not None and not torch.compiler.is_compiling()  # ids: see below
     shared = _one_coefficient(grads, coefficients) if reuse else None
     if grouped is not None and shared is not None:
-        _norms.scale_groups_(grouped, shared, foreach)
+        _scale.scale_groups_(grouped, shared, foreach)
         return
     # Shared coefficients found by identity, not id(): torch.compile guards on an id,
     # and a step's new coefficient would then recompile this function every step.
@@ -276,7 +276,7 @@ def scale(
         elif coefficient is not None and group_grads:
             _bucket(by_coefficient, coefficient).extend(group_grads)
     for coefficient, tensors in by_coefficient:
-        _norms.scale_(_mesh.local_tensors(tensors), coefficient, foreach)
+        _scale.scale_(_mesh.local_tensors(tensors), coefficient, foreach)
 
 
 def _bucket(buckets: list[tuple[Tensor, list[Tensor]]], coefficient: Tensor) -> list[Tensor]:

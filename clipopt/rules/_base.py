@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from clipopt._kernels._norms import EPS
+from clipopt._kernels._scale import EPS
 
 __all__ = [
     "ClipRule",

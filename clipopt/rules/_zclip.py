@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from clipopt._kernels._norms import EPS
+from clipopt._kernels._scale import EPS
 from clipopt.rules._base import ClipRule, checked, integer, number, saved, state_dtype
 
 __all__ = ["ZClip", "ZClipMode", "ZClipOption"]

@@ -51,7 +51,7 @@ static PyObject *native_any_instance(PyObject *self, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
-/* min(1, max_norm / (norm + eps)) as clipopt._kernels._norms.clip_coefficient's torch ops
+/* min(1, max_norm / (norm + eps)) as clipopt._kernels._scale.clip_coefficient's torch ops
  * round it, in the norm's precision: eps and max_norm rounded to it first, the quotient
  * as a reciprocal times max_norm (torch's scalar / tensor), a NaN norm kept, and a
  * coefficient in (0, smallest normal) made NaN. */
