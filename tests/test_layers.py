@@ -35,8 +35,8 @@ WING_FLOORS: dict[str, list[set[str]]] = {
     "_kernels": [{"_native"}, {"_cpu"}, {"_plan", "_torch_norms"}, {"_norms", "_scale"}],
     # collectives and meshes; where AGC's units lie, and the reductions; units' norms
     "_dist": [{"_collective", "_mesh"}, {"_unit_rows", "_per_tensor", "_reduce"}, {"_units"}],
-    # the protocols, then every rule (a module not named here is a rule)
-    "rules": [{"_base"}, set()],
+    # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
+    "rules": [{"_base"}, {"_unit"}, set()],
     # settings, skips, the fold; the step's parts, the saved entry; measuring, a rule's
     # decision; the decision
     "_step": [
@@ -46,7 +46,7 @@ WING_FLOORS: dict[str, list[set[str]]] = {
         {"_decide"},
     ],
 }
-RULES_FLOOR = 1  # where a module of rules/ that WING_FLOORS does not name sits
+RULES_FLOOR = 2  # where a module of rules/ that WING_FLOORS does not name sits
 LAYER_OF = {unit: index for index, units in enumerate(UNIT_LAYERS) for unit in units}
 NATIVE = "_kernels._native"  # the C extension: a .so, no source to parse
 NATIVE_READER = "_kernels._cpu"  # the one module that imports it

@@ -37,8 +37,9 @@ from clipopt._step._clip_state import (
     rename_legacy_keys,
 )
 from clipopt._step._nonfinite import StepRecord, device_verdict, host_verdict, spike_verdict
-from clipopt.rules._base import ClipRule, UnitWiseRule
+from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
+from clipopt.rules._unit import UnitWiseRule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

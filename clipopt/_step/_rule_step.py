@@ -18,7 +18,8 @@ from torch import Tensor
 
 from clipopt._dist import _mesh
 from clipopt._step._parts import Coefficient, Measurement
-from clipopt.rules._base import ClipRule, UnitDecision, UnitWiseRule
+from clipopt.rules._base import ClipRule
+from clipopt.rules._unit import UnitDecision, UnitWiseRule
 
 __all__ = ["rule_coefficients", "unit_rule_coefficients"]
 

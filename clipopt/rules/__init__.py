@@ -9,8 +9,9 @@ docstring says what the wrapper calls and when. See ``docs/adaptive.md``.
 from clipopt.rules._adagc import AdaGC
 from clipopt.rules._agc import AGC
 from clipopt.rules._autoclip import AutoClip
-from clipopt.rules._base import ClipRule, UnitDecision, UnitWiseRule
+from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
+from clipopt.rules._unit import UnitDecision, UnitWiseRule
 from clipopt.rules._zclip import ZClip, ZClipMode, ZClipOption
 
 __all__ = [

@@ -13,7 +13,8 @@ from clipopt._dist._unit_rows import Rows
 from clipopt._dist._units import slot_unit_norms, whole_unit_norms
 from clipopt._kernels._norms import result_dtype
 from clipopt._kernels._scale import EPS
-from clipopt.rules._base import UnitDecision, UnitWiseRule, number
+from clipopt.rules._base import number
+from clipopt.rules._unit import UnitDecision, UnitWiseRule
 
 __all__ = ["AGC"]
 
