@@ -33,7 +33,6 @@ from clipopt._step._clip_state import (
     Settings,
     check_groups,
     migrated,
-    prepare_load,
     rename_legacy_keys,
     validated_settings,
 )
@@ -43,6 +42,7 @@ from clipopt._step._saved import (
     check_saved_rules,
     clip_entry,
     load_clip_state,
+    prepare_load,
     upgrade_0_1_0_pickle,
 )
 from clipopt._validation import check_foreach

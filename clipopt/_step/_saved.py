@@ -1,9 +1,27 @@
 """A ``ClippedOptimizer``'s side of its checkpoints: what it saves, and what it accepts
 from a checkpoint or from clipopt 0.1.0.
 
-:func:`clip_entry` writes the ``"clip"`` entry of the state dict, in the layout
-:mod:`clipopt._step._clip_state` describes and checks
-(:func:`clipopt._step._clip_state.prepare_load`).
+:func:`clip_entry` writes the ``"clip"`` entry of the state dict, and
+:func:`prepare_load` checks a loaded one completely, with the saved param groups' clip
+settings, before anything is loaded. Its layout::
+
+  {"settings": {"max_norm": float, "norm_type": float, "per_group": bool,
+                "nonfinite": str, "max_consecutive_skips": int | None},
+   "last_norm": 0-dim Tensor | None,
+   "last_group_norms": 1-D Tensor | None,   # per_group=True only
+   "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...,
+   # only when max_norm is a rule / skip_spikes is set (absent in 0.1.0's files):
+   "rule": {"type": str, "config": dict, "state": dict, "last_threshold": Tensor | None,
+            "clipped_count": 0-dim int64 Tensor},
+   "skip_spikes": {"type": "SpikeSkip", "config": dict, "state": dict,
+                   "spike_count": 0-dim int64 Tensor, "steps_seen": int}}
+
+With a rule, ``settings["max_norm"]`` is inf (the rule sets every threshold). The two
+optional entries are checked here only for being dicts: the rule objects check their own
+entries (:meth:`clipopt.ClipRule.load_state_dict`) before anything loads.
+
+Tensors and plain Python values only, so ``torch.load(..., weights_only=True)`` reads it.
+
 :func:`check_saved_rules` checks what only the wrapper knows: that the saved rule and
 spike skip are the ones it was constructed with, and that their own state loads (into
 copies), before anything is loaded; :func:`load_clip_state` then installs them and the
@@ -14,17 +32,42 @@ layout: :func:`upgrade_0_1_0_pickle` puts them in today's before they are restor
 from __future__ import annotations
 
 import math
+from collections.abc import Container, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from clipopt._step._clip_state import ClipState, Settings, migrate_legacy_keys
+from clipopt._step._clip_state import (
+    SETTINGS_KEYS,
+    ClipState,
+    Settings,
+    check_groups,
+    migrate_legacy_keys,
+    validated_settings,
+)
 from clipopt._step._nonfinite import COUNTER_NAMES, StepRecord
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
 
-__all__ = ["check_saved_rules", "clip_entry", "load_clip_state", "upgrade_0_1_0_pickle"]
+__all__ = [
+    "check_saved_rules",
+    "clip_entry",
+    "load_clip_state",
+    "prepare_load",
+    "upgrade_0_1_0_pickle",
+]
+
+_CLIP_STATE_KEYS = (
+    "settings",
+    "last_norm",
+    "last_group_norms",
+    "step_count",
+    "skip_count",
+    "consecutive_skips",
+)
+_COUNTER_KEYS = ("step_count", "skip_count", "consecutive_skips")
+_OPTIONAL_KEYS = ("rule", "skip_spikes")
 
 
 def clip_entry(
@@ -115,3 +158,110 @@ def upgrade_0_1_0_pickle(state: dict[str, Any]) -> None:
     migrate_legacy_keys(inner.defaults, owned=())  # 0.1.0 wrote them there: they are ours
     for group in inner.param_groups:
         migrate_legacy_keys(group, inner.defaults)
+
+
+def readable_groups(state_dict: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The saved param groups when they are a list of dicts, else None (a custom layout,
+    left to the inner optimizer's own ``load_state_dict``)."""
+    groups = state_dict.get("param_groups")
+    if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+        return groups
+    return None
+
+
+def prepare_load(
+    raw_clip: Any,
+    inner_state: Mapping[str, Any],
+    num_groups: int,
+    current: Settings,
+    owned: Container[str],
+) -> tuple[dict[str, Any], ClipState | None]:
+    """Validate what the wrapper reads from a load, before anything is loaded.
+
+    The one check of both loaders (``ClippedOptimizer.load_state_dict`` and the DCP
+    one): the ``"clip"`` entry completely and, where the saved param groups are a list of
+    dicts, their clip settings (0.1.0's names migrated on a copy). Everything else is
+    the inner optimizer's to judge: its own ``load_state_dict`` gets it as it is.
+
+    Args:
+      raw_clip: the saved ``"clip"`` entry, None when there is none.
+      inner_state: the rest of the dict, for the inner optimizer.
+      num_groups: how many param groups the optimizer has now.
+      current: the settings that stay when the dict has no ``"clip"`` entry.
+      owned: the inner optimizer's own keys, which are never renamed.
+
+    Returns:
+      The dict to hand to the inner optimizer, and the validated clip state (or None).
+
+    Raises:
+      TypeError, ValueError: naming the first bad value; nothing has been changed.
+    """
+    clip_state = parse_clip_state(raw_clip, num_groups)
+    inner_state = dict(inner_state)
+    groups = readable_groups(inner_state)
+    if groups is not None:
+        groups = [dict(g) for g in groups]
+        for group in groups:
+            migrate_legacy_keys(group, owned)
+        inner_state["param_groups"] = groups
+        check_groups(groups, current if clip_state is None else clip_state.settings)
+    return inner_state, clip_state
+
+
+def parse_clip_state(raw: Any, num_groups: int) -> ClipState | None:
+    """Validate a ``"clip"`` entry completely; None when there is none."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"state_dict['clip'] must be a dict, got {type(raw).__name__}")
+    if not set(_CLIP_STATE_KEYS) <= set(raw) <= {*_CLIP_STATE_KEYS, *_OPTIONAL_KEYS}:
+        raise ValueError(
+            f"state_dict['clip'] must have the keys {sorted(_CLIP_STATE_KEYS)} (and "
+            f"optionally {list(_OPTIONAL_KEYS)}), got {sorted(map(str, raw))}"
+        )
+    optional: dict[str, Mapping[str, Any] | None] = {}
+    for key in _OPTIONAL_KEYS:
+        entry = raw.get(key)
+        if entry is not None and not isinstance(entry, Mapping):
+            raise TypeError(f"state_dict['clip'][{key!r}] must be a dict, got {entry!r}")
+        optional[key] = entry
+    saved = raw["settings"]
+    if not isinstance(saved, Mapping) or set(saved) != set(SETTINGS_KEYS):
+        raise ValueError(
+            f"state_dict['clip']['settings'] must be a dict with the keys {list(SETTINGS_KEYS)}"
+        )
+    settings = validated_settings(*(saved[key] for key in SETTINGS_KEYS))
+    last_norm = _checked_tensor("last_norm", raw["last_norm"], dims=0, floating=True)
+    group_norms = _checked_tensor(
+        "last_group_norms", raw["last_group_norms"], dims=1, floating=True
+    )
+    if group_norms is not None and group_norms.numel() != num_groups:
+        raise ValueError(
+            f"state_dict['clip']['last_group_norms'] has {group_norms.numel()} entries "
+            f"for {num_groups} param groups"
+        )
+    counters = {}
+    for key in _COUNTER_KEYS:
+        counter = _checked_tensor(key, raw[key], dims=0, floating=False)
+        if counter is None or int(counter) < 0:
+            raise ValueError(f"state_dict['clip'][{key!r}] must be a 0-dim int64 tensor >= 0")
+        counters[key] = counter
+    return ClipState(
+        settings, last_norm, group_norms, counters, optional["rule"], optional["skip_spikes"]
+    )
+
+
+def _checked_tensor(name: str, value: Any, dims: int, floating: bool) -> Tensor | None:
+    """None, or a tensor with ``dims`` dimensions and a float (or int64) dtype."""
+    if value is None:
+        return None
+    wanted = "a floating-point" if floating else "an int64"
+    ok_dtype = value.is_floating_point() if isinstance(value, Tensor) else False
+    if isinstance(value, Tensor) and not floating:
+        ok_dtype = value.dtype == torch.int64
+    if not isinstance(value, Tensor) or value.dim() != dims or not ok_dtype:
+        raise TypeError(
+            f"state_dict['clip'][{name!r}] must be None or {wanted} tensor with {dims} "
+            f"dimension(s), got {value!r}"
+        )
+    return value
