@@ -39,7 +39,10 @@ venv_for() {  # make (or reuse) the venv of release $1 and print its python
         "$PYTHON" -m venv "$venv"
         "$venv/bin/python" -m pip install --quiet --no-cache-dir --constraint "$constraints" \
             "torch==$1" -e '.[test]' 2>&1 | grep -v "^WARNING: Location" >&2 || true
-        "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$1'"
+        if ! "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$1'"; then
+            rm -rf "$venv"  # a half-made venv (a full disk, say) must not be reused
+            return 1
+        fi
         touch "$venv/.installed-$stamp"
     else
         "$venv/bin/python" -m pip install --quiet --no-deps -e . 2>&1 | grep -v "^WARNING: Location" >&2 || true
@@ -70,7 +73,11 @@ mkdir -p "$logs"
 for version in "${versions[@]}"; do
     echo "== torch $version" >&2
     start=$SECONDS
-    python=$(venv_for "$version")
+    if ! python=$(venv_for "$version"); then
+        rows+=("| $version | install failed | - | - | $((SECONDS - start)) s |")
+        status=1
+        continue
+    fi
     if "$python" -c "import clipopt" 2>"$logs/$version-import.log"; then
         imported=yes
     else
