@@ -84,7 +84,7 @@ def _memory_target(memory: dict[str, Any], key: str, name: str) -> list[Target]:
     step's, against one packing chunk plus 1 KiB per tensor; none where unmeasured."""
     bare = memory.get("bare fused AdamW", {}).get(key)
     clipped = memory.get("ClippedOptimizer(fused AdamW)", {}).get(key)
-    if not memory or bare is None or clipped is None:
+    if bare is None or clipped is None:
         return []
     allowance = 4 * 2**20 + 1024 * memory["tensors"]
     growth = (clipped - bare) / 2**20

@@ -66,7 +66,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
 def pages(site: Path) -> dict[Path, Page]:
+    """Every built page, parsed once for all the checks."""
     parsed = {}
     for path in sorted(site.rglob("*.html")):
         page = Page()
@@ -85,18 +87,18 @@ def target(site: Path, page: Path, url: str) -> tuple[Path, str]:
     return path, parts.fragment
 
 
-def test_every_page_has_one_title(site: Path) -> None:
-    for path, page in pages(site).items():
+def test_every_page_has_one_title(site: Path, pages: dict[Path, Page]) -> None:
+    for path, page in pages.items():
         if path.name == "404.html":
             continue
         assert page.headings.count("h1") == 1, f"{path.relative_to(site)}: {page.headings}"
 
 
-def test_nothing_is_fetched_from_outside_the_site(site: Path) -> None:
+def test_nothing_is_fetched_from_outside_the_site(site: Path, pages: dict[Path, Page]) -> None:
     """Fonts, scripts, stylesheets and images come with the site (or the system): the
     docs read offline, and no third party learns who reads them. Links a reader clicks
     may go outside (none do today)."""
-    for path, page in pages(site).items():
+    for path, page in pages.items():
         fetched = page.loads + [url for style in page.styles for url in CSS_URL.findall(style)]
         outside = [url for url in fetched if OUTSIDE.match(url)]
         assert not outside, f"{path.relative_to(site)} fetches {outside}"
@@ -106,23 +108,24 @@ def test_nothing_is_fetched_from_outside_the_site(site: Path) -> None:
         assert "@import" not in sheet.read_text(encoding="utf-8"), sheet
 
 
-def test_every_image_and_internal_link_resolves(site: Path) -> None:
-    parsed = pages(site)
+def test_every_image_and_internal_link_resolves(site: Path, pages: dict[Path, Page]) -> None:
     broken = []
-    for path, page in parsed.items():
+    for path, page in pages.items():
         for url in page.loads + page.links:
             if OUTSIDE.match(url) or url.startswith(("mailto:", "data:", "javascript:")):
                 continue
             file, fragment = target(site, path, url)
             if not file.is_file():
                 broken.append(f"{path.relative_to(site)}: {url} (no file)")
-            elif fragment and file in parsed and fragment not in parsed[file].ids:
+            elif fragment and file in pages and fragment not in pages[file].ids:
                 broken.append(f"{path.relative_to(site)}: {url} (no anchor)")
     assert not broken, "\n".join(broken)
 
 
-def test_the_home_page_shows_the_figure_and_the_install(site: Path) -> None:
-    home = pages(site)[site / "index.html"]
+def test_the_home_page_shows_the_figure_and_the_install(
+    site: Path, pages: dict[Path, Page]
+) -> None:
+    home = pages[site / "index.html"]
     assert "img/adaptive-thresholds.png" in home.loads
     text = re.sub(r"<[^>]+>", "", (site / "index.html").read_text(encoding="utf-8"))
     assert "pip install" in text
