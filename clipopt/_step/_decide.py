@@ -18,6 +18,7 @@ arguments by :func:`check_config`, a group's own threshold beside a rule by
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from clipopt._dist import _deepspeed
 from clipopt._dist._reduce import NormScope
 from clipopt._step import _fold, _monitor, _parts, _rule_step
 from clipopt._step._clip_state import (
@@ -136,8 +138,11 @@ def decide(
     settings = _parts.read_group_settings(
         optimizer.param_groups, optimizer.defaults, config.per_group
     )
+    zero = _deepspeed.zero_step()
+    config, given = _under_deepspeed(config, zero, settings.norm_types)
     grads = _parts.collect_grads(optimizer.param_groups)
-    measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings)
+    measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings, given)
+    final = zero is None or zero.last_call
     spike = None
     spikes = config.skip_spikes
     if may_skip and spikes is not None and spikes.may_trigger():
@@ -146,7 +151,9 @@ def decide(
         optimizer, lambda: _parts.grad_dtypes(grads, measured), coefficients
     )
     if config.nonfinite == "propagate" and spike is None:
-        return _parts.ClipDecision(grads, measured, coefficients, rule_outcome=outcome), fold
+        return _parts.ClipDecision(
+            grads, measured, coefficients, rule_outcome=outcome, final=final
+        ), fold
     norms = measured.norm if measured.stacked is None else measured.stacked
     values = _parts.coefficient_values(coefficients, norms)
     limit = config.max_consecutive_skips
@@ -163,12 +170,39 @@ def decide(
             found_inf=found_inf,
             rule_outcome=outcome,
             spike=spike,
+            final=final,
         ), fold
     streak = host_verdict(norms, values, record, config.nonfinite, limit, may_skip, spike)
     skip = streak is not None
     return _parts.ClipDecision(
-        grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
+        grads,
+        measured,
+        coefficients,
+        skip,
+        streak or 0,
+        rule_outcome=outcome,
+        spike=spike,
+        final=final,
     ), fold
+
+
+def _under_deepspeed(
+    config: ClipConfig, zero: _deepspeed.ZeroStep | None, norm_types: list[float]
+) -> tuple[ClipConfig, Tensor | None]:
+    """Under DeepSpeed's ZeRO optimizer (:mod:`clipopt._dist._deepspeed`): the config that
+    reduces this call's one group over DeepSpeed's data-parallel group, or, with several
+    groups stepped one by one, the norm DeepSpeed computed of them all. Refuses what
+    cannot be right there, before anything is read."""
+    if zero is None:
+        return config, None
+    rule = config.rule
+    each = config.track_tensor_norms or (
+        rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
+    )
+    scope = _deepspeed.zero_scope(zero, config.norm_scope, norm_types, config.per_group, each)
+    if scope is not None:
+        return dataclasses.replace(config, norm_scope=scope), None
+    return config, _deepspeed.ds_global_norm(zero)
 
 
 def _coefficients(
@@ -176,9 +210,11 @@ def _coefficients(
     config: ClipConfig,
     grads: list[list[Tensor]],
     settings: _parts.GroupSettings,
+    given: Tensor | None = None,
 ) -> tuple[_parts.Measurement, list[_parts.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
     """The step's norms, each group's coefficient and what a rule decided. A unit-wise
-    rule decides first: the norms come from what it measured, where it says."""
+    rule decides first: the norms come from what it measured, where it says. A ``given``
+    norm (DeepSpeed's, of groups this call does not see) is the norm of every group."""
     norm_types = settings.norm_types
     if isinstance(config.rule, UnitWiseRule):
         check_rule_groups(optimizer.param_groups, config.rule)
@@ -186,7 +222,10 @@ def _coefficients(
             config.rule, optimizer.param_groups, grads, norm_types[0]
         )
         return _measure(optimizer, config, grads, norm_types, squares, check), coefficients, outcome
-    measured = _measure(optimizer, config, grads, norm_types)
+    if given is not None:
+        measured = _parts.Measurement(given, [given] * len(grads), None)
+    else:
+        measured = _measure(optimizer, config, grads, norm_types)
     if config.rule is None:
         return (
             measured,

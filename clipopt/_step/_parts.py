@@ -97,6 +97,10 @@ class ClipDecision:
       rule_outcome: with a clip rule, the norms it saw and the coefficients and
         thresholds it chose, for it to commit once the step has run.
       spike: with ``skip_spikes``, whether the norm is a spike (0-dim bool), if judged.
+      final: this call ends the step, so the wrapper records it and commits its rules;
+        False for all but the last of the calls DeepSpeed's ZeRO optimizer makes, one
+        per param group, in one step of its own (they decide alike: nothing is
+        committed in between).
     """
 
     grads: list[list[Tensor]]
@@ -107,6 +111,7 @@ class ClipDecision:
     found_inf: Tensor | None = None
     rule_outcome: tuple[Tensor, Tensor, Tensor] | None = None
     spike: Tensor | None = None
+    final: bool = True
 
 
 def read_group_settings(
