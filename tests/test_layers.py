@@ -38,12 +38,12 @@ WING_FLOORS: dict[str, list[set[str]]] = {
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],
     # settings, skips, the fold; the step's parts, the saved entry; measuring, a rule's
-    # decision; the decision
+    # decision, applying a decision; the decision and what a step keeps of it, the read-outs
     "_step": [
         {"_clip_state", "_nonfinite", "_fold"},
         {"_parts", "_saved"},
-        {"_monitor", "_rule_step"},
-        {"_decide"},
+        {"_monitor", "_rule_step", "_apply"},
+        {"_decide", "_readouts"},
     ],
 }
 RULES_FLOOR = 2  # where a module of rules/ that WING_FLOORS does not name sits
