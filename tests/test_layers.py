@@ -144,6 +144,23 @@ def test_the_wings_stay_low() -> None:
     assert all(len(floors) <= 4 for floors in WING_FLOORS.values())
 
 
+MODULE_LINES = 300  # a unit read in one sitting; past it the module's docstring says why
+CLASS_LINES = 250
+
+
+@pytest.mark.parametrize("module", _modules())
+def test_long_units_say_why(module: str) -> None:
+    source = _source(module).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    reason = ast.get_docstring(tree) or ""
+    if len(source.splitlines()) > MODULE_LINES * 1.05:
+        assert "Its length" in reason, f"clipopt.{module} is long and its docstring says not why"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+            if node.end_lineno - node.lineno + 1 > CLASS_LINES * 1.05:
+                assert f"``{node.name}`` is about" in reason, f"clipopt.{module}.{node.name}"
+
+
 def test_the_check_sees_deferred_and_relative_imports() -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
