@@ -15,7 +15,6 @@ import importlib.util
 import os
 import types
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -209,11 +208,6 @@ def test_several_groups_take_deepspeeds_norm(world_of_one: Any) -> None:
     torch.testing.assert_close(opt.last_norm.double(), total, rtol=1e-6, atol=0)
 
 
-def _case_needs_final_guard() -> bool:
-    return "decision.final" not in Path(clipopt.optimizer.__file__).read_text()
-
-
-@pytest.mark.skipif(_case_needs_final_guard(), reason="the wrapper's step has no final guard yet")
 def test_several_groups_count_one_step_and_commit_the_rule_once(world_of_one: Any) -> None:
     groups = _flat_groups(3)
     rule = clipopt.AutoClip(percentile=50.0)

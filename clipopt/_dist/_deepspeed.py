@@ -38,7 +38,7 @@ from torch import Tensor
 
 from clipopt._dist._reduce import NormScope
 
-__all__ = ["ZeroStep", "ds_global_norm", "zero_scope", "zero_step"]
+__all__ = ["ZeroStep", "ds_global_norm", "zero_scope", "zero_source", "zero_step"]
 
 ZERO_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
 ZERO_METHOD = "_optimizer_step"
@@ -213,6 +213,22 @@ def zero_scope(
             "norm over all groups: use norm_type=2 and per_group=False, or one param group"
         )
     return None
+
+
+def zero_source(
+    call: ZeroStep,
+    scope: NormScope,
+    norm_types: list[float],
+    per_group: bool,
+    measures_each_grad: bool,
+) -> tuple[NormScope, Tensor | None]:
+    """Where the norm of a step under ``call`` comes from: (the scope to reduce over,
+    None) with one group, (``scope``, DeepSpeed's norm) with several; the arguments and
+    the refusals are :func:`zero_scope`'s."""
+    reduced = zero_scope(call, scope, norm_types, per_group, measures_each_grad)
+    if reduced is not None:
+        return reduced, None
+    return scope, ds_global_norm(call)
 
 
 def ds_global_norm(call: ZeroStep) -> Tensor:

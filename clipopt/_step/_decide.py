@@ -46,7 +46,7 @@ from clipopt.rules._unit import UnitWiseRule
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["ClipConfig", "check_config", "check_rule_groups", "decide"]
+__all__ = ["ClipConfig", "check_config", "check_rule_groups", "commit", "decide"]
 
 
 @dataclass(frozen=True)
@@ -138,8 +138,14 @@ def decide(
     settings = _parts.read_group_settings(
         optimizer.param_groups, optimizer.defaults, config.per_group
     )
-    zero = _deepspeed.zero_step()
-    config, given = _under_deepspeed(config, zero, settings.norm_types)
+    zero, given = _deepspeed.zero_step(), None
+    if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
+        rule, track = config.rule, config.track_tensor_norms
+        each = track or isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
+        scope, given = _deepspeed.zero_source(
+            zero, config.norm_scope, settings.norm_types, config.per_group, each
+        )
+        config = dataclasses.replace(config, norm_scope=scope)
     grads = _parts.collect_grads(optimizer.param_groups)
     measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings, given)
     final = zero is None or zero.last_call
@@ -186,23 +192,36 @@ def decide(
     ), fold
 
 
-def _under_deepspeed(
-    config: ClipConfig, zero: _deepspeed.ZeroStep | None, norm_types: list[float]
-) -> tuple[ClipConfig, Tensor | None]:
-    """Under DeepSpeed's ZeRO optimizer (:mod:`clipopt._dist._deepspeed`): the config that
-    reduces this call's one group over DeepSpeed's data-parallel group, or, with several
-    groups stepped one by one, the norm DeepSpeed computed of them all. Refuses what
-    cannot be right there, before anything is read."""
-    if zero is None:
-        return config, None
-    rule = config.rule
-    each = config.track_tensor_norms or (
-        rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
-    )
-    scope = _deepspeed.zero_scope(zero, config.norm_scope, norm_types, config.per_group, each)
-    if scope is not None:
-        return dataclasses.replace(config, norm_scope=scope), None
-    return config, _deepspeed.ds_global_norm(zero)
+def commit(
+    config: ClipConfig,
+    record: StepRecord,
+    tensor_norms: _monitor.TensorNorms,
+    decision: _parts.ClipDecision,
+    latest: _parts.Measurement,
+) -> None:
+    """Keep what a step that ran (or was skipped) without raising leaves behind.
+
+    Args:
+      config: the wrapper's rules and settings the decision was made with.
+      record: the step record: the last norms and the counters move.
+      tensor_norms: where tracked per-tensor norms are kept.
+      decision: the step's decision.
+      latest: the measurement of the grads the inner step used (a closure's last).
+
+    A call that is not the step's last (``decision.final`` False: DeepSpeed's ZeRO
+    optimizer steps the wrapper once per param group) keeps nothing: the step is
+    recorded and its rules commit once, at its last call.
+    """
+    if not decision.final:
+        return
+    skipped = decision.skip if decision.found_inf is None else decision.found_inf
+    record.record(latest.norm, latest.stacked, skipped, decision.streak)
+    if config.track_tensor_norms:
+        tensor_norms.record(latest)
+    if config.rule is not None and decision.rule_outcome is not None:
+        config.rule.commit(*decision.rule_outcome)
+    if config.skip_spikes is not None:
+        config.skip_spikes.commit(decision.measurement.norm, decision.spike)
 
 
 def _coefficients(
