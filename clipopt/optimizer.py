@@ -51,7 +51,7 @@ from clipopt._step._saved import (
     prepare_load,
     upgrade_0_1_0_pickle,
 )
-from clipopt._validation import check_foreach
+from clipopt._validation import check_foreach, check_not_skip_step
 from clipopt._wrapper import Closure, OptimizerWrapper
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
@@ -73,6 +73,7 @@ def _check_inner(optimizer: Any) -> None:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    check_not_skip_step(optimizer)
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list) or not any(g.get("params") for g in groups):
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
