@@ -66,7 +66,10 @@ are split at dots), and no name a torch optimizer's state uses."""
 
 
 def called_by_torch_dcp() -> bool:
-    """True if one of the nearest callers of the caller is in torch's DCP state-dict module."""
+    """True if one of the nearest callers of the caller is in torch's DCP state-dict module
+    (never while ``torch.compile`` traces, which cannot read frames)."""
+    if torch.compiler.is_compiling():
+        return False
     try:
         frame: FrameType | None = sys._getframe(2)  # past this function and the asking method
     except ValueError:

@@ -157,7 +157,32 @@ def test_torchs_functions_keep_the_clip_entry_through_dcp_and_resume_bit_exactly
     assert int(fresh.step_count) == 5
 
 
-def test_the_carried_entry_is_not_the_inner_optimizers(world_of_one: Any) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"full_state_dict": True, "cpu_offload": True},
+        {"full_state_dict": True, "cpu_offload": True, "broadcast_from_rank0": True},
+    ],
+    ids=["full", "broadcast"],
+)
+def test_full_state_dicts_keep_the_clip_entry(world_of_one: Any, options: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    model, opt = _run("adamw", 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        saved = dcp_sd.get_optimizer_state_dict(model, opt, options=_options(False, **options))
+        fresh_model, fresh = _run("adamw", 0)
+        fresh_model.load_state_dict(model.state_dict())
+        dcp_sd.set_optimizer_state_dict(
+            fresh_model, fresh, saved, options=_options(False, **options)
+        )
+    ours, theirs = fresh.state_dict(), opt.state_dict()
+    assert_identical(ours["clip"], theirs["clip"])
+    assert_identical(ours["state"], theirs["state"])  # (torch's full dicts list the betas)
+
+
+def test_the_carried_entry_is_not_the_inners_optimizers(world_of_one: Any) -> None:
     """Saved through torch's functions the entry rides in one parameter's state; the inner
     optimizer's own state is untouched, and its plain state dict never carries it."""
     from torch.distributed.checkpoint import state_dict as dcp_sd

@@ -107,8 +107,12 @@ def zero_step(depth: int = 1) -> ZeroStep | None:
         (1: the caller's own caller is the step's first frame).
 
     Returns:
-      A :class:`ZeroStep`, ``supported=False`` for an optimizer clipopt refuses.
+      A :class:`ZeroStep`, ``supported=False`` for an optimizer clipopt refuses; None
+      while ``torch.compile`` traces the step, which cannot read frames (a compiled
+      step under DeepSpeed is not recognised).
     """
+    if torch.compiler.is_compiling():
+        return None
     try:
         frame: FrameType | None = sys._getframe(1 + depth)
     except ValueError:
