@@ -194,8 +194,9 @@ def _coefficients(
             None,
         )
     check_rule_groups(optimizer.param_groups, config.rule)
+    stages = config.norm_scope.pp_group is not None
     coefficients, outcome = _rule_step.rule_coefficients(
-        config.rule, grads, measured, norm_types[0]
+        config.rule, grads, measured, norm_types[0], stages
     )
     return measured, coefficients, outcome
 
