@@ -194,9 +194,7 @@ def sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def wrap(optimizer: torch.optim.Optimizer, max_norm: Any, pp: Any, **kwargs: Any) -> Any:
-    wrapped = clipopt.ClippedOptimizer(optimizer, max_norm, **kwargs)
-    wrapped._norm_scope = _reduce.NormScope(pp_mesh=pp)  # until the public kwarg lands
-    return wrapped
+    return clipopt.ClippedOptimizer(optimizer, max_norm, pp_mesh=pp, **kwargs)
 
 
 # --------------------------------------------------------------------------- cases
@@ -537,7 +535,7 @@ def case_torchtitan() -> None:
     part(torch.randn(4, 5)).pow(2).sum().backward()
     grads = [q.grad for q in part.parameters()]
     expected = float64_norm(gathered_full(grads, dp.get_local_rank() == 0), 2.0)
-    ours = _reduce.global_norm(grads, 2.0, pp_group=_stages.stage_group(pp))
+    ours = clipopt.clip_grad_norm_(part.parameters(), 1e9, pp_mesh=pp)
     theirs = titan_clip(part.parameters(), 1e9, pp_mesh=pp)
     assert_same_everywhere(ours, "clip_grad_norm_ with pp_mesh")
     assert_close(ours, expected, "clipopt", rtol=1e-6)
