@@ -1007,6 +1007,50 @@ def test_wrapper_with_a_group_deep_copies_but_does_not_pickle(world_of_one: Any)
         pickle.dumps(optimizer)
 
 
+def test_bad_pp_mesh_is_refused_before_anything_is_touched(world_of_one: Any) -> None:
+    """pp_mesh must be a 1-D DeviceMesh or a ProcessGroup; a bad one raises, naming it,
+    before any grad is read or written and before the inner optimizer is touched."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    w = nn.Parameter(torch.ones(2))
+    w.grad = torch.full((2,), 3.0)
+    inner = torch.optim.SGD([w], lr=0.1)
+    two_d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+    for bad, error in (("pp", TypeError), (0, TypeError), (two_d, ValueError)):
+        with pytest.raises(error, match="pp_mesh must be"):
+            clipopt.ClippedOptimizer(inner, 1.0, pp_mesh=bad)
+        with pytest.raises(error, match="pp_mesh must be"):
+            clipopt.clip_grad_norm_([w], 1.0, pp_mesh=bad)
+        with pytest.raises(error, match="pp_mesh must be"):
+            clipopt.clip_grad_norm([w], 1.0, pp_mesh=bad)
+        with pytest.raises(error, match="pp_mesh must be"):
+            clipopt.get_total_norm([w.grad], pp_mesh=bad)
+    assert torch.equal(w.grad, torch.full((2,), 3.0))
+    assert "clip_max_norm" not in inner.param_groups[0], "a refused wrapper must not touch it"
+
+
+def test_a_pipeline_of_one_stage_adds_no_collective(world_of_one: Any) -> None:
+    """A pp_mesh over this rank alone (one stage is the whole model) is no reduction: the
+    norm is the local one, with no all_reduce; a wrapper holding a pipeline group
+    deep-copies (sharing the group) but does not pickle."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))["pp"]
+    grads = [torch.tensor([3.0, 4.0])]
+    for pp_mesh in (pp, world_of_one):
+        with CountAllReduce() as counter:
+            norm = clipopt.get_total_norm(grads, pp_mesh=pp_mesh)
+        assert counter.calls == 0 and torch.equal(norm, torch.tensor(5.0))
+    scope = _reduce.NormScope()
+    scope.pp_group = world_of_one  # as a pipeline of several stages holds it
+    w = nn.Parameter(torch.ones(2))
+    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.1), 1.0)
+    optimizer._norm_scope = scope
+    assert copy.deepcopy(optimizer)._norm_scope.pp_group is world_of_one
+    with pytest.raises(TypeError, match="holding a pp_group cannot be pickled"):
+        pickle.dumps(optimizer)
+
+
 def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one: Any) -> None:
     model = nn.Linear(2, 2)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -371,7 +371,10 @@ def case_rules_under_stages() -> None:
             poison = step == 2
             if poison and stage == 0:
                 next(iter(part.parameters())).grad.to_local().view(-1)[0] = math.nan
-            ours.step()
+            with CountAllReduce() as counter:
+                ours.step()
+            # The stage's own reduction (FSDP2: one; plain grads: none), then the stages'.
+            assert counter.calls == (1 if stage == 0 else 0) + 1, (name, counter.calls)
             ours.zero_grad()
             for s in range(PP):
                 reference_model[f"stage{s}"](data[step][s]).pow(2).mean().backward()
@@ -399,6 +402,37 @@ def case_rules_under_stages() -> None:
         if ours.last_tensor_norms is not None:
             own = {pn for pn, _ in part.named_parameters()}
             assert set(ours.last_tensor_norms) == own, (name, sorted(ours.last_tensor_norms))
+    # per_group: the stages' groups matched by position (weights, then biases).
+    model = _separable(2)
+    part = model[f"stage{stage}"]
+    if stage == 0:
+        fully_shard(part, mesh=dp)
+
+    def split(module: nn.Module) -> list[dict[str, Any]]:
+        named = list(module.named_parameters())
+        return [
+            {"params": [q for n, q in named if n.endswith("weight")]},
+            {"params": [q for n, q in named if n.endswith("bias")], "clip_norm_type": 1.0},
+        ]
+
+    ours = wrap(torch.optim.SGD(split(part), lr=0.1), 0.3, pp, per_group=True)
+    reference_model = _separable(2)
+    groups = [split(reference_model[f"stage{s}"]) for s in range(PP)]
+    merged = [
+        {**groups[0][i], "params": groups[0][i]["params"] + groups[1][i]["params"]}
+        for i in range(2)
+    ]
+    reference = clipopt.ClippedOptimizer(torch.optim.SGD(merged, lr=0.1), 0.3, per_group=True)
+    rows = slice(dp.get_local_rank() * 4, dp.get_local_rank() * 4 + 4)
+    x = data[0][stage]
+    part(x[rows] if stage == 0 else x).pow(2).mean().backward()
+    ours.step()
+    for s in range(PP):
+        reference_model[f"stage{s}"](data[0][s]).pow(2).mean().backward()
+    reference.step()
+    assert_same_everywhere(ours.last_group_norms, "per_group norms")
+    assert_close(ours.last_group_norms, reference.last_group_norms, "per_group norms")
+    assert_close(ours.last_norm, reference.last_norm, "per_group last_norm")
 
 
 def case_functional_stages() -> None:

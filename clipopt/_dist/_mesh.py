@@ -2,9 +2,11 @@
 
 A DTensor grad's norm counts each element once: its local shard's contribution is
 weighted by ``1 / (product of the mesh sizes over its Replicate dims)``, and grads on
-named sub-meshes of one root mesh (FSDP2 over tensor parallel) are reduced over the part
-of the root they span. Nothing here imports ``torch.distributed.tensor``: it costs about
-a second, and no grad can be a DTensor until the user has imported it.
+several meshes (FSDP2 over tensor parallel, MoE's dense and expert meshes) are reduced
+over the one that holds the others' ranks (matched by ranks, not dimension names), or
+over the part of their common root they span when they are named sub-meshes of one.
+Nothing here imports ``torch.distributed.tensor``: it costs about a second, and no grad
+can be a DTensor until the user has imported it.
 """
 
 from __future__ import annotations

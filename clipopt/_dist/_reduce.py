@@ -7,8 +7,8 @@ Three layouts, one rule (see :mod:`clipopt.distributed` for the user's view):
 - **DTensor grads** (FSDP2, HSDP, tensor parallel): the norm of each grad's local shard
   is raised to ``p`` and weighted by ``1 / (product of the mesh sizes over its Replicate
   dims)``, so replicas count once; one ``all_reduce(SUM)`` (``MAX`` for the inf-norm)
-  over the mesh gives the total. A Partial grad is an error. Grads on named sub-meshes of
-  one root mesh are reduced over the part of the root they span.
+  over the mesh gives the total. A Partial grad is an error. Grads on several meshes
+  are reduced over the one holding the others' ranks (:func:`clipopt._dist._mesh.reduction_mesh`).
 - **Plain tensors split across a process group** (model parallel): each rank's
   ``norm**p`` is summed across the group; tensors declared replicated count once.
 
