@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt._dist._collective import REDUCE_DTYPE, reduce_max, reduce_sum
+from clipopt._dist._collective import REDUCE_DTYPE, collective_device, reduce_max, reduce_sum
 
 __all__ = ["check_disjoint", "combine_stages", "stage_group", "stage_groups"]
 
@@ -123,6 +123,8 @@ def combine_stages(
     if pp_group is None or not norms:
         return list(norms)
     device = norms[0].device
+    if device.type == "cpu":  # a stage without grads has a CPU zero; NCCL needs its device
+        device = collective_device([], [pp_group])
     sent = [
         n.detach().to(device=device, dtype=REDUCE_DTYPE).reshape(1).pow(1.0 if p == math.inf else p)
         for n, p in zip(norms, norm_types, strict=True)
