@@ -433,6 +433,19 @@ def case_rules_under_stages() -> None:
     assert_same_everywhere(ours.last_group_norms, "per_group norms")
     assert_close(ours.last_group_norms, reference.last_group_norms, "per_group norms")
     assert_close(ours.last_norm, reference.last_norm, "per_group last_norm")
+    # A stage without grads in a step (plain grads, tracked per tensor) joins with a zero.
+    for tracked in (True, False):
+        part = _separable(3)[f"stage{stage}"]
+        ours = wrap(
+            torch.optim.SGD(part.named_parameters(), lr=0.1), 1e9, pp, track_tensor_norms=tracked
+        )
+        if stage == 0:
+            part(data[0][0]).pow(2).mean().backward()
+        grads = [q.grad for q in part.parameters() if q.grad is not None]
+        expected = float64_norm(gathered_full(grads, dp.get_local_rank() == 0), 2.0)
+        ours.step()
+        assert_same_everywhere(ours.last_norm, f"a stage without grads, tracked={tracked}")
+        assert_close(ours.last_norm, expected, f"a stage without grads, tracked={tracked}")
 
 
 def case_functional_stages() -> None:
