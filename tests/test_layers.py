@@ -33,8 +33,14 @@ UNIT_LAYERS: list[set[str]] = [
 WING_FLOORS: dict[str, list[set[str]]] = {
     # the C kernel, its Python side, the torch-ops path and the plans, the norms and scales
     "_kernels": [{"_native"}, {"_cpu"}, {"_plan", "_torch_norms"}, {"_norms", "_scale"}],
-    # collectives and meshes; where AGC's units lie, and the reductions; units' norms
-    "_dist": [{"_collective", "_mesh"}, {"_unit_rows", "_per_tensor", "_reduce"}, {"_units"}],
+    # collectives and meshes; the pipeline stages; where AGC's units lie, and the
+    # reductions; units' norms
+    "_dist": [
+        {"_collective", "_mesh"},
+        {"_stages"},
+        {"_unit_rows", "_per_tensor", "_reduce"},
+        {"_units"},
+    ],
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],
     # settings, skips, the fold; the step's parts, the saved entry; measuring, a rule's
