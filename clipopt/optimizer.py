@@ -58,6 +58,7 @@ from clipopt.rules._spike_skip import SpikeSkip
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ClippedOptimizer"]
 
@@ -129,6 +130,13 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         (the global norm is derived from them), not by a second pass; DTensor grads
         (FSDP2, TP) are measured whole across ranks in the step's one collective.
         Not with a ``process_group`` (a split tensor's rows differ by rank).
+      pp_mesh: under pipeline parallelism, a 1-D ``DeviceMesh`` (torchtitan's
+        ``world_mesh["pp"]``) or a ``ProcessGroup`` joining this rank to one rank of each
+        other stage; the wrapper holds this stage's parameters. Each stage's norm is
+        reduced as without it, then the stages' ``norm**p`` are summed over it (max for
+        inf) in one more ``all_reduce``, so every stage clips, skips and updates its rule
+        by the whole model's norm. Per-tensor and unit norms, and their rules' state, stay
+        the stage's own. With ``per_group`` the stages' groups are matched by position.
 
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
@@ -166,6 +174,7 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         replicated_params: Iterable[Tensor] | None = None,
         skip_spikes: SpikeSkip | None = None,
         track_tensor_norms: bool = False,
+        pp_mesh: DeviceMesh | ProcessGroup | None = None,
     ) -> None:
         _check_inner(optimizer)
         rule = max_norm if isinstance(max_norm, ClipRule) else None
@@ -185,6 +194,7 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             process_group,
             replicated_params,
             params=[p for group in optimizer.param_groups for p in group["params"]],
+            pp_mesh=pp_mesh,
         )
         # Nothing has been touched above this line.
         rename_legacy_keys(optimizer.param_groups, optimizer.defaults)

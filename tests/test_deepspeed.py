@@ -175,6 +175,12 @@ def test_what_cannot_be_right_under_zero_is_refused_touching_nothing(
     _refused(opt, zero, "norm_type=2 and per_group=False")
     opt = wrapper(2)
     _refused(opt, FakeZero(opt, world_of_one), "compute_grad_norm")
+    # A pp_mesh of one stage is none; one of two stages is what a scope then holds.
+    staged = NormScope()
+    staged.pp_group = world_of_one
+    call = _deepspeed.ZeroStep("DeepSpeed ZeRO-2", True, dp_group=world_of_one)
+    with pytest.raises(ValueError, match="remove pp_mesh"):
+        _deepspeed.zero_scope(call, staged, [2.0], False, False)
     moe = wrapper()
     zero = FakeZero(moe, world_of_one)
     zero.is_moe_param_group = [True]

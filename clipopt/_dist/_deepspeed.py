@@ -195,6 +195,12 @@ def zero_scope(
             "per-tensor and unit-wise rules (AGC) are not available; use a global rule "
             "or a number as max_norm"
         )
+    if scope.pp_group is not None:
+        raise ValueError(
+            f"pp_mesh combines pipeline stages' norms, but {call.caller} steps flat "
+            "partitions of one data-parallel group (DeepSpeed's pipeline engine is not "
+            "supported): remove pp_mesh"
+        )
     if scope.replicated_params:
         raise ValueError(
             f"replicated_params name model parameters, but {call.caller} steps flat "

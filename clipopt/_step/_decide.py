@@ -252,8 +252,9 @@ def _coefficients(
             None,
         )
     check_rule_groups(optimizer.param_groups, config.rule)
+    stages = config.norm_scope.pp_group is not None
     coefficients, outcome = _rule_step.rule_coefficients(
-        config.rule, grads, measured, norm_types[0]
+        config.rule, grads, measured, norm_types[0], stages
     )
     return measured, coefficients, outcome
 
@@ -270,16 +271,20 @@ def _measure(
     (AGC: no grad read again, no collective more; its ``check`` NaN where the ranks'
     grads do not line up); with per-tensor norms wanted
     (tracked, or for a per-tensor rule), all of them from one per-tensor pass, and
-    for DTensor grads one collective (the constructor refuses a process_group then)."""
+    for DTensor grads one collective (the constructor refuses a process_group then).
+    Under pipeline stages the totals are then combined over the stages (one collective
+    more); per-tensor and unit norms stay each stage's own."""
     default = float(optimizer.defaults[NORM_TYPE_KEY])
     names = _monitor.grad_names(optimizer.param_groups) if config.track_tensor_norms else None
+    pp_group = config.norm_scope.pp_group
     if squares is not None and all(p == 2.0 for p in norm_types):
-        return _monitor.measure_from_squares(
+        measured = _monitor.measure_from_squares(
             grads, names, squares, default, config.per_group, config.track_tensor_norms, check
         )
+        return _monitor.across_stages(measured, norm_types, default, config.per_group, pp_group)
     per_rule = config.rule is not None and config.rule.per_tensor
     if config.norm_scope.process_group is None and (config.track_tensor_norms or per_rule):
-        return _monitor.measure_per_tensor(
+        measured = _monitor.measure_per_tensor(
             grads,
             names,
             norm_types,
@@ -289,6 +294,7 @@ def _measure(
             lambda: [group["params"] for group in optimizer.param_groups],
             strict=per_rule,
         )
+        return _monitor.across_stages(measured, norm_types, default, config.per_group, pp_group)
     return _parts.measure(
         grads,
         norm_types,
