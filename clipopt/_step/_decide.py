@@ -140,7 +140,10 @@ def decide(
     measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings)
     spike = None
     spikes = config.skip_spikes
-    if may_skip and spikes is not None and spikes.may_trigger():
+    # Compiled, the verdict is judged from the first step (it is false on the device until
+    # min_history norms are in): a graph that judged only once may_trigger() turned true
+    # would recompile at that step, long after warm-up. Eager, no read until it can fire.
+    if may_skip and spikes is not None and (torch.compiler.is_compiling() or spikes.may_trigger()):
         spike = spikes.verdict(measured.norm)
     fold = may_fold and _fold.can_fold(
         optimizer, lambda: _parts.grad_dtypes(grads, measured), coefficients

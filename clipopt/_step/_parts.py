@@ -289,12 +289,16 @@ def _bucket(buckets: list[tuple[Tensor, list[Tensor]]], coefficient: Tensor) -> 
 
 
 def coefficient_values(coefficients: list[Coefficient], like: Tensor) -> Tensor:
-    """Every distinct coefficient in one 1-D tensor (empty if none), for a finiteness check."""
-    seen: dict[int, Tensor] = {}
-    for coefficient in coefficients:
-        for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
-            if c is not None:
-                seen.setdefault(id(c), c.reshape(-1))
-    if not seen:
-        return like.new_zeros(0)
-    return torch.cat(list(seen.values()))
+    """Every coefficient in one 1-D tensor (empty if none), for a finiteness check.
+
+    A coefficient shared by groups is in it once per group: the check does not care,
+    and telling them apart by ``id()`` made ``torch.compile`` guard on the id of each
+    step's new coefficient tensor, so that every step recompiled.
+    """
+    values = [
+        c.reshape(-1)
+        for coefficient in coefficients
+        for c in (coefficient if isinstance(coefficient, tuple) else (coefficient,))
+        if c is not None
+    ]
+    return torch.cat(values) if values else like.new_zeros(0)
