@@ -2,13 +2,17 @@
 
 Gradient-norm clipping as an optimizer wrapper. The wrapper's plumbing (pass-through
 ``param_groups`` / ``state`` / ``defaults``, hooks, pickling, the state-dict templates)
-is :class:`clipopt._wrapper.OptimizerWrapper`; this module is the clip: its settings,
-its step (measure -> decide -> apply: :mod:`clipopt._step._decide` makes the decision from the
-parts in :mod:`clipopt._step._parts`) and its entry of the state dict (its layout checked by
-:mod:`clipopt._step._clip_state`, written, checked against the wrapper's rules and installed
-by :mod:`clipopt._step._saved`). A decision is applied in exactly one of two ways: scale the
-grads, then run the inner step; or fold the scale (and a skip) into a fused inner
-optimizer's kernel (:mod:`clipopt._step._fold`).
+is :class:`clipopt._wrapper.OptimizerWrapper`, and its read-only properties are
+:class:`clipopt._step._readouts.ClipReadouts`; this module is the clip: its settings, its
+step (measure -> decide -> apply: :func:`clipopt._step._decide.decide` makes the
+decision, :func:`clipopt._step._apply.apply_decision` applies it, and
+:func:`clipopt._step._decide.commit` keeps what the step leaves) and the entry points of
+its ``"clip"`` entry in the state dict (written, checked and installed by
+:mod:`clipopt._step._saved`).
+
+Its length (about 370 lines) is the class: ``ClippedOptimizer`` is about 290 lines, over
+the ~250 a class aims at, because 65 of them are its docstring, the API reference's page
+for it, and 45 the docstrings of the public methods it overrides to document.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _hooks
 from clipopt._dist._reduce import NormScope
-from clipopt._step import _fold, _monitor, _parts
+from clipopt._step import _monitor
+from clipopt._step._apply import apply_decision
 from clipopt._step._clip_state import (
     CLIP_KEY,
     MAX_NORM_KEY,
@@ -36,8 +40,10 @@ from clipopt._step._clip_state import (
     rename_legacy_keys,
     validated_settings,
 )
-from clipopt._step._decide import ClipConfig, check_config, check_rule_groups, decide
+from clipopt._step._decide import ClipConfig, check_config, check_rule_groups, commit, decide
 from clipopt._step._nonfinite import StepRecord
+from clipopt._step._parts import ClipDecision
+from clipopt._step._readouts import ClipReadouts
 from clipopt._step._saved import (
     check_saved_rules,
     clip_entry,
@@ -72,7 +78,7 @@ def _check_inner(optimizer: Any) -> None:
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
 
 
-class ClippedOptimizer(OptimizerWrapper):
+class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
     Each :meth:`step` computes the total norm of all grads with grouped kernels (one
@@ -214,124 +220,6 @@ class ClippedOptimizer(OptimizerWrapper):
             self._max_consecutive_skips,
         )
 
-    # ------------------------------------------------------------------ public state
-
-    def _group_setting(self, key: str) -> float | list[float]:
-        """Each param group's ``key``: one number where every group has the same."""
-        values = [float(group[key]) for group in self.param_groups]
-        return values[0] if len(set(values)) == 1 else values
-
-    @property
-    def max_norm(self) -> float | list[float] | ClipRule:
-        """The threshold the step uses: the rule, else the param groups'
-        ``clip_max_norm`` (one number where every group has the same, else one per group).
-
-        Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and
-        ``opt.defaults["clip_max_norm"]`` for groups added later) to change it, as an LR
-        scheduler changes ``lr``.
-        """
-        return self._rule if self._rule is not None else self._group_setting(MAX_NORM_KEY)
-
-    @max_norm.setter
-    def max_norm(self, value: object) -> None:
-        how = (
-            f"(and opt.defaults[{MAX_NORM_KEY!r}] for groups added later), or make a new "
-            "ClippedOptimizer for a rule"
-        )
-        raise AttributeError(_group_setting_refused("max_norm", MAX_NORM_KEY, value, how))
-
-    @property
-    def norm_type(self) -> float | list[float]:
-        """The norm's order the step uses: the param groups' ``clip_norm_type`` (one
-        number where every group has the same). Read-only, as :attr:`max_norm`."""
-        return self._group_setting(NORM_TYPE_KEY)
-
-    @norm_type.setter
-    def norm_type(self, value: object) -> None:
-        how = "in every group (one order for all unless per_group=True)"
-        raise AttributeError(_group_setting_refused("norm_type", NORM_TYPE_KEY, value, how))
-
-    @property
-    def per_group(self) -> bool:
-        """Whether each param group is clipped by its own norm."""
-        return self._per_group
-
-    @property
-    def foreach(self) -> bool | None:
-        """The ``foreach`` choice passed to the norm and scale kernels."""
-        return self._foreach
-
-    @property
-    def nonfinite(self) -> NonFinite:
-        """What a non-finite norm does: ``"propagate"``, ``"skip"`` or ``"raise"``."""
-        return self._nonfinite
-
-    @property
-    def max_consecutive_skips(self) -> int | None:
-        """Skipped steps in a row after which a non-finite norm raises."""
-        return self._max_consecutive_skips
-
-    @property
-    def rule(self) -> ClipRule | None:
-        """The clip rule passed as ``max_norm``, None for a number. Its
-        :attr:`~clipopt.ClipRule.last_threshold` and
-        :attr:`~clipopt.ClipRule.clipped_count` are the rule's monitoring."""
-        return self._rule
-
-    @property
-    def skip_spikes(self) -> SpikeSkip | None:
-        """The :class:`clipopt.SpikeSkip` that skips spikes, or None."""
-        return self._skip_spikes
-
-    @property
-    def last_norm(self) -> Tensor | None:
-        """The pre-clip total norm of the most recent step, None before the first.
-
-        A 0-dim tensor on the grads' device (float32, float64 for double grads). With
-        ``per_group=True`` it is the norm of the per-group norms taken with the default
-        ``norm_type``: the total norm whenever every group uses that order.
-        """
-        return self._record.last_norm
-
-    @property
-    def last_group_norms(self) -> Tensor | None:
-        """With ``per_group=True``, the pre-clip norm of each group (1-D); else None."""
-        return self._record.last_group_norms
-
-    @property
-    def track_tensor_norms(self) -> bool:
-        """Whether each step keeps its per-tensor norms in :attr:`last_tensor_norms`."""
-        return self._track_tensor_norms
-
-    @property
-    def last_tensor_norms(self) -> dict[str, Tensor] | None:
-        """With ``track_tensor_norms=True``, each grad's pre-clip norm in the last step.
-
-        ``{name: 0-dim tensor}`` on the grads' device (float32, float64 for double
-        grads), in the order of the param groups, parameters without a grad left out.
-        A name is the one torch keeps in each group's ``param_names`` when the inner
-        optimizer was given ``model.named_parameters()``, else the parameter's index
-        over all groups as a string (its key in ``state_dict()["state"]``). None before
-        the first step, after a load, and without ``track_tensor_norms``. Not saved in
-        :meth:`state_dict`: nothing in a step reads it.
-        """
-        return self._tensor_norms.as_dict()
-
-    @property
-    def step_count(self) -> Tensor:
-        """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
-        return self._record.step_count
-
-    @property
-    def skip_count(self) -> Tensor:
-        """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
-        return self._record.skip_count
-
-    @property
-    def consecutive_skips(self) -> Tensor:
-        """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
-        return self._record.consecutive_skips
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the inner optimizer.
 
@@ -396,25 +284,21 @@ class ClippedOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        decision, fold = self._decide(may_fold=closure is None, may_skip=True)
-        if decision.skip:
-            result, latest = loss, decision.measurement
-        else:
-            apply = self._apply_folded if fold else self._apply_explicit
-            result, latest = apply(decision, closure, loss)
-        skipped = decision.skip if decision.found_inf is None else decision.found_inf
-        self._record.record(latest.norm, latest.stacked, skipped, decision.streak)
-        if self._track_tensor_norms:
-            self._tensor_norms.record(latest)
-        if self._rule is not None and decision.rule_outcome is not None:
-            self._rule.commit(*decision.rule_outcome)
-        if self._skip_spikes is not None:
-            self._skip_spikes.commit(decision.measurement.norm, decision.spike)
+        config = self._config()
+        decision, fold = decide(self.optimizer, config, self._record, closure is None, True)
+
+        def redecide() -> ClipDecision:  # a closure's later evaluation: no skip, no fold
+            return decide(self.optimizer, config, self._record, False, False)[0]
+
+        result, latest = apply_decision(
+            self.optimizer, decision, fold, self._foreach, closure, loss, redecide
+        )
+        commit(config, self._record, self._tensor_norms, decision, latest)
         return result
 
-    def _decide(self, may_fold: bool, may_skip: bool) -> tuple[_parts.ClipDecision, bool]:
-        """:func:`clipopt._step._decide.decide` with this wrapper's configuration."""
-        config = ClipConfig(
+    def _config(self) -> ClipConfig:
+        """What a decision reads of this wrapper, made for each step (a load may change it)."""
+        return ClipConfig(
             self._rule,
             self._skip_spikes,
             self._per_group,
@@ -424,44 +308,6 @@ class ClippedOptimizer(OptimizerWrapper):
             self._norm_scope,
             self._track_tensor_norms,
         )
-        return decide(self.optimizer, config, self._record, may_fold, may_skip)
-
-    def _apply_folded(
-        self, decision: _parts.ClipDecision, closure: Closure | None, loss: Any
-    ) -> tuple[Any, _parts.Measurement]:
-        """Apply ``decision`` inside the fused inner kernel (no closure: see ``_decide``)."""
-        coefficient = decision.coefficients[0]
-        assert not isinstance(coefficient, tuple)  # can_fold refuses per-grad coefficients
-        result = _fold.apply_folded(self.optimizer, coefficient, decision.found_inf)
-        return result, decision.measurement
-
-    def _apply_explicit(
-        self, decision: _parts.ClipDecision, closure: Closure | None, loss: Any
-    ) -> tuple[Any, _parts.Measurement]:
-        """Scale the grads, then run the inner step; return its result and the last norms.
-
-        The inner optimizer gets a closure that returns ``loss`` once and afterwards
-        re-evaluates, measures and clips (LBFGS calls it many times); the norms of its
-        last evaluation are the step's last norms.
-        """
-        grouped = decision.measurement.groups
-        _parts.scale(decision.grads, decision.coefficients, self._foreach, grouped)
-        if closure is None:
-            return _hooks.inner_step(self.optimizer, None), decision.measurement
-        pending = [loss]
-        latest = [decision.measurement]
-
-        def clipped_closure() -> Any:
-            if pending:
-                return pending.pop()
-            with torch.enable_grad():
-                again = closure()
-            redo, _ = self._decide(may_fold=False, may_skip=False)
-            _parts.scale(redo.grads, redo.coefficients, self._foreach, redo.measurement.groups)
-            latest.append(redo.measurement)
-            return again
-
-        return _hooks.inner_step(self.optimizer, clipped_closure), latest[-1]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -522,34 +368,3 @@ class ClippedOptimizer(OptimizerWrapper):
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  see clipopt._wrapper
-
-
-def _group_setting_refused(name: str, key: str, value: object, how: str) -> str:
-    return (
-        f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): the step reads each "
-        f"param group's {key!r}; set opt.param_groups[i][{key!r}] {how}"
-    )
-
-
-def _refuse_assignment(name: str) -> Callable[[Any, object], None]:
-    def refuse(self: Any, value: object) -> None:
-        raise AttributeError(
-            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): it is fixed when "
-            "the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
-        )
-
-    return refuse
-
-
-# Settings fixed at construction say so when assigned, rather than "has no setter".
-for _name in (
-    "per_group",
-    "foreach",
-    "nonfinite",
-    "max_consecutive_skips",
-    "rule",
-    "skip_spikes",
-    "track_tensor_norms",
-):
-    _read = getattr(ClippedOptimizer, _name)
-    setattr(ClippedOptimizer, _name, _read.setter(_refuse_assignment(_name)))

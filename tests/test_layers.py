@@ -38,12 +38,12 @@ WING_FLOORS: dict[str, list[set[str]]] = {
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],
     # settings, skips, the fold; the step's parts, the saved entry; measuring, a rule's
-    # decision; the decision
+    # decision, applying a decision; the decision and what a step keeps of it, the read-outs
     "_step": [
         {"_clip_state", "_nonfinite", "_fold"},
         {"_parts", "_saved"},
-        {"_monitor", "_rule_step"},
-        {"_decide"},
+        {"_monitor", "_rule_step", "_apply"},
+        {"_decide", "_readouts"},
     ],
 }
 RULES_FLOOR = 2  # where a module of rules/ that WING_FLOORS does not name sits
@@ -142,6 +142,23 @@ def test_only_the_kernel_wing_reads_the_c_extension(module: str) -> None:
 def test_the_wings_stay_low() -> None:
     assert len(UNIT_LAYERS) <= 8
     assert all(len(floors) <= 4 for floors in WING_FLOORS.values())
+
+
+MODULE_LINES = 300  # a unit read in one sitting; past it the module's docstring says why
+CLASS_LINES = 250
+
+
+@pytest.mark.parametrize("module", _modules())
+def test_long_units_say_why(module: str) -> None:
+    source = _source(module).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    reason = ast.get_docstring(tree) or ""
+    if len(source.splitlines()) > MODULE_LINES * 1.05:
+        assert "Its length" in reason, f"clipopt.{module} is long and its docstring says not why"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+            if node.end_lineno - node.lineno + 1 > CLASS_LINES * 1.05:
+                assert f"``{node.name}`` is about" in reason, f"clipopt.{module}.{node.name}"
 
 
 def test_the_check_sees_deferred_and_relative_imports() -> None:

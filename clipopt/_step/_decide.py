@@ -44,7 +44,7 @@ from clipopt.rules._unit import UnitWiseRule
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["ClipConfig", "check_config", "check_rule_groups", "decide"]
+__all__ = ["ClipConfig", "check_config", "check_rule_groups", "commit", "decide"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,32 @@ def decide(
     return _parts.ClipDecision(
         grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
     ), fold
+
+
+def commit(
+    config: ClipConfig,
+    record: StepRecord,
+    tensor_norms: _monitor.TensorNorms,
+    decision: _parts.ClipDecision,
+    latest: _parts.Measurement,
+) -> None:
+    """Keep what a step that ran (or was skipped) without raising leaves behind.
+
+    Args:
+      config: the wrapper's rules and settings the decision was made with.
+      record: the step record: the last norms and the counters move.
+      tensor_norms: where tracked per-tensor norms are kept.
+      decision: the step's decision.
+      latest: the measurement of the grads the inner step used (a closure's last).
+    """
+    skipped = decision.skip if decision.found_inf is None else decision.found_inf
+    record.record(latest.norm, latest.stacked, skipped, decision.streak)
+    if config.track_tensor_norms:
+        tensor_norms.record(latest)
+    if config.rule is not None and decision.rule_outcome is not None:
+        config.rule.commit(*decision.rule_outcome)
+    if config.skip_spikes is not None:
+        config.skip_spikes.commit(decision.measurement.norm, decision.spike)
 
 
 def _coefficients(

@@ -1,0 +1,91 @@
+"""Apply a step's decision: scale the grads and run the inner step, or fold the scale in.
+
+A decision (:func:`clipopt._step._decide.decide`) is applied in exactly one of two ways:
+the grads are multiplied by their coefficients and the inner step runs
+(:func:`_scale_then_step`); or the scale, and a skip decided on the device, ride into a
+fused inner optimizer's kernel (:func:`clipopt._step._fold.apply_folded`). A skip
+decided on the host applies nothing. What the step keeps of it is committed afterwards
+(:func:`clipopt._step._decide.commit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from clipopt import _hooks
+from clipopt._step import _fold
+from clipopt._step._parts import ClipDecision, Measurement, scale
+from clipopt._wrapper import Closure
+
+__all__ = ["apply_decision"]
+
+
+def apply_decision(
+    optimizer: Optimizer,
+    decision: ClipDecision,
+    fold: bool,
+    foreach: bool | None,
+    closure: Closure | None,
+    loss: Any,
+    redecide: Callable[[], ClipDecision],
+) -> tuple[Any, Measurement]:
+    """Apply ``decision`` to ``optimizer``; return the step's result and its last norms.
+
+    Args:
+      optimizer: the inner optimizer.
+      decision: what to apply, made before anything changed.
+      fold: apply it inside the fused inner kernel (only without a closure).
+      foreach: the scale kernels' ``foreach``.
+      closure: the user's closure, already evaluated once (its result is ``loss``).
+      loss: what the closure's first evaluation returned, or None.
+      redecide: a new decision on the grads a later evaluation of the closure leaves
+        (LBFGS evaluates it many times); it may not skip, since the step has begun.
+
+    Returns:
+      What the inner step returns (``loss`` for a skipped step), and the measurement of
+      the grads it stepped with: the closure's last evaluation's.
+    """
+    if decision.skip:
+        return loss, decision.measurement
+    if fold:
+        coefficient = decision.coefficients[0]
+        assert not isinstance(coefficient, tuple)  # can_fold refuses per-grad coefficients
+        result = _fold.apply_folded(optimizer, coefficient, decision.found_inf)
+        return result, decision.measurement
+    return _scale_then_step(optimizer, decision, foreach, closure, loss, redecide)
+
+
+def _scale_then_step(
+    optimizer: Optimizer,
+    decision: ClipDecision,
+    foreach: bool | None,
+    closure: Closure | None,
+    loss: Any,
+    redecide: Callable[[], ClipDecision],
+) -> tuple[Any, Measurement]:
+    """Scale the grads, then run the inner step.
+
+    The inner optimizer gets a closure that returns ``loss`` once and afterwards
+    re-evaluates, measures and clips; the norms of its last evaluation are the step's.
+    """
+    scale(decision.grads, decision.coefficients, foreach, decision.measurement.groups)
+    if closure is None:
+        return _hooks.inner_step(optimizer, None), decision.measurement
+    pending = [loss]
+    latest = [decision.measurement]
+
+    def clipped_closure() -> Any:
+        if pending:
+            return pending.pop()
+        with torch.enable_grad():
+            again = closure()
+        redo = redecide()
+        scale(redo.grads, redo.coefficients, foreach, redo.measurement.groups)
+        latest.append(redo.measurement)
+        return again
+
+    return _hooks.inner_step(optimizer, clipped_closure), latest[-1]
