@@ -44,7 +44,14 @@ from clipopt.rules._unit import UnitWiseRule
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["ClipConfig", "check_config", "check_rule_groups", "commit", "decide"]
+__all__ = [
+    "ClipConfig",
+    "check_config",
+    "check_rule_groups",
+    "commit",
+    "decide",
+    "decide_and_scale",
+]
 
 
 @dataclass(frozen=True)
@@ -172,6 +179,26 @@ def decide(
     return _parts.ClipDecision(
         grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
     ), fold
+
+
+def decide_and_scale(
+    optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
+) -> tuple[_parts.ClipDecision, bool]:
+    """:func:`decide`, then scale the grads by its coefficients unless the step is
+    skipped or the scale is to be folded into the fused kernel.
+
+    One function, so that ``torch.compile(opt.step)`` traces the norm, the decision and
+    the scale into one graph: the inner step's own graph break (torch's optimizers break
+    the graph around ``step``) makes dynamo trace each call of the function that leads
+    to it as a graph of its own.
+
+    Args and Returns: as :func:`decide`.
+    """
+    decision, fold = decide(optimizer, config, record, may_fold, may_skip)
+    if not decision.skip and not fold:
+        measured = decision.measurement
+        _parts.scale(decision.grads, decision.coefficients, config.foreach, measured.groups)
+    return decision, fold
 
 
 def commit(
