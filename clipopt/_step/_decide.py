@@ -36,7 +36,13 @@ from clipopt._step._clip_state import (
     Settings,
     rename_legacy_keys,
 )
-from clipopt._step._nonfinite import StepRecord, device_verdict, host_verdict, spike_verdict
+from clipopt._step._nonfinite import (
+    StepRecord,
+    device_verdict,
+    host_verdict,
+    skip_flag,
+    spike_verdict,
+)
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
 from clipopt.rules._unit import UnitWiseRule
@@ -174,10 +180,20 @@ def decide(
             rule_outcome=outcome,
             spike=spike,
         ), fold
+    flag = None
+    if torch.compiler.is_compiling():
+        flag = skip_flag(norms, values, config.nonfinite, spike)
     streak = host_verdict(norms, values, record, config.nonfinite, limit, may_skip, spike)
     skip = streak is not None
     return _parts.ClipDecision(
-        grads, measured, coefficients, skip, streak or 0, rule_outcome=outcome, spike=spike
+        grads,
+        measured,
+        coefficients,
+        skip,
+        streak or 0,
+        rule_outcome=outcome,
+        spike=spike,
+        skip_flag=flag,
     ), fold
 
 
@@ -218,6 +234,8 @@ def commit(
       latest: the measurement of the grads the inner step used (a closure's last).
     """
     skipped = decision.skip if decision.found_inf is None else decision.found_inf
+    if decision.skip_flag is not None:  # compiled: the same verdict, as a tensor
+        skipped = decision.skip_flag
     record.record(latest.norm, latest.stacked, skipped, decision.streak)
     if config.track_tensor_norms:
         tensor_norms.record(latest)

@@ -33,6 +33,7 @@ __all__ = [
     "StepRecord",
     "device_verdict",
     "host_verdict",
+    "skip_flag",
     "spike_verdict",
 ]
 
@@ -228,6 +229,16 @@ def host_verdict(
     return streak
 
 
+def skip_flag(norms: Tensor, coefficients: Tensor, mode: str, spike: Tensor | None) -> Tensor:
+    """:func:`host_verdict`'s skip as a 0-dim int64 tensor on the device (1: skip), for a
+    compiled step's record: a Python bool there is a value dynamo guards on, so the
+    first skipped step would compile the record again. (A verdict that raises records
+    nothing.)"""
+    bad = _nonfinite(norms, coefficients)
+    flag = bad if mode == "skip" else torch.zeros_like(bad)
+    return flag if spike is None else flag | spike.to(flag)
+
+
 def device_verdict(
     norms: Tensor, coefficients: Tensor, counters: StepRecord, limit: int | None
 ) -> Tensor:
@@ -238,13 +249,25 @@ def device_verdict(
         from the copy the previous step made; see the module docstring). Nothing is
         changed and the lagged count is dropped, so the next step is decided afresh.
     """
-    if limit is not None and (streak := counters.lagged.read()) > limit:
+    if limit is not None:
+        _check_lagged_streak(counters, limit)
+    return _nonfinite(norms, coefficients).to(torch.float32)
+
+
+def _lagged_streak_check(counters: StepRecord, limit: int) -> None:
+    if (streak := counters.lagged.read()) > limit:
         counters.lagged.set(0)
         raise NonFiniteNormError(
             f"the gradient norm was non-finite for {streak} steps in a row "
             f"(max_consecutive_skips={limit}); training is not recovering"
         )
-    return _nonfinite(norms, coefficients).to(torch.float32)
+
+
+# Outside any compiled graph, read and judged there: a compiled step that read the count
+# itself would guard on its value and compile again after the first skipped step.
+_check_lagged_streak = cast(
+    Callable[[StepRecord, int], None], _compiler.disable(_lagged_streak_check)
+)
 
 
 def spike_verdict(found_inf: Tensor | None, spike: Tensor) -> Tensor:

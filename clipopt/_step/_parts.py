@@ -97,6 +97,8 @@ class ClipDecision:
       rule_outcome: with a clip rule, the norms it saw and the coefficients and
         thresholds it chose, for it to commit once the step has run.
       spike: with ``skip_spikes``, whether the norm is a spike (0-dim bool), if judged.
+      skip_flag: in a compiled step, ``skip`` as a 0-dim tensor on the device, which
+        the record counts with (:func:`clipopt._step._nonfinite.skip_flag`).
     """
 
     grads: list[list[Tensor]]
@@ -107,6 +109,7 @@ class ClipDecision:
     found_inf: Tensor | None = None
     rule_outcome: tuple[Tensor, Tensor, Tensor] | None = None
     spike: Tensor | None = None
+    skip_flag: Tensor | None = None
 
 
 def read_group_settings(
