@@ -55,7 +55,7 @@ def apply_decision(
     if fold:
         coefficient = decision.coefficients[0]
         assert not isinstance(coefficient, tuple)  # can_fold refuses per-grad coefficients
-        result = _fold.apply_folded(optimizer, coefficient, decision.found_inf)
+        result = _fold.apply_folded(optimizer, coefficient, decision.found_inf, decision.grad_scale)
         return result, decision.measurement
     return _step_scaled(optimizer, decision, closure, loss, redecide)
 

@@ -7,17 +7,24 @@ measures them (:func:`_measure`: one reduction, one per-tensor pass, or a unit-w
 rule's squares), turns the norms into one coefficient per group (:func:`_coefficients`:
 a threshold, or a rule's decision), judges a spike and a non-finite norm, and returns
 one :class:`clipopt._step._parts.ClipDecision` with whether to fold it into a fused kernel. The
-wrapper applies and records it. What it reads of the wrapper is a :class:`ClipConfig`,
-made for each decision, since a load may change the settings; the inner optimizer and
-the step record are passed as they are.
+wrapper applies and records it; :func:`decide_and_scale` is :func:`decide` and the
+explicit scale, which a compiled step must trace together. What it reads of the
+wrapper is a :class:`ClipConfig`, made for each decision, since a load may change the
+settings; the inner optimizer and the step record are passed as they are.
 
 What a decision could not work with is refused before any step: the constructor's
 arguments by :func:`check_config`, a group's own threshold beside a rule by
 :func:`check_rule_groups` (also at each step, since a group may be given one later).
+
+Its length (about 330 lines) is :func:`decide_and_scale`: it must sit beside
+:func:`decide`, in one function, since ``torch.compile`` traces each call on the way to
+the inner step's graph break as a graph of its own, and :mod:`clipopt._step._apply`,
+below this module, cannot call :func:`decide`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -200,18 +207,25 @@ def decide(
 def decide_and_scale(
     optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
 ) -> tuple[_parts.ClipDecision, bool]:
-    """:func:`decide`, then scale the grads by its coefficients unless the step is
-    skipped or the scale is to be folded into the fused kernel.
+    """:func:`decide`, then scale the grads by its coefficients
+    unless the step is skipped or the scale is to be folded into the fused kernel.
 
-    One function, so that ``torch.compile(opt.step)`` traces the norm, the decision and
-    the scale into one graph: the inner step's own graph break (torch's optimizers break
+    A folded step gets its fused kernel's ``grad_scale`` here instead. One function, so
+    that ``torch.compile(opt.step)`` traces the norm, the decision and the scale into
+    one graph: the inner step's own graph break (torch's optimizers break
     the graph around ``step``) makes dynamo trace each call of the function that leads
     to it as a graph of its own.
 
     Args and Returns: as :func:`decide`.
     """
     decision, fold = decide(optimizer, config, record, may_fold, may_skip)
-    if not decision.skip and not fold:
+    if fold and not decision.skip:
+        coefficient = decision.coefficients[0]
+        assert not isinstance(coefficient, tuple)  # can_fold refuses per-grad coefficients
+        if coefficient is not None:
+            grad_scale = _fold.grad_scale_of(coefficient)
+            decision = dataclasses.replace(decision, grad_scale=grad_scale)
+    elif not decision.skip:
         measured = decision.measurement
         _parts.scale(decision.grads, decision.coefficients, config.foreach, measured.groups)
     return decision, fold

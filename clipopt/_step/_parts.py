@@ -99,6 +99,8 @@ class ClipDecision:
       spike: with ``skip_spikes``, whether the norm is a spike (0-dim bool), if judged.
       skip_flag: in a compiled step, ``skip`` as a 0-dim tensor on the device, which
         the record counts with (:func:`clipopt._step._nonfinite.skip_flag`).
+      grad_scale: for a folded step, the fused kernel's ``grad_scale`` (``1 / c``),
+        made with the decision (in its graph, under ``torch.compile``).
     """
 
     grads: list[list[Tensor]]
@@ -110,6 +112,7 @@ class ClipDecision:
     rule_outcome: tuple[Tensor, Tensor, Tensor] | None = None
     spike: Tensor | None = None
     skip_flag: Tensor | None = None
+    grad_scale: Tensor | None = None
 
 
 def read_group_settings(
