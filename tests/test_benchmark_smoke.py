@@ -268,3 +268,18 @@ def test_per_tensor_floor_runs_the_floor_and_bumps_every_grad_once() -> None:
     host.per_tensor_floor(params, lambda: calls.append(1))()
     assert calls == [1]
     assert [g._version for g in grads] == [v + 1 for v in versions]
+
+
+def test_the_gpu_compile_check_runs_its_cpu_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make gpu-check``'s compiled-step checks: the one that needs no CUDA passes here
+    (traced by ``aot_eager``, as inductor traces it), the others say why they did not."""
+    from benchmarks import gpu_compile
+
+    def traced(device: torch.device) -> str:
+        return gpu_compile.check_inductor(device, backend="aot_eager")
+
+    monkeypatch.setitem(gpu_compile.CHECKS, "inductor", traced)
+    results = gpu_compile.run_checks(torch.device("cpu"))
+    assert results["inductor"]["status"] == "ok", results["inductor"]["detail"]
+    for name in gpu_compile.NEEDS_CUDA:
+        assert results[name] == {"status": "skipped", "detail": gpu_compile.WITHOUT_CUDA}
