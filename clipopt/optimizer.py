@@ -298,7 +298,9 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         def redecide() -> ClipDecision:  # a closure's later evaluation: no skip, no fold
             return decide_and_scale(self.optimizer, config, record, False, False)[0]
 
-        result, latest = apply_decision(self.optimizer, decision, fold, closure, loss, redecide)
+        result, latest = apply_decision(
+            self.optimizer, decision, fold, record, closure, loss, redecide
+        )
         commit(config, self._record, self._tensor_norms, decision, latest)
         return result
 

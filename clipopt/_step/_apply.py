@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from clipopt import _hooks
 from clipopt._step import _fold
+from clipopt._step._nonfinite import StepRecord, check_lagged_streak
 from clipopt._step._parts import ClipDecision, Measurement
 from clipopt._wrapper import Closure
 
@@ -29,6 +30,7 @@ def apply_decision(
     optimizer: Optimizer,
     decision: ClipDecision,
     fold: bool,
+    record: StepRecord,
     closure: Closure | None,
     loss: Any,
     redecide: Callable[[], ClipDecision],
@@ -40,6 +42,8 @@ def apply_decision(
       decision: what to apply, made before anything changed; unless folded, its
         coefficients already scale the grads.
       fold: apply it inside the fused inner kernel (only without a closure).
+      record: the step record, whose lagged skip streak a skip decided on the device
+        is checked against first.
       closure: the user's closure, already evaluated once (its result is ``loss``).
       loss: what the closure's first evaluation returned, or None.
       redecide: a new decision on the grads a later evaluation of the closure leaves
@@ -49,10 +53,16 @@ def apply_decision(
     Returns:
       What the inner step returns (``loss`` for a skipped step), and the measurement of
       the grads it stepped with: the closure's last evaluation's.
+
+    Raises:
+      NonFiniteNormError: a skip decided on the device follows more than
+        ``max_consecutive_skips`` skipped steps; nothing was changed.
     """
     if decision.skip:
         return loss, decision.measurement
     if fold:
+        if decision.streak_limit is not None:
+            check_lagged_streak(record, decision.streak_limit)
         coefficient = decision.coefficients[0]
         assert not isinstance(coefficient, tuple)  # can_fold refuses per-grad coefficients
         result = _fold.apply_folded(optimizer, coefficient, decision.found_inf, decision.grad_scale)

@@ -174,9 +174,9 @@ def decide(
     values = _parts.coefficient_values(coefficients, norms)
     limit = config.max_consecutive_skips
     if fold and config.nonfinite != "raise" and _fold.skips_cleanly(optimizer):
-        found_inf = None
+        found_inf = streak_limit = None
         if config.nonfinite == "skip":
-            found_inf = device_verdict(norms, values, record, limit)
+            found_inf, streak_limit = device_verdict(norms, values), limit
         if spike is not None:
             found_inf = spike_verdict(found_inf, spike)
         return _parts.ClipDecision(
@@ -186,6 +186,7 @@ def decide(
             found_inf=found_inf,
             rule_outcome=outcome,
             spike=spike,
+            streak_limit=streak_limit,
         ), fold
     flag = None
     if torch.compiler.is_compiling():

@@ -4,8 +4,9 @@ the counters of steps taken and skipped.
 Three policies (``nonfinite=``): ``"propagate"`` looks at nothing; ``"raise"`` and a
 ``"skip"`` decided on the host read one flag per step (:func:`host_verdict`); a ``"skip"``
 that rides on a fused kernel's ``found_inf`` is decided on the device
-(:func:`device_verdict`), and ``max_consecutive_skips`` is then checked against the count
-of the *previous* step, read from a copy made then without waiting (:class:`LaggedCount`).
+(:func:`device_verdict`), and ``max_consecutive_skips`` is then checked
+(:func:`check_lagged_streak`, outside any compiled graph) against the count of the
+*previous* step, read from a copy made then without waiting (:class:`LaggedCount`).
 So on that path the error comes one ``step()`` later than on the host path (after
 ``limit + 1`` skipped steps rather than at the step that would be the ``limit + 1``-th).
 That step changes nothing, and the next one is decided afresh: finite grads step (and
@@ -31,6 +32,7 @@ __all__ = [
     "COUNTER_NAMES",
     "LaggedCount",
     "StepRecord",
+    "check_lagged_streak",
     "device_verdict",
     "host_verdict",
     "skip_flag",
@@ -239,22 +241,20 @@ def skip_flag(norms: Tensor, coefficients: Tensor, mode: str, spike: Tensor | No
     return flag if spike is None else flag | spike.to(flag)
 
 
-def device_verdict(
-    norms: Tensor, coefficients: Tensor, counters: StepRecord, limit: int | None
-) -> Tensor:
+def device_verdict(norms: Tensor, coefficients: Tensor) -> Tensor:
     """``found_inf`` for this step (float32, 1.0 to skip), decided on the device.
-
-    Raises:
-      NonFiniteNormError: the previous steps skipped more than ``limit`` in a row (read
-        from the copy the previous step made; see the module docstring). Nothing is
-        changed and the lagged count is dropped, so the next step is decided afresh.
-    """
-    if limit is not None:
-        _check_lagged_streak(counters, limit)
+    ``max_consecutive_skips`` is checked apart, by :func:`check_lagged_streak`."""
     return _nonfinite(norms, coefficients).to(torch.float32)
 
 
 def _lagged_streak_check(counters: StepRecord, limit: int) -> None:
+    """Raise if the previous steps skipped more than ``limit`` in a row on the device
+    (read from the copy the previous step made), before a step that skips on the device
+    changes anything; raising, drop the lagged count, so the next step is decided afresh.
+
+    Raises:
+      NonFiniteNormError: as said.
+    """
     if (streak := counters.lagged.read()) > limit:
         counters.lagged.set(0)
         raise NonFiniteNormError(
@@ -265,7 +265,7 @@ def _lagged_streak_check(counters: StepRecord, limit: int) -> None:
 
 # Outside any compiled graph, read and judged there: a compiled step that read the count
 # itself would guard on its value and compile again after the first skipped step.
-_check_lagged_streak = cast(
+check_lagged_streak = cast(
     Callable[[StepRecord, int], None], _compiler.disable(_lagged_streak_check)
 )
 

@@ -101,6 +101,8 @@ class ClipDecision:
         the record counts with (:func:`clipopt._step._nonfinite.skip_flag`).
       grad_scale: for a folded step, the fused kernel's ``grad_scale`` (``1 / c``),
         made with the decision (in its graph, under ``torch.compile``).
+      streak_limit: for a skip decided on the device, ``max_consecutive_skips``, which
+        the previous steps' streak is checked against before this one is applied.
     """
 
     grads: list[list[Tensor]]
@@ -113,6 +115,7 @@ class ClipDecision:
     spike: Tensor | None = None
     skip_flag: Tensor | None = None
     grad_scale: Tensor | None = None
+    streak_limit: int | None = None
 
 
 def read_group_settings(
