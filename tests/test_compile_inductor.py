@@ -130,6 +130,12 @@ INNERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
+# An inner step without a graph break of its own (torch's optimizers break the graph
+# around theirs) is traced with the Python that runs it; a skip read on the host then
+# takes the other branch there, which compiles once, at the first skipped step.
+INNER_STEP_TRACES_WHOLE = {"pytorch_optimizer-lion"}
+
+
 # ------------------------------------------------------------------ one run
 
 
@@ -254,7 +260,8 @@ def check(setting_name: str, inner: str, mode: str | None = None) -> None:
     for set_to_none in (True, False):
         torch._dynamo.reset()
         ours = run(setting, inner, compiled=True, set_to_none=set_to_none, mode=mode)
-        assert ours.graphs == ours.graphs_after_warm_up, (
+        skip_path = int(setting.host_read and inner in INNER_STEP_TRACES_WHOLE)
+        assert ours.graphs - ours.graphs_after_warm_up in (0, skip_path), (
             f"{ours.graphs_after_warm_up} graphs after step {WARM_UP}, {ours.graphs} after "
             f"step {STEPS}: a recompile after warm-up"
         )
@@ -265,8 +272,8 @@ def check(setting_name: str, inner: str, mode: str | None = None) -> None:
                 )
         for got, want in zip(ours.params, eager.params, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    if setting.poison:
-        assert int(eager.records[-1][2]) == 1  # the check can fail: one step was skipped
+    if setting.poison or "skip_spikes" in setting.kwargs():
+        assert int(eager.records[-1][2]) >= 1  # the check can fail: a step was skipped
     if setting.host_read and (setting.host_read_fused or "fused" not in inner):
         return  # a documented host read: graph breaks, counted in the docs, not bounded
     reference = torch_reference_graphs(setting, inner)
