@@ -13,7 +13,14 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
-__all__ = ["MaxNorm", "NormType", "check_foreach", "check_norm_type", "check_positive"]
+__all__ = [
+    "MaxNorm",
+    "NormType",
+    "check_foreach",
+    "check_norm_type",
+    "check_not_skip_step",
+    "check_positive",
+]
 
 NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
@@ -53,3 +60,26 @@ def check_foreach(foreach: object) -> None:
     """Raise unless ``foreach`` is True, False or None (a truthy string is not a choice)."""
     if foreach is not None and not isinstance(foreach, bool):
         raise TypeError(f"foreach must be a bool or None, got {foreach!r}")
+
+
+def check_not_skip_step(optimizer: object) -> None:
+    """Refuse an OLMo-core ``SkipStepOptimizer`` (``SkipStepAdamW``, ``SkipStepLion``).
+
+    It skips a spike only from the loss and grad norm that OLMo-core's train module
+    hands it before each step, and only when ``isinstance(optim, SkipStepOptimizer)``
+    holds for the train module's optimizer, which a wrapper is not: wrapped, it would
+    silently never skip. Recognised by its classes' names and modules, so without
+    importing olmo_core.
+
+    Raises:
+      TypeError: naming the optimizer and what to use instead.
+    """
+    for kind in type(optimizer).__mro__:
+        if kind.__name__ == "SkipStepOptimizer" and kind.__module__.startswith("olmo_core."):
+            raise TypeError(
+                f"optimizer is OLMo-core's {type(optimizer).__name__}, a SkipStepOptimizer: "
+                "OLMo-core feeds it the loss and grad norm only when it is the train "
+                "module's optimizer itself, so wrapped it would never skip a step. Wrap the "
+                "plain optimizer (torch.optim.AdamW for SkipStepAdamW) and pass "
+                "skip_spikes=clipopt.SpikeSkip() to skip spikes of the grad norm instead"
+            )

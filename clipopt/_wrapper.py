@@ -67,7 +67,14 @@ class OptimizerWrapper(Optimizer):
 
     @property
     def state(self) -> Any:
-        """The inner optimizer's per-parameter state (the very dict, not a copy)."""
+        """The inner optimizer's per-parameter state (the very dict, not a copy).
+
+        To torch's DCP state-dict functions, a read-only view that names the entry this
+        wrapper carries in one parameter's saved state (:mod:`clipopt._torch_dcp`).
+        """
+        if _torch_dcp.called_by_torch_dcp():
+            found = _torch_dcp.carrier(self.optimizer.param_groups)
+            return _torch_dcp.StateView(self.optimizer.state, found and found[1])
         return self.optimizer.state
 
     @state.setter
@@ -136,14 +143,18 @@ class OptimizerWrapper(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus this wrapper's state under ``EXTRA_KEY``.
 
-        State-dict hooks registered on the wrapper run around the whole dict.
+        To torch's DCP state-dict functions, which keep only ``"state"`` and
+        ``"param_groups"``, the entry is also carried in one parameter's state
+        (:mod:`clipopt._torch_dcp`). State-dict hooks registered on the wrapper run
+        around the whole dict.
         """
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
         state_dict = dict(self.optimizer.state_dict())
-        state_dict[self.EXTRA_KEY] = self._extra_state()
-        if _torch_dcp.called_by_torch_dcp():
-            _torch_dcp.warn_entry_dropped(type(self).__name__, self.EXTRA_KEY, saving=True)
+        extra = self._extra_state()
+        if _torch_dcp.called_by_torch_dcp():  # it keeps "state" and "param_groups" only
+            state_dict = _torch_dcp.carried(state_dict, self.optimizer.param_groups, extra)
+        state_dict[self.EXTRA_KEY] = extra
         for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
             result = post_hook(self, state_dict)
             if result is not None:
@@ -162,9 +173,11 @@ class OptimizerWrapper(Optimizer):
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        loaded = dict(state_dict)
+        loaded, carried = _torch_dcp.take_carried(state_dict)
+        if self.EXTRA_KEY not in loaded and carried is not None:
+            loaded[self.EXTRA_KEY] = carried
         if self.EXTRA_KEY not in loaded and _torch_dcp.called_by_torch_dcp():
-            _torch_dcp.warn_entry_dropped(type(self).__name__, self.EXTRA_KEY, saving=False)
+            _torch_dcp.warn_entry_missing(type(self).__name__, self.EXTRA_KEY)
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, loaded)
             if result is not None:

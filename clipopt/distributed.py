@@ -10,13 +10,20 @@ Three layouts, one rule: every element of the model's gradient counts exactly on
   sizes over its Replicate dims)``, so replicas count once; one ``all_reduce(SUM)``
   (``MAX`` for the inf-norm) over the mesh gives the total. Shard and ``_StridedShard``
   dims count as sharded; a Partial grad is an error (its local values are not a shard of
-  the gradient). Grads on named sub-meshes of one root mesh (FSDP2 over tensor parallel)
-  are reduced over the part of the root they span; a grad on a smaller mesh also counts
-  as replicated over the dims its mesh lacks.
+  the gradient). Grads on several meshes (FSDP2 over tensor parallel, MoE's dense and
+  expert meshes, torchtitan's meshes unflattened from a 1-D root) are reduced over the
+  one that holds the others' ranks, or over the part of their common root they span
+  when they are named sub-meshes of one; a grad on a smaller mesh also counts as
+  replicated over the ranks its mesh lacks.
 - **Plain tensors split across a process group** (model parallel): pass
   ``process_group``; each rank's ``norm**p`` is summed across the group, and tensors
   declared replicated across it (tied embeddings, layer norms under tensor parallel)
   are weighted by ``1 / group size`` so they count once.
+
+Pipeline stages, each any of the above, pass ``pp_mesh`` (the 1-D mesh or group of one
+rank per stage): each stage's norm is reduced as above, then the stages' ``norm**p``
+are summed over it (max for inf) in one more ``all_reduce``
+(:mod:`clipopt._dist._stages`).
 
 A per-tensor clip rule (``AutoClip(per_tensor=True)``, ``AdaGC``) clips each grad by its
 whole tensor's norm: local under DDP; for DTensor grads each shard's share, weighted as

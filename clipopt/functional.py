@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from clipopt import _torch_internals
-from clipopt._dist import _mesh, _reduce
+from clipopt._dist import _mesh, _reduce, _stages
 from clipopt._errors import NonFiniteNormError, user_stacklevel
 from clipopt._kernels import _cpu, _norms, _scale
 from clipopt._validation import (
@@ -50,6 +50,7 @@ from clipopt._validation import (
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "NonFiniteNormError",
@@ -116,6 +117,7 @@ def get_total_norm(
     *,
     process_group: ProcessGroup | None = None,
     replicated: TensorOrTensors | None = None,
+    pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
     """The norm of all ``tensors`` together, as if concatenated into one vector.
 
@@ -138,6 +140,10 @@ def get_total_norm(
       replicated: those of ``tensors`` (by identity) that are identical on every rank of
         ``process_group`` (tied embeddings, layer norms under tensor parallel): they
         count once, not once per rank.
+      pp_mesh: under pipeline parallelism, the 1-D mesh or group joining this rank to
+        one rank of each other stage (torchtitan's ``pp_mesh``): ``tensors`` are this
+        stage's, measured as above, then the stages' ``norm**p`` are summed over it
+        (max for inf) in one more ``all_reduce``.
 
     Returns:
       A 0-dim float32 tensor (float64 if any input is) on the first tensor's device; a
@@ -153,9 +159,10 @@ def get_total_norm(
     """
     check_foreach(foreach)
     p = check_norm_type(norm_type)
+    pp_group = _stages.stage_group(pp_mesh)
     present = _present(tensors)
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
-    return _measure(present, p, error_if_nonfinite, foreach, process_group, shared)
+    return _measure(present, p, error_if_nonfinite, foreach, process_group, shared, pp_group)
 
 
 def _measure(
@@ -165,13 +172,20 @@ def _measure(
     foreach: bool | None,
     process_group: ProcessGroup | None,
     replicated: list[Tensor],
+    pp_group: ProcessGroup | None,
     params: list[Tensor] | None = None,
 ) -> Tensor:
     """The global norm of ``tensors``, raising if asked; ``params``, whose grads
     ``tensors`` are, let a rank that holds none of them still join a reduction over
     their DTensor mesh."""
     norm = _reduce.global_norm(
-        tensors, p, foreach, process_group=process_group, replicated=replicated, params=params or ()
+        tensors,
+        p,
+        foreach,
+        process_group=process_group,
+        replicated=replicated,
+        params=params or (),
+        pp_group=pp_group,
     )
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
@@ -261,12 +275,13 @@ def _grads_norm(
     foreach: bool | None,
     process_group: ProcessGroup | None,
     replicated_params: TensorOrTensors | None,
+    pp_group: ProcessGroup | None,
 ) -> Tensor:
     """The global norm of ``params``' grads, as both clip_grad_norm measure it."""
     replicated = _replicated_grads(params, replicated_params)
     p = check_norm_type(norm_type)
     return _measure(
-        _grads(params), p, error_if_nonfinite, foreach, process_group, replicated, params
+        _grads(params), p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
     )
 
 
@@ -280,6 +295,7 @@ def clip_grad_norm_(
     *,
     process_group: ProcessGroup | None = None,
     replicated_params: TensorOrTensors | None = None,
+    pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
     """Clip the grads' total norm to ``max_norm`` in place; return the pre-clip norm.
 
@@ -299,6 +315,8 @@ def clip_grad_norm_(
         :func:`get_total_norm`; DTensor grads need none.
       replicated_params: those of ``parameters`` that are identical on every rank of
         ``process_group``: their grads count once.
+      pp_mesh: the pipeline stages' 1-D mesh or group, as in :func:`get_total_norm`:
+        ``parameters`` are this stage's, clipped by the whole model's norm.
 
     Returns:
       The total norm before clipping, a 0-dim float32 tensor (float64 for double grads).
@@ -312,13 +330,15 @@ def clip_grad_norm_(
       tensor([0.6000, 0.8000])
     """
     params = _checked_params(parameters, max_norm, foreach)
+    pp_group = _stages.stage_group(pp_mesh)
     grads = _grads(params)
     # With no grad here, the parameters say whether other ranks reduce over a mesh.
     measured = grads or params
-    if process_group is None and replicated_params is None and _mesh.all_plain(measured):
+    local = process_group is None and replicated_params is None and pp_group is None
+    if local and _mesh.all_plain(measured):
         return _clip_local_(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     norm = _grads_norm(
-        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
+        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params, pp_group
     )
     _scale_by_norm_(grads, max_norm, norm, foreach, error_if_nonfinite)
     return norm
@@ -351,6 +371,7 @@ def clip_grad_norm(
     *,
     process_group: ProcessGroup | None = None,
     replicated_params: TensorOrTensors | None = None,
+    pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> tuple[list[Tensor | None], Tensor]:
     """The out-of-place twin of :func:`clip_grad_norm_`: no ``.grad`` is modified.
 
@@ -365,6 +386,7 @@ def clip_grad_norm(
       foreach: as in :func:`clip_grad_norm_`.
       process_group: as in :func:`clip_grad_norm_`.
       replicated_params: as in :func:`clip_grad_norm_`.
+      pp_mesh: as in :func:`clip_grad_norm_`.
 
     Returns:
       ``(clipped, total_norm)``: ``clipped[i]`` is a new tensor holding the clipped grad
@@ -379,8 +401,9 @@ def clip_grad_norm(
       (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
     """
     params = _checked_params(parameters, max_norm, foreach)
+    pp_group = _stages.stage_group(pp_mesh)
     norm = _grads_norm(
-        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params
+        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params, pp_group
     )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
     _scale_by_norm_(

@@ -58,13 +58,14 @@ from clipopt._step._saved import (
     prepare_load,
     upgrade_0_1_0_pickle,
 )
-from clipopt._validation import check_foreach
+from clipopt._validation import check_foreach, check_not_skip_step
 from clipopt._wrapper import Closure, OptimizerWrapper
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ClippedOptimizer"]
 
@@ -80,6 +81,7 @@ def _check_inner(optimizer: Any) -> None:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    check_not_skip_step(optimizer)
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list) or not any(g.get("params") for g in groups):
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
@@ -135,6 +137,13 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         (the global norm is derived from them), not by a second pass; DTensor grads
         (FSDP2, TP) are measured whole across ranks in the step's one collective.
         Not with a ``process_group`` (a split tensor's rows differ by rank).
+      pp_mesh: under pipeline parallelism, a 1-D ``DeviceMesh`` (torchtitan's
+        ``world_mesh["pp"]``) or a ``ProcessGroup`` joining this rank to one rank of each
+        other stage; the wrapper holds this stage's parameters. Each stage's norm is
+        reduced as without it, then the stages' ``norm**p`` are summed over it (max for
+        inf) in one more ``all_reduce``, so every stage clips, skips and updates its rule
+        by the whole model's norm. Per-tensor and unit norms, and their rules' state, stay
+        the stage's own. With ``per_group`` the stages' groups are matched by position.
 
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
@@ -172,6 +181,7 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         replicated_params: Iterable[Tensor] | None = None,
         skip_spikes: SpikeSkip | None = None,
         track_tensor_norms: bool = False,
+        pp_mesh: DeviceMesh | ProcessGroup | None = None,
     ) -> None:
         _check_inner(optimizer)
         rule = max_norm if isinstance(max_norm, ClipRule) else None
@@ -191,6 +201,7 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             process_group,
             replicated_params,
             params=[p for group in optimizer.param_groups for p in group["params"]],
+            pp_mesh=pp_mesh,
         )
         # Nothing has been touched above this line.
         rename_legacy_keys(optimizer.param_groups, optimizer.defaults)

@@ -42,7 +42,6 @@ from helpers import (
     assert_all_ok,
     assert_same,
     forbid_fsdp2_where_it_cannot_run,
-    needs_torch_internal,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -947,10 +946,12 @@ def test_mixed_dtensor_and_plain_grads_are_refused(mesh: Any) -> None:
         clipopt.get_total_norm(grads, math.inf)
 
 
-@needs_torch_internal("root mesh lookup")
-def test_dtensors_on_two_meshes_are_refused(world_of_one: Any) -> None:
-    """Separately built, unnamed or flattened meshes: which root dims they span is
-    unknown. Named sub-meshes of one root reduce together."""
+def test_dtensors_on_meshes_over_the_same_ranks_reduce_together(world_of_one: Any) -> None:
+    """Meshes are matched by the ranks they hold, not by their names or roots: separately
+    built, unnamed or flattened meshes over the same ranks reduce together, each grad
+    counted once (on main before 0.3 they were refused, and torchtitan's meshes, all
+    unflattened from a 1-D root, with them). Meshes none of which holds the others'
+    ranks are refused: tests/test_distributed_pipeline.py, on 4 ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
     one = init_device_mesh("cpu", (1,), mesh_dim_names=("one",))
@@ -958,12 +959,11 @@ def test_dtensors_on_two_meshes_are_refused(world_of_one: Any) -> None:
     unnamed = init_device_mesh("cpu", (1,))
     root = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
     flat = root["a", "b"]._flatten("ab")
-    for first, second in ((one, other), (unnamed, one), (root["a"], flat), (flat, root)):
-        grads = [dtensor(torch.ones(2), first), dtensor(torch.ones(2), second)]
-        with pytest.raises(ValueError, match="sub-meshes of one root mesh"):
-            clipopt.get_total_norm(grads)
-    grads = [dtensor(torch.full((2,), 3.0), root["a"]), dtensor(torch.full((2,), 4.0), root)]
-    assert math.isclose(clipopt.get_total_norm(grads).item(), math.sqrt(50.0), rel_tol=1e-6)
+    pairs = ((one, other), (unnamed, one), (root["a"], flat), (flat, root), (root["a"], root))
+    for first, second in pairs:
+        grads = [dtensor(torch.full((2,), 3.0), first), dtensor(torch.full((2,), 4.0), second)]
+        norm = clipopt.get_total_norm(grads)
+        assert math.isclose(norm.item(), math.sqrt(50.0), rel_tol=1e-6), (first, second)
 
 
 def test_bad_process_group_and_replicated_arguments(world_of_one: Any, mesh: Any) -> None:
@@ -1007,6 +1007,50 @@ def test_wrapper_with_a_group_deep_copies_but_does_not_pickle(world_of_one: Any)
         pickle.dumps(optimizer)
 
 
+def test_bad_pp_mesh_is_refused_before_anything_is_touched(world_of_one: Any) -> None:
+    """pp_mesh must be a 1-D DeviceMesh or a ProcessGroup; a bad one raises, naming it,
+    before any grad is read or written and before the inner optimizer is touched."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    w = nn.Parameter(torch.ones(2))
+    w.grad = torch.full((2,), 3.0)
+    inner = torch.optim.SGD([w], lr=0.1)
+    two_d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+    for bad, error in (("pp", TypeError), (0, TypeError), (two_d, ValueError)):
+        with pytest.raises(error, match="pp_mesh must be"):
+            clipopt.ClippedOptimizer(inner, 1.0, pp_mesh=bad)
+        with pytest.raises(error, match="pp_mesh must be"):
+            clipopt.clip_grad_norm_([w], 1.0, pp_mesh=bad)
+        with pytest.raises(error, match="pp_mesh must be"):
+            clipopt.clip_grad_norm([w], 1.0, pp_mesh=bad)
+        with pytest.raises(error, match="pp_mesh must be"):
+            clipopt.get_total_norm([w.grad], pp_mesh=bad)
+    assert torch.equal(w.grad, torch.full((2,), 3.0))
+    assert "clip_max_norm" not in inner.param_groups[0], "a refused wrapper must not touch it"
+
+
+def test_a_pipeline_of_one_stage_adds_no_collective(world_of_one: Any) -> None:
+    """A pp_mesh over this rank alone (one stage is the whole model) is no reduction: the
+    norm is the local one, with no all_reduce; a wrapper holding a pipeline group
+    deep-copies (sharing the group) but does not pickle."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))["pp"]
+    grads = [torch.tensor([3.0, 4.0])]
+    for pp_mesh in (pp, world_of_one):
+        with CountAllReduce() as counter:
+            norm = clipopt.get_total_norm(grads, pp_mesh=pp_mesh)
+        assert counter.calls == 0 and torch.equal(norm, torch.tensor(5.0))
+    scope = _reduce.NormScope()
+    scope.pp_group = world_of_one  # as a pipeline of several stages holds it
+    w = nn.Parameter(torch.ones(2))
+    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.1), 1.0)
+    optimizer._norm_scope = scope
+    assert copy.deepcopy(optimizer)._norm_scope.pp_group is world_of_one
+    with pytest.raises(TypeError, match="holding a pp_group cannot be pickled"):
+        pickle.dumps(optimizer)
+
+
 def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one: Any) -> None:
     model = nn.Linear(2, 2)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1029,13 +1073,14 @@ def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one:
     assert int(after["clip"]["step_count"]) == 0
 
 
-def test_torchs_dcp_functions_warn_that_clip_is_dropped_and_do_not_step_the_wrapper(
+def test_torchs_dcp_functions_keep_clip_and_do_not_step_the_wrapper(
     world_of_one: Any,
 ) -> None:
-    """torch's DCP state-dict functions keep only "state" and "param_groups" and offer no
-    hook for more, so handed the wrapper they drop "clip": it warns, naming clipopt's
-    helpers. Their initialisation step on zero grads reaches only the inner optimizer, so
-    a fresh wrapper counts no step and records no norm of 0."""
+    """torch's DCP state-dict functions keep only "state" and "param_groups"; handed the
+    wrapper, they get "clip" carried in one parameter's state and give it back on load
+    (tests/test_olmo_core.py checks it through dcp.save / dcp.load, flattened too). Their
+    initialisation step on zero grads reaches only the inner optimizer, so a fresh
+    wrapper counts no step and records no norm of 0; a dict without "clip" warns."""
     from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
     model = nn.Linear(3, 2)
@@ -1044,32 +1089,36 @@ def test_torchs_dcp_functions_warn_that_clip_is_dropped_and_do_not_step_the_wrap
     trained = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
     trained.step()
     clip_before = trained.state_dict()["clip"]
-    helpers = r"clipopt\.distributed\.get_optimizer_state_dict"
-    with pytest.warns(UserWarning, match=rf"drops ClippedOptimizer's 'clip' entry.*{helpers}") as w:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         saved = dcp_state_dict.get_optimizer_state_dict(model, trained)
-    assert w[0].filename == __file__  # the call to torch's function, not a frame inside it
+        _, both = dcp_state_dict.get_state_dict(model, trained)
     assert "clip" not in saved and saved["param_groups"][0]["clip_max_norm"] == 0.5
     assert_same(trained.state_dict()["clip"], clip_before)
-    with pytest.warns(UserWarning, match="'clip' entry"):
-        _, both = dcp_state_dict.get_state_dict(model, trained)
-    assert "clip" not in both
+    assert both["state"].keys() == saved["state"].keys()
 
     model.zero_grad(set_to_none=True)  # torch steps a fresh optimizer only without grads
     fresh = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
-    with pytest.warns(UserWarning, match="'clip' entry"):
-        dcp_state_dict.get_optimizer_state_dict(model, fresh)
-    assert len(fresh.state) > 0, "torch's init step should have reached the inner optimizer"
+    dcp_state_dict.get_optimizer_state_dict(model, fresh)
+    assert len(fresh.optimizer.state) > 0, "torch's init step should have reached the inner"
     assert int(fresh.step_count) == 0 and fresh.last_norm is None
     assert fresh.param_groups[0]["lr"] == 0.1
 
     loading = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.3), 0.5)
-    with pytest.warns(UserWarning, match=r"loads no 'clip' entry.*keeps its current one"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         dcp_state_dict.set_optimizer_state_dict(model, loading, saved)
-    assert int(loading.step_count) == 0 and loading.last_norm is None
+    assert_same(loading.state_dict()["clip"], clip_before)
     assert_same(loading.optimizer.state_dict()["state"], trained.optimizer.state_dict()["state"])
     assert loading.param_groups[0]["lr"] == 0.1
 
-    # clipopt's helpers keep "clip" and warn about nothing.
+    plain = dcp_state_dict.get_optimizer_state_dict(model, trained.optimizer)
+    other = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.3), 0.5)
+    with pytest.warns(UserWarning, match=r"carries no 'clip' entry.*keeps its current one"):
+        dcp_state_dict.set_optimizer_state_dict(model, other, plain)
+    assert int(other.step_count) == 0 and other.last_norm is None
+
+    # clipopt's helpers keep "clip" too, and warn about nothing.
     ours = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

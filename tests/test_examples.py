@@ -274,11 +274,11 @@ def test_framework_example_trains_to_a_zero_lr(
     assert lines[-1] == "12 steps, final lr 0.00e+00"
 
 
-def test_distributed_example_says_how_to_launch_it_without_torchrun() -> None:
+@pytest.mark.parametrize("script", ["examples/distributed_fsdp2.py", "examples/pipeline_fsdp2.py"])
+def test_distributed_example_says_how_to_launch_it_without_torchrun(script: str) -> None:
     """Run as a plain script it exits, printing the torchrun command docs/distributed.md
     gives (with the torchrun of the Python that ran it), before any process group."""
     root = QUICKSTART.parent.parent
-    script = "examples/distributed_fsdp2.py"
     torchrun_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in torchrun_env}
     done = subprocess.run(
@@ -297,6 +297,49 @@ def test_distributed_example_says_how_to_launch_it_without_torchrun() -> None:
         assert (root / command[0]).absolute() == beside.absolute()
     else:
         assert command[0] == "torchrun"
+
+
+PIPELINE_LINE = re.compile(r"rank (\d): norms ([\d. ]+); resumed bit for bit")
+
+
+def test_pipeline_example_under_torchrun_clips_by_the_whole_models_norm() -> None:
+    """examples/pipeline_fsdp2.py as users run it, 4 processes under torchrun: every rank
+    prints the norms one process training the whole model measures, and that its resume
+    from the DCP checkpoint ended bit for bit where the uninterrupted run did."""
+    from helpers import FSDP2_ON_CPU, FSDP2_UNAVAILABLE
+    from test_distributed import TEARDOWN_ABORT, _torchrun, free_port
+
+    if not (FSDP2_ON_CPU or torch.cuda.is_available()):
+        pytest.skip(FSDP2_UNAVAILABLE)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    script = QUICKSTART.parent / "pipeline_fsdp2.py"
+    command = [str(torchrun), "--nproc_per_node=4", "--master_addr=127.0.0.1", "", str(script)]
+    for _ in range(2):  # once more only for gloo's teardown abort (test_distributed.py)
+        command[3] = f"--master_port={free_port()}"
+        code, stdout, stderr = _torchrun(command)
+        printed = [m.groups() for m in map(PIPELINE_LINE.fullmatch, stdout.splitlines()) if m]
+        if not (code != 0 and TEARDOWN_ABORT in stderr and len(printed) == 4):
+            break
+    assert code == 0, stdout + stderr
+    assert sorted(rank for rank, _ in printed) == ["0", "1", "2", "3"], stdout
+    assert len({norms for _, norms in printed}) == 1, stdout
+    spec = importlib.util.spec_from_file_location("pipeline_fsdp2", script)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    first, last = example.build_stages()
+    whole = torch.nn.Sequential(first, last)
+    optimizer = example.make_optimizer(whole.parameters(), None)
+    expected = []
+    for tokens, targets in example.batches(example.STEPS):
+        example.loss_fn(whole(tokens), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(float(optimizer.last_norm))
+    ours = [float(n) for n in printed[0][1].split()]
+    assert ours == pytest.approx(expected, rel=1e-5, abs=1e-6), (ours, expected)
 
 
 class Collect(logging.Handler):

@@ -22,7 +22,7 @@ PACKAGE = Path(clipopt.__file__).parent
 UNIT_LAYERS: list[set[str]] = [
     # errors, argument checks, torch's private APIs, torch.optim's step hooks
     {"_errors", "_validation", "_torch_internals", "_hooks"},
-    {"_kernels", "_torch_dcp"},  # one rank's norms and scales; recognising DCP's calls
+    {"_kernels", "_torch_dcp"},  # one rank's norms and scales; torch's DCP calls, entry carried
     {"_dist", "_wrapper"},  # norms across ranks; the wrapper's plumbing
     {"rules", "functional"},  # the clip rules; torch.nn.utils' names
     {"_step"},  # one clipped step: measure, decide, apply, and its saved entry
@@ -33,8 +33,14 @@ UNIT_LAYERS: list[set[str]] = [
 WING_FLOORS: dict[str, list[set[str]]] = {
     # the C kernel, its Python side, the torch-ops path and the plans, the norms and scales
     "_kernels": [{"_native"}, {"_cpu"}, {"_plan", "_torch_norms"}, {"_norms", "_scale"}],
-    # collectives and meshes; where AGC's units lie, and the reductions; units' norms
-    "_dist": [{"_collective", "_mesh"}, {"_unit_rows", "_per_tensor", "_reduce"}, {"_units"}],
+    # collectives and meshes; the pipeline stages; where AGC's units lie, and the
+    # reductions; units' norms, and where a step under DeepSpeed's ZeRO optimizer is reduced
+    "_dist": [
+        {"_collective", "_mesh"},
+        {"_stages"},
+        {"_unit_rows", "_per_tensor", "_reduce"},
+        {"_units", "_deepspeed"},
+    ],
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],
     # settings, skips, the fold; the step's parts, the saved entry; measuring, a rule's
@@ -156,12 +162,9 @@ def test_long_units_say_why(module: str) -> None:
     if len(source.splitlines()) > MODULE_LINES * 1.05:
         assert "Its length" in reason, f"clipopt.{module} is long and its docstring says not why"
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.ClassDef)
-            and node.end_lineno is not None
-            and node.end_lineno - node.lineno + 1 > CLASS_LINES * 1.05
-        ):
-            assert f"``{node.name}`` is about" in reason, f"clipopt.{module}.{node.name}"
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+            long = node.end_lineno - node.lineno + 1 > CLASS_LINES * 1.05
+            assert not long or f"``{node.name}`` is about" in reason, f"{module}.{node.name}"
 
 
 def test_the_check_sees_deferred_and_relative_imports() -> None:

@@ -2,9 +2,11 @@
 
 A DTensor grad's norm counts each element once: its local shard's contribution is
 weighted by ``1 / (product of the mesh sizes over its Replicate dims)``, and grads on
-named sub-meshes of one root mesh (FSDP2 over tensor parallel) are reduced over the part
-of the root they span. Nothing here imports ``torch.distributed.tensor``: it costs about
-a second, and no grad can be a DTensor until the user has imported it.
+several meshes (FSDP2 over tensor parallel, MoE's dense and expert meshes) are reduced
+over the one that holds the others' ranks (matched by ranks, not dimension names), or
+over the part of their common root they span when they are named sub-meshes of one.
+Nothing here imports ``torch.distributed.tensor``: it costs about a second, and no grad
+can be a DTensor until the user has imported it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "dtensors",
     "local_tensors",
     "mesh_groups",
+    "mesh_ranks",
     "reduction_mesh",
     "replica_count",
     "weighted_dtensor_shards",
@@ -104,7 +107,12 @@ def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
         gradient, not a shard of it, so no local norm is meaningful.
     """
     mesh = grad.device_mesh
-    count = reduction_mesh.size() // mesh.size()
+    count, rest = divmod(reduction_mesh.size(), mesh.size())
+    if rest:
+        raise ValueError(
+            f"a gradient of shape {tuple(grad.shape)} lives on {mesh}, whose size does not "
+            f"divide that of the mesh it is reduced over, {reduction_mesh}"
+        )
     for dim, placement in enumerate(grad.placements):
         if placement.is_partial():
             raise ValueError(
@@ -126,24 +134,50 @@ def _distinct_meshes(grads: Sequence[DTensor]) -> list[DeviceMesh]:
     return meshes
 
 
+def mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    """The global ranks of ``mesh`` (the part of it this rank is in), sorted."""
+    return sorted(int(rank) for rank in mesh.mesh.flatten().tolist())
+
+
+def _enclosing(meshes: Sequence[DeviceMesh]) -> DeviceMesh | None:
+    """The mesh among ``meshes`` whose ranks hold every other's, or None.
+
+    By ranks, not by dimension names: torchtitan unflattens its meshes from a 1-D root
+    (``ParallelDims.build_mesh``), so their names are not the root's. A mesh of a
+    parameter left out of tensor parallelism (the data-parallel part of a 2-D one) or of
+    experts beside dense parameters lies inside the larger mesh; its grads are then
+    replicated over the ranks it lacks (:func:`replica_count`).
+    """
+    ranks = [set(mesh_ranks(mesh)) for mesh in meshes]
+    widest = max(range(len(meshes)), key=lambda i: len(ranks[i]))
+    if all(r <= ranks[widest] for r in ranks):
+        return meshes[widest]
+    return None
+
+
 def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
-    """The mesh to reduce over: the grads' one mesh, or the part of their common root
-    mesh spanned by the dims they use (FSDP2 + TP: 2-D TP'd params and 1-D others).
+    """The mesh to reduce over: the grads' one mesh; the one of their meshes that holds
+    the ranks of all the others (FSDP2 + TP: 2-D TP'd params and 1-D others, on meshes
+    built by ``init_device_mesh`` or unflattened as torchtitan does; experts beside dense
+    parameters); or the part of their common root mesh spanned by the named dims they use.
 
     Raises:
-      ValueError: the meshes have no common root, or a mesh is unnamed or flattened, so
-        which root dims it covers is unknown.
+      ValueError: no mesh holds the others' ranks and the meshes have no common root,
+        or a mesh is unnamed or flattened, so which root dims it covers is unknown.
     """
     meshes = _distinct_meshes(grads)
     if len(meshes) == 1:
         return meshes[0]
+    enclosing = _enclosing(meshes)
+    if enclosing is not None:
+        return enclosing
     root: DeviceMesh | None = _torch_internals.root_mesh(meshes[0])
     if root is None:
         why = f" ({_torch_internals.DISABLE_ENV} is set)" if _torch_internals.disabled() else ""
         raise ValueError(
-            f"DTensor grads live on {meshes}: reducing them together needs torch's lookup "
-            f"of their root mesh, which torch {torch.__version__} does not offer here{why}; "
-            "compute one norm per mesh instead"
+            f"DTensor grads live on {meshes}, none of which holds the others' ranks: "
+            f"reducing them together needs torch's lookup of their root mesh, which torch "
+            f"{torch.__version__} does not offer here{why}; compute one norm per mesh instead"
         )
     root_names = root.mesh_dim_names or ()
     for mesh in meshes:
@@ -152,8 +186,8 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
         if not same_root or names is None or not set(names) <= set(root_names):
             raise ValueError(
                 f"DTensor grads live on {meshes}: they can be reduced together only when "
-                "they are named sub-meshes of one root mesh; compute one norm per mesh "
-                "instead"
+                "one of the meshes holds the ranks of all the others, or they are named "
+                "sub-meshes of one root mesh; compute one norm per mesh instead"
             )
     used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
     names = tuple(name for name in root_names if name in used)
@@ -163,7 +197,8 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
 def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
     """The groups to all_reduce over, in order, so that every rank of ``mesh`` is summed.
 
-    One group when possible: ``process_group`` (which must be as large as the mesh), the
+    One group when possible: ``process_group`` (which must hold exactly the mesh's
+    ranks: a group of as many other ranks would mix other ranks' shards in), the
     default group when the mesh spans the world (a mesh's ranks are distinct, so equal
     sizes mean the same ranks), the mesh's own group when it is 1-D. An N-D mesh that is a
     strict subset of the world needs one all_reduce per dimension (sum over dim 0, then
@@ -171,11 +206,13 @@ def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> li
     that one.
     """
     if process_group is not None:
-        group_size = dist.get_world_size(process_group)
-        if group_size != mesh.size():
+        group_ranks = sorted(dist.get_process_group_ranks(process_group))
+        ranks = mesh_ranks(mesh)
+        if group_ranks != ranks:
             raise ValueError(
-                f"process_group has {group_size} ranks but the grads' device mesh {mesh} has "
-                f"{mesh.size()}; pass a group over exactly the mesh's ranks, or None"
+                f"process_group spans ranks {group_ranks} but the grads' device mesh {mesh} "
+                f"spans ranks {ranks}; pass a group over exactly the mesh's ranks, or None "
+                "(for pipeline stages, pass their group as pp_mesh)"
             )
         return [process_group]
     if mesh.size() == dist.get_world_size():

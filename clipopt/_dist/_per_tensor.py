@@ -11,8 +11,8 @@ inf-norm the maximum is taken, with no weight. Every grad's share travels in ONE
 float64 tensor, so a step makes one ``all_reduce`` (``SUM``, or ``MAX`` for the
 inf-norm) over the mesh, whatever the number of grads; or one per mesh dimension when
 the mesh is an N-D strict subset of the world (:func:`clipopt._dist._mesh.mesh_groups`). Grads
-on several named sub-meshes of one root (FSDP2 over TP) are reduced over the part of the
-root they span, in that same one collective.
+on several meshes (FSDP2 over TP) are reduced over the one holding the others' ranks
+(:func:`clipopt._dist._mesh.reduction_mesh`), in that same one collective.
 
 The reduced sums are kept before their roots are taken (:func:`global_tensor_powers`):
 the step's global norm is their sum's root, so the per-tensor norms and the total come
@@ -158,7 +158,7 @@ def global_tensor_powers(
 
     Args:
       buckets: the slots of each bucket; every rank must pass as many slots per bucket,
-        in the same order. The tensors are DTensors (on named sub-meshes of one root).
+        in the same order. The tensors are DTensors (on meshes that reduce together).
       norm_types: each bucket's validated order, ``> 0`` or ``math.inf``.
       foreach: as in :func:`clipopt.get_total_norm`.
       params: the parameters; those that are DTensors and require grad decide the mesh
@@ -174,8 +174,8 @@ def global_tensor_powers(
 
     Raises:
       ValueError: DTensors mixed with plain tensors, no DTensor among the grads and
-        ``params``, a Partial DTensor, or meshes that are not named sub-meshes of one
-        root.
+        ``params``, a Partial DTensor, or meshes that cannot be reduced together
+        (:func:`clipopt._dist._mesh.reduction_mesh`).
     """
     flat = [t for bucket in buckets for t in bucket if t is not None]
     grads = _mesh.dtensors(flat)
@@ -240,7 +240,7 @@ def global_per_tensor_norms(
     one), since it is a collective.
 
     Args:
-      tensors: grads, all plain or all DTensors (on named sub-meshes of one root mesh);
+      tensors: grads, all plain or all DTensors (on meshes that reduce together);
         at least one.
       p: a validated norm order, ``> 0`` or ``math.inf``.
       foreach: as in :func:`clipopt.get_total_norm`.
@@ -252,7 +252,7 @@ def global_per_tensor_norms(
 
     Raises:
       ValueError: no tensors, DTensors mixed with plain tensors, a Partial DTensor, or
-        DTensors on meshes that are not named sub-meshes of one root.
+        DTensors on meshes that cannot be reduced together.
 
     Example:
       >>> import torch

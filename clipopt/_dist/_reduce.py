@@ -7,8 +7,8 @@ Three layouts, one rule (see :mod:`clipopt.distributed` for the user's view):
 - **DTensor grads** (FSDP2, HSDP, tensor parallel): the norm of each grad's local shard
   is raised to ``p`` and weighted by ``1 / (product of the mesh sizes over its Replicate
   dims)``, so replicas count once; one ``all_reduce(SUM)`` (``MAX`` for the inf-norm)
-  over the mesh gives the total. A Partial grad is an error. Grads on named sub-meshes of
-  one root mesh are reduced over the part of the root they span.
+  over the mesh gives the total. A Partial grad is an error. Grads on several meshes
+  are reduced over the one holding the others' ranks (:func:`clipopt._dist._mesh.reduction_mesh`).
 - **Plain tensors split across a process group** (model parallel): each rank's
   ``norm**p`` is summed across the group; tensors declared replicated count once.
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt._dist import _mesh
+from clipopt._dist import _mesh, _stages
 from clipopt._dist._collective import REDUCE_DTYPE, collective_device, reduce_max, reduce_sum
 from clipopt._kernels import _norms
 
@@ -139,6 +139,7 @@ def global_norms(
     process_group: dist.ProcessGroup | None = None,
     replicated: Collection[Tensor] = (),
     params: Sequence[Tensor] = (),
+    pp_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
     """The global p-norm of each bucket of tensors, with at most one collective per reduce op.
 
@@ -166,6 +167,11 @@ def global_norms(
         and no grad reached this rank's parameters this step) joins with a zero, where it
         would otherwise skip the collective that the other ranks wait in, and a rank with
         grads on only some of the meshes (FSDP2 over TP) reduces over the whole of them.
+      pp_group: the group joining one rank of each pipeline stage
+        (:func:`clipopt._dist._stages.stage_group`): the tensors are this stage's, and
+        the stages' sums of p-th powers are summed over it (maxed for inf) before the
+        roots are taken, one collective more. It must share no other rank with the
+        stage's reduction.
 
     Returns:
       One 0-dim tensor per bucket on its first tensor's device, float32 (float64 if any
@@ -176,7 +182,8 @@ def global_norms(
       ValueError: DTensors mixed with plain tensors, DTensors on meshes that are not named
         sub-meshes of one root, a Partial
         DTensor, ``replicated`` without ``process_group`` or with DTensors, a group that
-        does not span the mesh.
+        does not span exactly the mesh's ranks, a ``pp_group`` sharing another rank with
+        the stage's reduction.
     """
     check_process_group(process_group)
     if len(buckets) != len(norm_types):
@@ -190,7 +197,7 @@ def global_norms(
         spanned = dtensors + [q for q in _mesh.dtensors(params) if q.requires_grad]
     else:
         spanned = []
-    if not spanned and process_group is None:
+    if not spanned and process_group is None and pp_group is None:
         pairs = zip(buckets, norm_types, strict=True)
         return [_norms.total_norm(list(b), p, foreach) for b, p in pairs]
     if spanned:
@@ -204,11 +211,17 @@ def global_norms(
         mesh = _mesh.reduction_mesh(spanned)
         groups = _mesh.mesh_groups(mesh, process_group)
         classes = [_mesh.weighted_dtensor_shards(_mesh.dtensors(list(b)), mesh) for b in buckets]
+        if pp_group is not None:
+            _stages.check_disjoint(pp_group, _mesh.mesh_ranks(mesh), "the grads' device mesh")
     else:
-        groups = [process_group]
-        size = dist.get_world_size(process_group)
+        groups = [] if process_group is None else [process_group]
+        size = 1 if process_group is None else dist.get_world_size(process_group)
         ids = {id(t) for t in replicated}
         classes = [_weighted_plain_tensors(list(b), ids, size) for b in buckets]
+        if pp_group is not None and process_group is not None:
+            ranks = dist.get_process_group_ranks(process_group)
+            _stages.check_disjoint(pp_group, ranks, "process_group")
+    groups = _stages.stage_groups(groups, pp_group)
     device = collective_device(flat, groups)
     contributions = [
         _local_contribution(c, p, foreach, device) for c, p in zip(classes, norm_types, strict=True)
@@ -251,6 +264,7 @@ def global_norm(
     process_group: dist.ProcessGroup | None = None,
     replicated: Collection[Tensor] = (),
     params: Sequence[Tensor] = (),
+    pp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """The global p-norm of ``tensors`` across ranks: :func:`global_norms` of one bucket.
 
@@ -261,7 +275,13 @@ def global_norm(
       tensor(5.)
     """
     norms = global_norms(
-        [tensors], [p], foreach, process_group=process_group, replicated=replicated, params=params
+        [tensors],
+        [p],
+        foreach,
+        process_group=process_group,
+        replicated=replicated,
+        params=params,
+        pp_group=pp_group,
     )
     return norms[0]
 
@@ -281,12 +301,18 @@ class NormScope:
       process_group: the group the parameters are split across, or None.
       replicated_params: parameters identical on every rank of ``process_group``.
       params: when given, every replicated parameter must be one of these.
+      pp_mesh: the pipeline stages' 1-D mesh or group (:func:`clipopt._dist._stages.stage_group`):
+        the parameters are one stage's, and the stages' norms are combined over it.
 
     Raises:
-      TypeError: ``process_group`` is not a ProcessGroup or a replicated entry is not a
-        tensor.
-      ValueError: replicated parameters without a group, or not among ``params``.
+      TypeError: ``process_group`` is not a ProcessGroup, ``pp_mesh`` not a mesh or a
+        group, or a replicated entry is not a tensor.
+      ValueError: replicated parameters without a group, or not among ``params``; a
+        ``pp_mesh`` of more than one dimension.
     """
+
+    pp_group: dist.ProcessGroup | None = None
+    """The stages' group; a class default, for scopes pickled before it existed."""
 
     def __init__(
         self,
@@ -294,8 +320,10 @@ class NormScope:
         replicated_params: Iterable[Tensor] | None = None,
         *,
         params: Iterable[Tensor] | None = None,
+        pp_mesh: object = None,
     ) -> None:
         check_process_group(process_group)
+        pp_group = _stages.stage_group(pp_mesh)
         replicated = [] if replicated_params is None else list(replicated_params)
         for t in replicated:
             if not isinstance(t, Tensor):
@@ -305,6 +333,7 @@ class NormScope:
             check_members("replicated_params", replicated, params, "the optimizer's parameters")
         self.process_group = process_group
         self.replicated_params = replicated
+        self.pp_group = pp_group
 
     def global_norms(
         self,
@@ -329,24 +358,28 @@ class NormScope:
             process_group=self.process_group,
             replicated=shared,
             params=params,
+            pp_group=self.pp_group,
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NormScope:
         twin = NormScope.__new__(NormScope)
         twin.process_group = self.process_group
+        twin.pp_group = self.pp_group
         twin.replicated_params = copy.deepcopy(self.replicated_params, memo)
         return twin
 
     def __getstate__(self) -> dict[str, Any]:
-        if self.process_group is not None:
-            raise TypeError(
-                "a NormScope holding a process_group cannot be pickled: a process group is a "
-                "live connection; save the optimizer's state_dict() instead"
-            )
+        for name in ("process_group", "pp_group"):
+            if getattr(self, name) is not None:
+                raise TypeError(
+                    f"a NormScope holding a {name} cannot be pickled: a process group is a "
+                    "live connection; save the optimizer's state_dict() instead"
+                )
         return dict(self.__dict__)
 
     def __repr__(self) -> str:
+        pp = "" if self.pp_group is None else f", pp_group={self.pp_group!r}"
         return (
             f"NormScope(process_group={self.process_group!r}, "
-            f"replicated_params={len(self.replicated_params)})"
+            f"replicated_params={len(self.replicated_params)}{pp})"
         )

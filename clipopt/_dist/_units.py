@@ -158,7 +158,7 @@ def whole_unit_norms(
     Raises:
       ValueError: a DTensor mixed with a plain tensor, a Partial one, a grad laid out
         otherwise than its weight, rows not one range (see :func:`local_rows`), or
-        meshes that are not named sub-meshes of one root. Raised on every rank alike,
+        meshes that cannot be reduced together. Raised on every rank alike,
         before anything is sent.
 
     Example:

@@ -16,10 +16,10 @@ What a decision could not work with is refused before any step: the constructor'
 arguments by :func:`check_config`, a group's own threshold beside a rule by
 :func:`check_rule_groups` (also at each step, since a group may be given one later).
 
-Its length (about 330 lines) is :func:`decide_and_scale`: it must sit beside
-:func:`decide`, in one function, since ``torch.compile`` traces each call on the way to
-the inner step's graph break as a graph of its own, and :mod:`clipopt._step._apply`,
-below this module, cannot call :func:`decide`.
+Its length (about 360 lines) is :func:`decide_and_scale` (30 lines) on top of the 306
+of :func:`decide` and its checks: it must sit beside :func:`decide`, since
+``torch.compile`` traces each call on the way to the inner step's graph break as a graph
+of its own, and :mod:`clipopt._step._apply`, below this module, cannot call it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from clipopt._dist import _deepspeed
 from clipopt._dist._reduce import NormScope
 from clipopt._step import _fold, _monitor, _parts, _rule_step
 from clipopt._step._clip_state import (
@@ -156,8 +157,17 @@ def decide(
     settings = _parts.read_group_settings(
         optimizer.param_groups, optimizer.defaults, config.per_group
     )
+    zero, given = _deepspeed.zero_step(), None
+    if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
+        rule, track = config.rule, config.track_tensor_norms
+        each = track or isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
+        scope, given = _deepspeed.zero_source(
+            zero, config.norm_scope, settings.norm_types, config.per_group, each
+        )
+        config = dataclasses.replace(config, norm_scope=scope)
     grads = _parts.collect_grads(optimizer.param_groups)
-    measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings)
+    measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings, given)
+    final = zero is None or zero.last_call
     spike = None
     spikes = config.skip_spikes
     # Compiled, the verdict is judged from the first step (it is false on the device until
@@ -169,7 +179,9 @@ def decide(
         optimizer, lambda: _parts.grad_dtypes(grads, measured), coefficients
     )
     if config.nonfinite == "propagate" and spike is None:
-        return _parts.ClipDecision(grads, measured, coefficients, rule_outcome=outcome), fold
+        return _parts.ClipDecision(
+            grads, measured, coefficients, rule_outcome=outcome, final=final
+        ), fold
     norms = measured.norm if measured.stacked is None else measured.stacked
     values = _parts.coefficient_values(coefficients, norms)
     limit = config.max_consecutive_skips
@@ -187,6 +199,7 @@ def decide(
             rule_outcome=outcome,
             spike=spike,
             streak_limit=streak_limit,
+            final=final,
         ), fold
     flag = None
     if torch.compiler.is_compiling():
@@ -202,6 +215,7 @@ def decide(
         rule_outcome=outcome,
         spike=spike,
         skip_flag=flag,
+        final=final,
     ), fold
 
 
@@ -247,7 +261,13 @@ def commit(
       tensor_norms: where tracked per-tensor norms are kept.
       decision: the step's decision.
       latest: the measurement of the grads the inner step used (a closure's last).
+
+    A call that is not the step's last (``decision.final`` False: DeepSpeed's ZeRO
+    optimizer steps the wrapper once per param group) keeps nothing: the step is
+    recorded and its rules commit once, at its last call.
     """
+    if not decision.final:
+        return
     skipped = decision.skip if decision.found_inf is None else decision.found_inf
     if decision.skip_flag is not None:  # compiled: the same verdict, as a tensor
         skipped = decision.skip_flag
@@ -265,9 +285,11 @@ def _coefficients(
     config: ClipConfig,
     grads: list[list[Tensor]],
     settings: _parts.GroupSettings,
+    given: Tensor | None = None,
 ) -> tuple[_parts.Measurement, list[_parts.Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
     """The step's norms, each group's coefficient and what a rule decided. A unit-wise
-    rule decides first: the norms come from what it measured, where it says."""
+    rule decides first: the norms come from what it measured, where it says. A ``given``
+    norm (DeepSpeed's, of groups this call does not see) is the norm of every group."""
     norm_types = settings.norm_types
     if isinstance(config.rule, UnitWiseRule):
         check_rule_groups(optimizer.param_groups, config.rule)
@@ -275,7 +297,10 @@ def _coefficients(
             config.rule, optimizer.param_groups, grads, norm_types[0]
         )
         return _measure(optimizer, config, grads, norm_types, squares, check), coefficients, outcome
-    measured = _measure(optimizer, config, grads, norm_types)
+    if given is not None:
+        measured = _parts.Measurement(given, [given] * len(grads), None)
+    else:
+        measured = _measure(optimizer, config, grads, norm_types)
     if config.rule is None:
         return (
             measured,
@@ -283,8 +308,9 @@ def _coefficients(
             None,
         )
     check_rule_groups(optimizer.param_groups, config.rule)
+    stages = config.norm_scope.pp_group is not None
     coefficients, outcome = _rule_step.rule_coefficients(
-        config.rule, grads, measured, norm_types[0]
+        config.rule, grads, measured, norm_types[0], stages
     )
     return measured, coefficients, outcome
 
@@ -301,16 +327,20 @@ def _measure(
     (AGC: no grad read again, no collective more; its ``check`` NaN where the ranks'
     grads do not line up); with per-tensor norms wanted
     (tracked, or for a per-tensor rule), all of them from one per-tensor pass, and
-    for DTensor grads one collective (the constructor refuses a process_group then)."""
+    for DTensor grads one collective (the constructor refuses a process_group then).
+    Under pipeline stages the totals are then combined over the stages (one collective
+    more); per-tensor and unit norms stay each stage's own."""
     default = float(optimizer.defaults[NORM_TYPE_KEY])
     names = _monitor.grad_names(optimizer.param_groups) if config.track_tensor_norms else None
+    pp_group = config.norm_scope.pp_group
     if squares is not None and all(p == 2.0 for p in norm_types):
-        return _monitor.measure_from_squares(
+        measured = _monitor.measure_from_squares(
             grads, names, squares, default, config.per_group, config.track_tensor_norms, check
         )
+        return _monitor.across_stages(measured, norm_types, default, config.per_group, pp_group)
     per_rule = config.rule is not None and config.rule.per_tensor
     if config.norm_scope.process_group is None and (config.track_tensor_norms or per_rule):
-        return _monitor.measure_per_tensor(
+        measured = _monitor.measure_per_tensor(
             grads,
             names,
             norm_types,
@@ -320,6 +350,7 @@ def _measure(
             lambda: [group["params"] for group in optimizer.param_groups],
             strict=per_rule,
         )
+        return _monitor.across_stages(measured, norm_types, default, config.per_group, pp_group)
     return _parts.measure(
         grads,
         norm_types,

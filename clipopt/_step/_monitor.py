@@ -20,11 +20,17 @@ import torch
 from torch import Tensor
 
 from clipopt import _torch_internals
-from clipopt._dist import _mesh, _per_tensor
+from clipopt._dist import _mesh, _per_tensor, _stages
 from clipopt._kernels import _norms
 from clipopt._step._parts import Measurement, flatten
 
-__all__ = ["TensorNorms", "grad_names", "measure_from_squares", "measure_per_tensor"]
+__all__ = [
+    "TensorNorms",
+    "across_stages",
+    "grad_names",
+    "measure_from_squares",
+    "measure_per_tensor",
+]
 
 
 def grad_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -190,6 +196,35 @@ def _assembled(
     stacked = torch.stack(totals)
     norm = _combined(stacked, default_norm_type, stacked.dtype)
     return Measurement(norm, totals, stacked, norms, names)
+
+
+def across_stages(
+    measured: Measurement,
+    norm_types: list[float],
+    default_norm_type: float,
+    per_group: bool,
+    pp_group: Any,
+) -> Measurement:
+    """``measured`` (one pipeline stage's) with its global norm, or each group's, combined
+    with the other stages' over ``pp_group`` (:func:`clipopt._dist._stages.combine_stages`):
+    one collective more; the per-tensor norms and names stay the stage's own.
+
+    With ``per_group`` the stages' groups are lined up by position: every stage's optimizer
+    has as many groups, with the same orders. Without ``pp_group``: ``measured`` itself.
+    """
+    if pp_group is None:
+        return measured
+    if not per_group:
+        norm = _stages.combine_stages([measured.norm], norm_types[:1], pp_group)[0]
+        return Measurement(norm, [norm] * len(measured.group_norms), None, *_tensors_of(measured))
+    totals = _stages.combine_stages(measured.group_norms, norm_types, pp_group)
+    stacked = torch.stack(totals)
+    norm = _combined(stacked, default_norm_type, stacked.dtype)
+    return Measurement(norm, totals, stacked, *_tensors_of(measured))
+
+
+def _tensors_of(measured: Measurement) -> tuple[Tensor | None, tuple[str, ...]]:
+    return measured.tensor_norms, measured.tensor_names
 
 
 def _any_sharded(groups: list[list[Tensor]]) -> bool:

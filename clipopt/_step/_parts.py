@@ -22,7 +22,7 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 from torch import Tensor
 
-from clipopt._dist import _mesh, _reduce
+from clipopt._dist import _mesh, _reduce, _stages
 from clipopt._kernels import _cpu, _norms, _scale
 from clipopt._step._clip_state import (
     MAX_NORM_KEY,
@@ -103,6 +103,10 @@ class ClipDecision:
         made with the decision (in its graph, under ``torch.compile``).
       streak_limit: for a skip decided on the device, ``max_consecutive_skips``, which
         the previous steps' streak is checked against before this one is applied.
+      final: this call ends the step, so the wrapper records it and commits its rules;
+        False for all but the last of the calls DeepSpeed's ZeRO optimizer makes, one
+        per param group, in one step of its own (they decide alike: nothing is
+        committed in between).
     """
 
     grads: list[list[Tensor]]
@@ -116,6 +120,7 @@ class ClipDecision:
     skip_flag: Tensor | None = None
     grad_scale: Tensor | None = None
     streak_limit: int | None = None
+    final: bool = True
 
 
 def read_group_settings(
@@ -170,7 +175,8 @@ def measure(
       norm_types: each group's order (all equal without ``per_group``).
       default_norm_type: the order of the norm of the group norms (``per_group``).
       per_group: measure each group by its own norm.
-      scope: the process group and replicated parameters of the reduction.
+      scope: the process group and replicated parameters of the reduction, and the
+        pipeline stages' group that the stages' norms are combined over.
       foreach: as in :func:`clipopt.get_total_norm`.
       params: every parameter, when asked; their DTensor meshes decide the reduction's,
         so a rank holding no grad, or grads on only some meshes, joins the same
@@ -181,6 +187,7 @@ def measure(
         if scope.process_group is None and flat and _mesh.all_plain(flat):
             # A norm of this rank's grads alone: keep their grouping for the scale.
             norm, grouped = _norms.grouped_total_norm(flat, norm_types[0], foreach)
+            norm = _stages.combine_stages([norm], norm_types[:1], scope.pp_group)[0]
             return Measurement(norm, [norm] * len(grads), None, groups=grouped)
         norm = scope.global_norms([flat], norm_types[:1], foreach, params())[0]
         return Measurement(norm, [norm] * len(grads), None)

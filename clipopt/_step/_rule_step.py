@@ -29,6 +29,7 @@ def rule_coefficients(
     grads: list[list[Tensor]],
     measured: Measurement,
     norm_type: float,
+    stages: bool = False,
 ) -> tuple[list[Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
     """The rule's coefficient per group and what it decided (to commit after the step).
 
@@ -37,10 +38,14 @@ def rule_coefficients(
     the step measured with the global norm (one pass, and for DTensor grads one
     collective: :func:`clipopt._step._monitor.measure_per_tensor`).
 
+    With ``stages`` (pipeline stages), a per-tensor rule's norms are this stage's grads'
+    and ``measured.norm`` is the whole model's: the rule gets it as ``total_norm``.
+
     Raises:
       ValueError: a per-tensor rule and a measurement without per-tensor norms.
     """
     rule.norm_type = norm_type
+    rule.total_norm = measured.norm if stages and rule.per_tensor else None
     if not rule.per_tensor:
         coefficient, threshold = rule.decide(measured.norm)
         shared: list[Coefficient] = [coefficient] * len(grads)

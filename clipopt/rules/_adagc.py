@@ -24,7 +24,7 @@ class _Step(NamedTuple):
 
 
 def _global_clip(
-    norms: Tensor, p: float, max_norm: float, eps: float
+    norms: Tensor, p: float, max_norm: float, eps: float, total: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Warm-up's clip of the total p-norm at ``max_norm``.
 
@@ -33,7 +33,10 @@ def _global_clip(
       ``max_norm * (n + eps) / (total + eps)``, at which ``threshold / (n + eps)`` is
       that coefficient (inf if ``total + eps`` is 0); and whether the total is finite.
     """
-    total = torch.linalg.vector_norm(norms, p)
+    if total is None:
+        total = torch.linalg.vector_norm(norms, p)
+    else:  # the whole model's, where ``norms`` are one pipeline stage's
+        total = total.to(device=norms.device, dtype=norms.dtype)
     raw = max_norm / (total + eps)
     shares = torch.where(total + eps > 0, raw * (norms + eps), math.inf)
     return raw.clamp(max=1.0), shares, torch.isfinite(total)
@@ -155,7 +158,9 @@ class AdaGC(ClipRule):
         gamma, count = self._ensure(norms)
         n = norms.to(gamma.dtype)
         warming = count < self.warmup_steps
-        scale, shares, counted = _global_clip(n, self.norm_type, self.warmup_max_norm, self.eps)
+        scale, shares, counted = _global_clip(
+            n, self.norm_type, self.warmup_max_norm, self.eps, self.total_norm
+        )
         lowest = torch.where(counted, torch.minimum(gamma, n * scale), gamma)
         after, limits, ema = _ema_clip(n, gamma, self.ratio, self.beta, self.eps)
         return _Step(

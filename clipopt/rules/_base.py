@@ -171,6 +171,11 @@ class ClipRule(OnDevice):
     norm_type: float = 2.0
     """The order p of the norms :meth:`decide` gets; ``ClippedOptimizer`` sets it to its
     ``norm_type`` before each call (AdaGC combines per-tensor norms into the total)."""
+    total_norm: Tensor | None = None
+    """For a per-tensor rule: the total norm of the whole model where the norms
+    :meth:`decide` gets are only some of it (one pipeline stage's grads), which
+    ``ClippedOptimizer`` sets before each call under ``pp_mesh``; None: the total is that
+    of the norms given."""
 
     def __init__(self) -> None:
         self._last_threshold: Tensor | None = None
