@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (`make gpu-check`): on a CUDA machine, run every CUDA test, the host-sync
-# tests, and the benchmark with --device cuda; write logs, JSON and Markdown to $OUT
+# tests, the compiled and CUDA-graph-captured clipped step, and the benchmark with
+# --device cuda; write logs, JSON and Markdown to $OUT
 # (else benchmarks/results/). Installs nothing: the GPU machine has no network.
 #
 #   bash benchmarks/gpu_check.sh            # or: make gpu-check
@@ -118,17 +119,22 @@ mapfile -t cuda_modules < <(
 )
 say "CUDA test modules: ${cuda_modules[*]}"
 
-step pytest-cuda 190 230 "$PY" -m pytest -q -p no:cacheprovider \
+step pytest-cuda 160 300 "$PY" -m pytest -q -p no:cacheprovider \
     --junitxml="$OUT_DIR/pytest-cuda.xml" "${cuda_modules[@]}"
-step pytest-sync 60 170 "$PY" -m pytest -q -p no:cacheprovider \
+step pytest-sync 60 240 "$PY" -m pytest -q -p no:cacheprovider \
     --junitxml="$OUT_DIR/pytest-sync.xml" tests/test_cuda_sync.py
+# The clipped step compiled with inductor on CUDA, captured whole by torch.cuda.graph
+# (capturable AdamW, static grads) and compiled with mode="reduce-overhead": each against
+# the eager step, last_norm on every replay (benchmarks/gpu_compile.py).
+step compile-cuda 90 150 "$PY" -m benchmarks.gpu_compile --device cuda \
+    --json "$OUT_DIR/compile-cuda.json"
 # A CUDA test that skips for want of CUDA here means the check did not check it.
 if grep -h "needs CUDA" "$OUT_DIR/pytest-cuda.log" "$OUT_DIR/pytest-sync.log" 2>/dev/null; then
     say "FAILED  CUDA tests were skipped for want of CUDA (lines above)"
     failed=1
 fi
 
-step bench-cuda 170 0 "$PY" -m benchmarks.run --device cuda --json "$OUT_DIR/bench-cuda.json"
+step bench-cuda 150 0 "$PY" -m benchmarks.run --device cuda --json "$OUT_DIR/bench-cuda.json"
 
 # ------------------------------------------------------------------ results
 

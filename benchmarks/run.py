@@ -36,9 +36,14 @@ Sections:
 - ``host cost`` and ``compiled step``: the clip on many small tensors against the floor,
   the wrapper's own Python per tensor with the kernels stubbed out, and
   ``torch.compile(opt.step)`` against the eager step (:mod:`benchmarks.host`).
+- ``compiled recipe``: foreach AdamW and SGD on the step layout compiled with inductor:
+  the clipped step (a fixed threshold, ZClip, ``nonfinite="skip"``) against the bare
+  compiled step and torch's compiled ``clip_grad_norm_`` + step
+  (:mod:`benchmarks.compiled`).
 
 ``--only SECTION[,SECTION]`` runs only those sections (``clip``, ``step``, ``amp``,
-``end_to_end``, ``host``, ``compiled``); targets whose rows were not measured are left out.
+``end_to_end``, ``host``, ``compiled``, ``compiled_recipe``); targets whose rows were not
+measured are left out.
 ``compiled`` runs only when named: inductor compiling AdamW over 2000 tensors took more
 than 20 minutes on the 2-core machine of docs/benchmarks.md.
 
@@ -66,7 +71,7 @@ import torch
 from torch import Tensor, nn
 
 import clipopt
-from benchmarks import host, rules
+from benchmarks import compiled, host, rules
 from benchmarks.common import (
     FOLDED_FLOOR,
     MAX_NORM,
@@ -532,6 +537,7 @@ SECTIONS: dict[str, Callable[[Config], list[Row]]] = {
     "end_to_end": bench_end_to_end,
     "host": host.bench_host_cost,
     "compiled": host.bench_compiled,
+    "compiled_recipe": compiled.bench_recipes,
 }
 DEFAULT_SECTIONS = [name for name in SECTIONS if name != "compiled"]
 
@@ -578,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         targets = cuda_targets(rows, memory, syncs, config.step_layout) if everything else []
     else:
         targets = check_targets(rows, memory, config.step_layout, config.quick)
+        targets += compiled.recipe_targets(rows, config.step_layout)
     results: dict[str, Any] = {
         "machine": machine(),
         "config": {

@@ -4,8 +4,9 @@ Gradient-norm clipping as an optimizer wrapper. The wrapper's plumbing (pass-thr
 ``param_groups`` / ``state`` / ``defaults``, hooks, pickling, the state-dict templates)
 is :class:`clipopt._wrapper.OptimizerWrapper`, and its read-only properties are
 :class:`clipopt._step._readouts.ClipReadouts`; this module is the clip: its settings, its
-step (measure -> decide -> apply: :func:`clipopt._step._decide.decide` makes the
-decision, :func:`clipopt._step._apply.apply_decision` applies it, and
+step (measure -> decide -> apply: :func:`clipopt._step._decide.decide_and_scale` makes
+the decision and scales the grads by it, :func:`clipopt._step._apply.apply_decision` runs
+the inner step (or folds the scale into it), and
 :func:`clipopt._step._decide.commit` keeps what the step leaves) and the entry points of
 its ``"clip"`` entry in the state dict (written, checked and installed by
 :mod:`clipopt._step._saved`).
@@ -40,7 +41,13 @@ from clipopt._step._clip_state import (
     rename_legacy_keys,
     validated_settings,
 )
-from clipopt._step._decide import ClipConfig, check_config, check_rule_groups, commit, decide
+from clipopt._step._decide import (
+    ClipConfig,
+    check_config,
+    check_rule_groups,
+    commit,
+    decide_and_scale,
+)
 from clipopt._step._nonfinite import StepRecord
 from clipopt._step._parts import ClipDecision
 from clipopt._step._readouts import ClipReadouts
@@ -296,13 +303,14 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         config = self._config()
-        decision, fold = decide(self.optimizer, config, self._record, closure is None, True)
+        record = self._record
+        decision, fold = decide_and_scale(self.optimizer, config, record, closure is None, True)
 
         def redecide() -> ClipDecision:  # a closure's later evaluation: no skip, no fold
-            return decide(self.optimizer, config, self._record, False, False)[0]
+            return decide_and_scale(self.optimizer, config, record, False, False)[0]
 
         result, latest = apply_decision(
-            self.optimizer, decision, fold, self._foreach, closure, loss, redecide
+            self.optimizer, decision, fold, record, closure, loss, redecide
         )
         commit(config, self._record, self._tensor_norms, decision, latest)
         return result

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks import common, host, run
+from benchmarks import compiled as recipes
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,11 @@ def test_every_section_and_contender_is_reported(
         for kind in ("eager", "compiled"):
             for name in ("bare AdamW", "ClippedOptimizer(AdamW)"):
                 assert (f"{layout} float32", f"{kind}: {name}") in compiled
+    recipe = {(r["case"], r["contender"]) for r in rows if r["section"] == recipes.SECTION}
+    for kind in recipes.KINDS:
+        case = recipes.recipe_case("transformer", kind)
+        for name in (recipes.BARE, recipes.TORCH_RECIPE, *recipes.CLIPPED.values()):
+            assert (case, name) in recipe
     names = {t["name"] for t in results["targets"]}
     assert "many_small fp32: ClippedOptimizer's clip / floor" in names
     assert "step transformer bf16: ClippedOptimizer(fused AdamW) / folded floor" in names
@@ -90,7 +96,10 @@ def test_accuracy_memory_and_targets_are_reported(
         growth = memory[name]["peak_rss_growth_bytes"]
         assert growth is None or growth >= 0
     names = [t["name"] for t in results["targets"]]
-    assert len(names) in (12, 13) and all(isinstance(t["held"], bool) for t in results["targets"])
+    recipe = [n for n in names if n.startswith("compiled ")]
+    assert len(recipe) == len(recipes.KINDS) * len(recipes.CLIPPED) * 2
+    assert len(names) - len(recipe) in (12, 13)
+    assert all(isinstance(t["held"], bool) for t in results["targets"])
 
 
 def test_json_written_where_asked_and_in_results_dir(
@@ -259,3 +268,18 @@ def test_per_tensor_floor_runs_the_floor_and_bumps_every_grad_once() -> None:
     host.per_tensor_floor(params, lambda: calls.append(1))()
     assert calls == [1]
     assert [g._version for g in grads] == [v + 1 for v in versions]
+
+
+def test_the_gpu_compile_check_runs_its_cpu_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make gpu-check``'s compiled-step checks: the one that needs no CUDA passes here
+    (traced by ``aot_eager``, as inductor traces it), the others say why they did not."""
+    from benchmarks import gpu_compile
+
+    def traced(device: torch.device) -> str:
+        return gpu_compile.check_inductor(device, backend="aot_eager")
+
+    monkeypatch.setitem(gpu_compile.CHECKS, "inductor", traced)
+    results = gpu_compile.run_checks(torch.device("cpu"))
+    assert results["inductor"]["status"] == "ok", results["inductor"]["detail"]
+    for name in gpu_compile.NEEDS_CUDA:
+        assert results[name] == {"status": "skipped", "detail": gpu_compile.WITHOUT_CUDA}

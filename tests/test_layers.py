@@ -189,7 +189,7 @@ def test_the_check_sees_deferred_and_relative_imports() -> None:
 BENCHMARKS = PACKAGE.parent / "benchmarks"
 BENCHMARK_LAYERS: list[set[str]] = [
     {"__init__", "common", "markdown"},  # the harness: layouts, timing, results; JSON to md
-    {"host", "rules"},  # sections on the harness
+    {"host", "rules", "compiled", "gpu_compile"},  # sections on the harness
     {"targets"},  # the goals, over the harness's rows and host's
     {"run"},  # every section, and main
 ]

@@ -296,11 +296,17 @@ def _cpu_tensor_norms(group: list[Tensor], p: float, acc: torch.dtype | None) ->
     a call per tensor on all threads would wake torch's other threads each time, which
     on a busy machine cost milliseconds per tensor (2-core VM, shared).
     """
-    dense = _cpu.split_dense(group)[0]
     if torch.compiler.is_compiling():
-        found = [_cpu.norm_partial([t], p, threads=1).reshape(()) for t in dense]
-    else:
-        found = list(_cpu.tensor_norms(_cpu.Run(dense), p).unbind()) if dense else []
+        # Tensor by tensor, not matched by id() as below: torch.compile would guard on
+        # each grad's id and recompile whenever zero_grad() made new grads.
+        return [
+            _cpu.norm_partial([t], p, threads=1).reshape(())
+            if _cpu.split_dense([t])[0]
+            else torch.linalg.vector_norm(t, p, dtype=acc)
+            for t in group
+        ]
+    dense = _cpu.split_dense(group)[0]
+    found = list(_cpu.tensor_norms(_cpu.Run(dense), p).unbind()) if dense else []
     by_id = dict(zip(map(id, dense), found, strict=True))
     return [
         by_id[id(t)] if id(t) in by_id else torch.linalg.vector_norm(t, p, dtype=acc) for t in group

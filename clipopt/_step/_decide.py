@@ -7,13 +7,19 @@ measures them (:func:`_measure`: one reduction, one per-tensor pass, or a unit-w
 rule's squares), turns the norms into one coefficient per group (:func:`_coefficients`:
 a threshold, or a rule's decision), judges a spike and a non-finite norm, and returns
 one :class:`clipopt._step._parts.ClipDecision` with whether to fold it into a fused kernel. The
-wrapper applies and records it. What it reads of the wrapper is a :class:`ClipConfig`,
-made for each decision, since a load may change the settings; the inner optimizer and
-the step record are passed as they are.
+wrapper applies and records it; :func:`decide_and_scale` is :func:`decide` and the
+explicit scale, which a compiled step must trace together. What it reads of the
+wrapper is a :class:`ClipConfig`, made for each decision, since a load may change the
+settings; the inner optimizer and the step record are passed as they are.
 
 What a decision could not work with is refused before any step: the constructor's
 arguments by :func:`check_config`, a group's own threshold beside a rule by
 :func:`check_rule_groups` (also at each step, since a group may be given one later).
+
+Its length (about 360 lines) is :func:`decide_and_scale` (30 lines) on top of the 306
+of :func:`decide` and its checks: it must sit beside :func:`decide`, since
+``torch.compile`` traces each call on the way to the inner step's graph break as a graph
+of its own, and :mod:`clipopt._step._apply`, below this module, cannot call it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,13 @@ from clipopt._step._clip_state import (
     Settings,
     rename_legacy_keys,
 )
-from clipopt._step._nonfinite import StepRecord, device_verdict, host_verdict, spike_verdict
+from clipopt._step._nonfinite import (
+    StepRecord,
+    device_verdict,
+    host_verdict,
+    skip_flag,
+    spike_verdict,
+)
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
 from clipopt.rules._unit import UnitWiseRule
@@ -46,7 +58,14 @@ from clipopt.rules._unit import UnitWiseRule
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["ClipConfig", "check_config", "check_rule_groups", "commit", "decide"]
+__all__ = [
+    "ClipConfig",
+    "check_config",
+    "check_rule_groups",
+    "commit",
+    "decide",
+    "decide_and_scale",
+]
 
 
 @dataclass(frozen=True)
@@ -151,7 +170,10 @@ def decide(
     final = zero is None or zero.last_call
     spike = None
     spikes = config.skip_spikes
-    if may_skip and spikes is not None and spikes.may_trigger():
+    # Compiled, the verdict is judged from the first step (it is false on the device until
+    # min_history norms are in): a graph that judged only once may_trigger() turned true
+    # would recompile at that step, long after warm-up. Eager, no read until it can fire.
+    if may_skip and spikes is not None and (torch.compiler.is_compiling() or spikes.may_trigger()):
         spike = spikes.verdict(measured.norm)
     fold = may_fold and _fold.can_fold(
         optimizer, lambda: _parts.grad_dtypes(grads, measured), coefficients
@@ -164,9 +186,9 @@ def decide(
     values = _parts.coefficient_values(coefficients, norms)
     limit = config.max_consecutive_skips
     if fold and config.nonfinite != "raise" and _fold.skips_cleanly(optimizer):
-        found_inf = None
+        found_inf = streak_limit = None
         if config.nonfinite == "skip":
-            found_inf = device_verdict(norms, values, record, limit)
+            found_inf, streak_limit = device_verdict(norms, values), limit
         if spike is not None:
             found_inf = spike_verdict(found_inf, spike)
         return _parts.ClipDecision(
@@ -176,8 +198,12 @@ def decide(
             found_inf=found_inf,
             rule_outcome=outcome,
             spike=spike,
+            streak_limit=streak_limit,
             final=final,
         ), fold
+    flag = None
+    if torch.compiler.is_compiling():
+        flag = skip_flag(norms, values, config.nonfinite, spike)
     streak = host_verdict(norms, values, record, config.nonfinite, limit, may_skip, spike)
     skip = streak is not None
     return _parts.ClipDecision(
@@ -188,8 +214,36 @@ def decide(
         streak or 0,
         rule_outcome=outcome,
         spike=spike,
+        skip_flag=flag,
         final=final,
     ), fold
+
+
+def decide_and_scale(
+    optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
+) -> tuple[_parts.ClipDecision, bool]:
+    """:func:`decide`, then scale the grads by its coefficients
+    unless the step is skipped or the scale is to be folded into the fused kernel.
+
+    A folded step gets its fused kernel's ``grad_scale`` here instead. One function, so
+    that ``torch.compile(opt.step)`` traces the norm, the decision and the scale into
+    one graph: the inner step's own graph break (torch's optimizers break
+    the graph around ``step``) makes dynamo trace each call of the function that leads
+    to it as a graph of its own.
+
+    Args and Returns: as :func:`decide`.
+    """
+    decision, fold = decide(optimizer, config, record, may_fold, may_skip)
+    if fold and not decision.skip:
+        coefficient = decision.coefficients[0]
+        assert not isinstance(coefficient, tuple)  # can_fold refuses per-grad coefficients
+        if coefficient is not None:
+            grad_scale = _fold.grad_scale_of(coefficient)
+            decision = dataclasses.replace(decision, grad_scale=grad_scale)
+    elif not decision.skip:
+        measured = decision.measurement
+        _parts.scale(decision.grads, decision.coefficients, config.foreach, measured.groups)
+    return decision, fold
 
 
 def commit(
@@ -215,6 +269,8 @@ def commit(
     if not decision.final:
         return
     skipped = decision.skip if decision.found_inf is None else decision.found_inf
+    if decision.skip_flag is not None:  # compiled: the same verdict, as a tensor
+        skipped = decision.skip_flag
     record.record(latest.norm, latest.stacked, skipped, decision.streak)
     if config.track_tensor_norms:
         tensor_norms.record(latest)

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from clipopt import _hooks
 
-__all__ = ["apply_folded", "can_fold", "skips_cleanly"]
+__all__ = ["apply_folded", "can_fold", "grad_scale_of", "skips_cleanly"]
 
 _FUSABLE: tuple[type[Optimizer], ...] = (
     torch.optim.Adam,
@@ -128,17 +128,29 @@ def _has_state(optimizer: Optimizer, p: Tensor, momentum_only: bool) -> bool:
     return state.get("momentum_buffer") is not None if momentum_only else bool(state)
 
 
-def apply_folded(optimizer: Optimizer, coefficient: Tensor | None, found_inf: Tensor | None) -> Any:
+def grad_scale_of(coefficient: Tensor) -> Tensor:
+    """The fused kernel's ``grad_scale`` that scales every grad by ``coefficient``."""
+    return coefficient.float().reciprocal()
+
+
+def apply_folded(
+    optimizer: Optimizer,
+    coefficient: Tensor | None,
+    found_inf: Tensor | None,
+    grad_scale: Tensor | None = None,
+) -> Any:
     """Run ``optimizer``'s step with the clip (and a skip) inside its fused kernel.
 
     Args:
       optimizer: one for which :func:`can_fold` holds.
       coefficient: the clip coefficient of every grad; None scales nothing.
       found_inf: non-zero to skip the step on the device; None to step.
+      grad_scale: :func:`grad_scale_of` ``coefficient``, where already made.
 
     Returns:
       What the optimizer's step returns.
     """
-    grad_scale = None if coefficient is None else coefficient.float().reciprocal()
+    if grad_scale is None and coefficient is not None:
+        grad_scale = grad_scale_of(coefficient)
     with _scaled_step(optimizer, grad_scale, found_inf):
         return _hooks.inner_step(optimizer, None)

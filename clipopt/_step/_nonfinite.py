@@ -4,8 +4,9 @@ the counters of steps taken and skipped.
 Three policies (``nonfinite=``): ``"propagate"`` looks at nothing; ``"raise"`` and a
 ``"skip"`` decided on the host read one flag per step (:func:`host_verdict`); a ``"skip"``
 that rides on a fused kernel's ``found_inf`` is decided on the device
-(:func:`device_verdict`), and ``max_consecutive_skips`` is then checked against the count
-of the *previous* step, read from a copy made then without waiting (:class:`LaggedCount`).
+(:func:`device_verdict`), and ``max_consecutive_skips`` is then checked
+(:func:`check_lagged_streak`, outside any compiled graph) against the count of the
+*previous* step, read from a copy made then without waiting (:class:`LaggedCount`).
 So on that path the error comes one ``step()`` later than on the host path (after
 ``limit + 1`` skipped steps rather than at the step that would be the ``limit + 1``-th).
 That step changes nothing, and the next one is decided afresh: finite grads step (and
@@ -31,8 +32,10 @@ __all__ = [
     "COUNTER_NAMES",
     "LaggedCount",
     "StepRecord",
+    "check_lagged_streak",
     "device_verdict",
     "host_verdict",
+    "skip_flag",
     "spike_verdict",
 ]
 
@@ -228,23 +231,43 @@ def host_verdict(
     return streak
 
 
-def device_verdict(
-    norms: Tensor, coefficients: Tensor, counters: StepRecord, limit: int | None
-) -> Tensor:
+def skip_flag(norms: Tensor, coefficients: Tensor, mode: str, spike: Tensor | None) -> Tensor:
+    """:func:`host_verdict`'s skip as a 0-dim int64 tensor on the device (1: skip), for a
+    compiled step's record: a Python bool there is a value dynamo guards on, so the
+    first skipped step would compile the record again. (A verdict that raises records
+    nothing.)"""
+    bad = _nonfinite(norms, coefficients)
+    flag = bad if mode == "skip" else torch.zeros_like(bad)
+    return flag if spike is None else flag | spike.to(flag)
+
+
+def device_verdict(norms: Tensor, coefficients: Tensor) -> Tensor:
     """``found_inf`` for this step (float32, 1.0 to skip), decided on the device.
+    ``max_consecutive_skips`` is checked apart, by :func:`check_lagged_streak`."""
+    return _nonfinite(norms, coefficients).to(torch.float32)
+
+
+def _lagged_streak_check(counters: StepRecord, limit: int) -> None:
+    """Raise if the previous steps skipped more than ``limit`` in a row on the device
+    (read from the copy the previous step made), before a step that skips on the device
+    changes anything; raising, drop the lagged count, so the next step is decided afresh.
 
     Raises:
-      NonFiniteNormError: the previous steps skipped more than ``limit`` in a row (read
-        from the copy the previous step made; see the module docstring). Nothing is
-        changed and the lagged count is dropped, so the next step is decided afresh.
+      NonFiniteNormError: as said.
     """
-    if limit is not None and (streak := counters.lagged.read()) > limit:
+    if (streak := counters.lagged.read()) > limit:
         counters.lagged.set(0)
         raise NonFiniteNormError(
             f"the gradient norm was non-finite for {streak} steps in a row "
             f"(max_consecutive_skips={limit}); training is not recovering"
         )
-    return _nonfinite(norms, coefficients).to(torch.float32)
+
+
+# Outside any compiled graph, read and judged there: a compiled step that read the count
+# itself would guard on its value and compile again after the first skipped step.
+check_lagged_streak = cast(
+    Callable[[StepRecord, int], None], _compiler.disable(_lagged_streak_check)
+)
 
 
 def spike_verdict(found_inf: Tensor | None, spike: Tensor) -> Tensor:

@@ -10,6 +10,10 @@ group), or a tuple with one entry per grad of the group, each a tensor broadcast
 its grad or None to leave that grad alone (per-tensor or unit-wise rules). A clip
 rule's coefficients are made in :func:`threshold_coefficients`' place, by
 :mod:`clipopt._step._rule_step`.
+
+Its length (about 320 lines) is :class:`ClipDecision`, one documented field for each
+way a decision is applied and kept (a skip on the host or the device, a compiled
+step's flag and fused ``grad_scale``, DeepSpeed's calls per group), beside the parts.
 """
 
 from __future__ import annotations
@@ -97,6 +101,12 @@ class ClipDecision:
       rule_outcome: with a clip rule, the norms it saw and the coefficients and
         thresholds it chose, for it to commit once the step has run.
       spike: with ``skip_spikes``, whether the norm is a spike (0-dim bool), if judged.
+      skip_flag: in a compiled step, ``skip`` as a 0-dim tensor on the device, which
+        the record counts with (:func:`clipopt._step._nonfinite.skip_flag`).
+      grad_scale: for a folded step, the fused kernel's ``grad_scale`` (``1 / c``),
+        made with the decision (in its graph, under ``torch.compile``).
+      streak_limit: for a skip decided on the device, ``max_consecutive_skips``, which
+        the previous steps' streak is checked against before this one is applied.
       final: this call ends the step, so the wrapper records it and commits its rules;
         False for all but the last of the calls DeepSpeed's ZeRO optimizer makes, one
         per param group, in one step of its own (they decide alike: nothing is
@@ -111,6 +121,9 @@ class ClipDecision:
     found_inf: Tensor | None = None
     rule_outcome: tuple[Tensor, Tensor, Tensor] | None = None
     spike: Tensor | None = None
+    skip_flag: Tensor | None = None
+    grad_scale: Tensor | None = None
+    streak_limit: int | None = None
     final: bool = True
 
 
@@ -296,12 +309,16 @@ def _bucket(buckets: list[tuple[Tensor, list[Tensor]]], coefficient: Tensor) -> 
 
 
 def coefficient_values(coefficients: list[Coefficient], like: Tensor) -> Tensor:
-    """Every distinct coefficient in one 1-D tensor (empty if none), for a finiteness check."""
-    seen: dict[int, Tensor] = {}
-    for coefficient in coefficients:
-        for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
-            if c is not None:
-                seen.setdefault(id(c), c.reshape(-1))
-    if not seen:
-        return like.new_zeros(0)
-    return torch.cat(list(seen.values()))
+    """Every coefficient in one 1-D tensor (empty if none), for a finiteness check.
+
+    A coefficient shared by groups is in it once per group: the check does not care,
+    and telling them apart by ``id()`` made ``torch.compile`` guard on the id of each
+    step's new coefficient tensor, so that every step recompiled.
+    """
+    values = [
+        c.reshape(-1)
+        for coefficient in coefficients
+        for c in (coefficient if isinstance(coefficient, tuple) else (coefficient,))
+        if c is not None
+    ]
+    return torch.cat(values) if values else like.new_zeros(0)

@@ -196,6 +196,11 @@ class AutoClip(ClipRule):
         return self._buffer, self._count, self._sorted
 
     def threshold(self, norms: Tensor) -> Tensor:
+        if self._buffer is None:
+            # Nothing seen: no clip. Not the lerp below over a fresh history of +inf
+            # made in the graph: inductor's C++ bounds analysis then folds inf - inf
+            # and fails ("sympy expression is NaN"), where eager gives this same +inf.
+            return torch.full_like(norms, math.inf)
         buffer, count, ordered = self._ensure(norms)
         filled = torch.clamp(count, max=self.history)  # [rows]
         # torch.quantile's interpolation: rank = q * (n - 1), the value below at the
