@@ -66,7 +66,12 @@ def test_every_section_and_contender_is_reported(
     recipe = {(r["case"], r["contender"]) for r in rows if r["section"] == recipes.SECTION}
     for kind in recipes.KINDS:
         case = recipes.recipe_case("transformer", kind)
-        for name in (recipes.BARE, recipes.TORCH_RECIPE, *recipes.CLIPPED.values()):
+        for name in (
+            recipes.BARE,
+            recipes.TORCH_RECIPE,
+            recipes.FLOORED,
+            *recipes.CLIPPED.values(),
+        ):
             assert (case, name) in recipe
     names = {t["name"] for t in results["targets"]}
     assert "many_small fp32: ClippedOptimizer's clip / floor" in names
@@ -97,7 +102,7 @@ def test_accuracy_memory_and_targets_are_reported(
         assert growth is None or growth >= 0
     names = [t["name"] for t in results["targets"]]
     recipe = [n for n in names if n.startswith("compiled ")]
-    assert len(recipe) == len(recipes.KINDS) * len(recipes.CLIPPED) * 2
+    assert len(recipe) == len(recipes.KINDS) * len(recipes.CLIPPED) * 3
     assert len(names) - len(recipe) in (12, 13)
     assert all(isinstance(t["held"], bool) for t in results["targets"])
 
