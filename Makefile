@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --no-cache-dir --constraint constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest pytest-fallback compat-oldest matrix dist docs bench clean
+.PHONY: demo test lint typecheck pytest pytest-fallback compat-oldest matrix dist docs bench clean olmo-core-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,15 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 test: lint typecheck pytest pytest-fallback compat-oldest docs dist
+
+# The frameworks page's OLMo-core recipe inside OLMo-core 3.0.0, which needs torch<2.14
+# and so cannot join .venv (torch 2.14.1): a venv of its own under .cache/, torch 2.13.0.
+OLMO_VENV := .cache/olmo-core
+olmo-core-check:
+	test -x $(OLMO_VENV)/bin/python || $(PYTHON) -m venv $(OLMO_VENV)
+	$(OLMO_VENV)/bin/python -m pip install --quiet --no-cache-dir torch==2.13.0 \
+		ai2-olmo-core==3.0.0 numpy==2.4.6
+	PYTHONPATH=$(CURDIR) $(OLMO_VENV)/bin/python scripts/olmo_core_recipe.py
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
