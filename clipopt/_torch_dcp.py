@@ -51,6 +51,8 @@ __all__ = [
     "called_by_torch_dcp",
     "carried",
     "carrier",
+    "entry_bytes",
+    "entry_from_bytes",
     "take_carried",
     "warn_entry_missing",
 ]
@@ -106,11 +108,22 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _encode(entry: Mapping[str, Any]) -> int:
+def entry_bytes(entry: Mapping[str, Any]) -> bytes:
+    """The wrapper's entry ``torch.save``-d to bytes, its tensors copied to the CPU: one
+    opaque leaf that DCP saves and loads whole, without a template of its tensors."""
     buffer = io.BytesIO()
-    buffer.write(b"\x01")  # a leading 1 keeps the bytes' leading zeros in the int
     torch.save(_to_cpu(entry), buffer)
-    return int.from_bytes(buffer.getvalue(), "big")
+    return buffer.getvalue()
+
+
+def entry_from_bytes(blob: bytes) -> Any:
+    """What :func:`entry_bytes` wrote, read with ``weights_only=True``."""
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def _encode(entry: Mapping[str, Any]) -> int:
+    # A leading 1 keeps the bytes' leading zeros in the int.
+    return int.from_bytes(b"\x01" + entry_bytes(entry), "big")
 
 
 def _decode(value: object) -> Any:
@@ -122,7 +135,7 @@ def _decode(value: object) -> Any:
             f"{type(value).__name__}; nothing was loaded"
         )
     blob = value.to_bytes((value.bit_length() + 7) // 8, "big")
-    return torch.load(io.BytesIO(blob[1:]), weights_only=True)
+    return entry_from_bytes(blob[1:])
 
 
 def carried(

@@ -54,13 +54,13 @@ check before anything is loaded.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from clipopt import _torch_dcp
 from clipopt._dist._mesh import local_tensors
 from clipopt._dist._reduce import NormScope, global_norm, global_norms
 from clipopt._step._clip_state import CLIP_KEY
@@ -99,19 +99,7 @@ def _encode_clip_state(clip_state: Mapping[str, Any]) -> bytes:
     state is small and identical on every rank, so it travels as bytes that DCP writes
     once and every rank reads.
     """
-    buffer = io.BytesIO()
-    torch.save(_to_cpu(clip_state), buffer)
-    return buffer.getvalue()
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()  # saving a checkpoint, as the user asked: not a step
-    if isinstance(value, Mapping):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
+    return _torch_dcp.entry_bytes(clip_state)
 
 
 def _decode_clip_state(blob: object) -> dict[str, Any]:
@@ -120,7 +108,7 @@ def _decode_clip_state(blob: object) -> dict[str, Any]:
             f"optim_state_dict[{CLIP_KEY!r}] must be the bytes written by "
             f"clipopt.distributed.get_optimizer_state_dict, got {type(blob).__name__}"
         )
-    state = torch.load(io.BytesIO(blob), weights_only=True)
+    state = _torch_dcp.entry_from_bytes(blob)
     if not isinstance(state, dict):
         raise TypeError(f"the encoded clip state must be a dict, got {type(state).__name__}")
     return state
