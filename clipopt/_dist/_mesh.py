@@ -136,6 +136,8 @@ def _distinct_meshes(grads: Sequence[DTensor]) -> list[DeviceMesh]:
 
 def mesh_ranks(mesh: DeviceMesh) -> list[int]:
     """The global ranks of ``mesh`` (the part of it this rank is in), sorted."""
+    # DeviceMesh.mesh is a CPU tensor of rank numbers, whatever the device type: reading
+    # it waits on no accelerator.
     return sorted(int(rank) for rank in mesh.mesh.flatten().tolist())
 
 
