@@ -7,11 +7,13 @@ schedulers, ``GradScaler`` and the training frameworks, but it does not call
 schedulers and code that edits ``group["lr"]`` act on the inner optimizer directly.
 
 It owns the hook registries and fires them; it saves and loads the inner optimizer's
-state dict with one extra entry of its own. A subclass supplies:
+state dict with one extra entry of its own (a load without it warns, unless the entry
+travels apart: :meth:`_saved_apart`). A subclass supplies:
 
 - :meth:`_wrapped_step`: the step itself (the inner step included);
 - :meth:`_extra_state`, :meth:`_check_load`, :meth:`_finish_load`: its entry of the state
-  dict, validated completely before the inner optimizer loads anything.
+  dict, validated completely before the inner optimizer loads anything;
+- :meth:`_warn_extra_missing`: what a load without that entry says.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt import _hooks, _torch_dcp
+from clipopt import _hooks
 
 __all__ = ["Closure", "OptimizerWrapper", "check_state_shapes"]
 
@@ -44,6 +46,7 @@ class OptimizerWrapper(Optimizer):
     def __init__(self, optimizer: Optimizer) -> None:
         self._init_hooks()
         self.optimizer = optimizer
+        self._extra_saved_apart = False
 
     def _init_hooks(self) -> None:
         """The hook registries that ``Optimizer.__init__`` would create, all empty."""
@@ -67,14 +70,7 @@ class OptimizerWrapper(Optimizer):
 
     @property
     def state(self) -> Any:
-        """The inner optimizer's per-parameter state (the very dict, not a copy).
-
-        To torch's DCP state-dict functions, a read-only view that names the entry this
-        wrapper carries in one parameter's saved state (:mod:`clipopt._torch_dcp`).
-        """
-        if _torch_dcp.called_by_torch_dcp():
-            found = _torch_dcp.carrier(self.optimizer.param_groups)
-            return _torch_dcp.StateView(self.optimizer.state, found and found[1])
+        """The inner optimizer's per-parameter state (the very dict, not a copy)."""
         return self.optimizer.state
 
     @state.setter
@@ -104,6 +100,7 @@ class OptimizerWrapper(Optimizer):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_extra_saved_apart", False)
         self.__dict__.update(state)
         self._init_hooks()
 
@@ -123,8 +120,6 @@ class OptimizerWrapper(Optimizer):
         optimizer's own hooks fire around the inner step inside it, the global ones do not
         fire again there (:func:`clipopt._hooks.inner_step`).
         """
-        if not self.optimizer.state and _torch_dcp.called_by_torch_dcp():
-            return self.optimizer.step(closure)  # torch's init on zero grads: inner only
         args: tuple[Any, ...] = () if closure is None else (closure,)
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
             pre_hooks = [*_hooks.global_pre_hooks(), *self._optimizer_step_pre_hooks.values()]
@@ -143,18 +138,12 @@ class OptimizerWrapper(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus this wrapper's state under ``EXTRA_KEY``.
 
-        To torch's DCP state-dict functions, which keep only ``"state"`` and
-        ``"param_groups"``, the entry is also carried in one parameter's state
-        (:mod:`clipopt._torch_dcp`). State-dict hooks registered on the wrapper run
-        around the whole dict.
+        State-dict hooks registered on the wrapper run around the whole dict.
         """
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
         state_dict = dict(self.optimizer.state_dict())
-        extra = self._extra_state()
-        if _torch_dcp.called_by_torch_dcp():  # it keeps "state" and "param_groups" only
-            state_dict = _torch_dcp.carried(state_dict, self.optimizer.param_groups, extra)
-        state_dict[self.EXTRA_KEY] = extra
+        state_dict[self.EXTRA_KEY] = self._extra_state()
         for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
             result = post_hook(self, state_dict)
             if result is not None:
@@ -165,7 +154,10 @@ class OptimizerWrapper(Optimizer):
         """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
 
         Everything the wrapper reads is validated before anything is changed, and if the
-        inner optimizer's own load raises, it is put back as it was.
+        inner optimizer's own load raises, it is put back as it was. A dict without
+        ``EXTRA_KEY`` (a plain state dict, or one from torch's DCP functions, which keep
+        only ``"state"`` and ``"param_groups"``) leaves the wrapper's own state as it is
+        and warns, unless that state travels apart (:meth:`_saved_apart`).
 
         Raises:
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
@@ -173,11 +165,9 @@ class OptimizerWrapper(Optimizer):
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        loaded, carried = _torch_dcp.take_carried(state_dict)
-        if self.EXTRA_KEY not in loaded and carried is not None:
-            loaded[self.EXTRA_KEY] = carried
-        if self.EXTRA_KEY not in loaded and _torch_dcp.called_by_torch_dcp():
-            _torch_dcp.warn_entry_missing(type(self).__name__, self.EXTRA_KEY)
+        loaded = dict(state_dict)
+        if self.EXTRA_KEY not in loaded and not self._extra_saved_apart:
+            self._warn_extra_missing()
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, loaded)
             if result is not None:
@@ -187,6 +177,21 @@ class OptimizerWrapper(Optimizer):
         self._load_atomically(lambda: self.optimizer.load_state_dict(inner_state), prepared)
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
+
+    def _saved_apart(self) -> None:
+        """Note that this wrapper's entry is saved and loaded apart from its state dict
+        (by :class:`clipopt.distributed.ClippedOptimizerState`): a load without it is
+        then expected and does not warn."""
+        self._extra_saved_apart = True
+
+    def _load_extra(self, extra: Any) -> None:
+        """Load this wrapper's entry alone, validated first, the inner optimizer untouched."""
+        _, prepared = self._check_load({}, extra)
+        self._load_atomically(lambda: None, prepared)
+
+    def _warn_extra_missing(self) -> None:
+        """Say that a load found no entry of this wrapper's, and how to keep it."""
+        raise NotImplementedError
 
     def _load_atomically(self, load_inner: Callable[[], object], prepared: Any) -> None:
         """Run ``load_inner``, then :meth:`_finish_load`; if either raises, put the inner

@@ -39,39 +39,36 @@ Gradient norm clipping: Pascanu et al., 2013, "On the difficulty of training rec
 neural networks"; global norms over sharded and replicated parameters as in Megatron-LM
 (Shoeybi et al., 2019) and FSDP (Zhao et al., 2023).
 
-The user API here is :func:`get_optimizer_state_dict`, :func:`set_optimizer_state_dict`
-and :class:`ClippedOptimizerState`. ``NormScope``, ``total_norm``, ``total_norms`` and
-``local_tensors`` are the reduction's internals, re-exported from ``clipopt._dist._reduce`` so
-that code written against 0.1.0 keeps importing; they are not covered by semver.
+The user API here is :class:`ClippedOptimizerState`. ``NormScope``, ``total_norm``,
+``total_norms`` and ``local_tensors`` are the reduction's internals, re-exported from
+``clipopt._dist._reduce`` so that code written against 0.1.0 keeps importing; they are not
+covered by semver.
 
-DCP checkpoints of a :class:`clipopt.ClippedOptimizer` keep its clip state:
-``torch.distributed.checkpoint.state_dict`` saves and loads the inner optimizer (FQN
-keys, FSDP2 DTensor state); the clip state rides beside it under ``"clip"`` as one
-opaque bytes leaf, identical on every rank. Both loaders (this one and
-:meth:`clipopt.ClippedOptimizer.load_state_dict`) validate through the wrapper's one
-check before anything is loaded.
+DCP checkpoints of a :class:`clipopt.ClippedOptimizer` keep its clip state in an entry of
+its own: ``torch.distributed.checkpoint.state_dict``'s functions save and load the inner
+optimizer (FQN keys, FSDP2 DTensor state) and keep only ``"state"`` and
+``"param_groups"``; :class:`ClippedOptimizerState`, a ``Stateful`` put beside the model
+and the optimizer, saves the ``"clip"`` entry under a key of its pipeline stage.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor
 
-from clipopt import _torch_dcp
 from clipopt._dist._mesh import local_tensors
 from clipopt._dist._reduce import NormScope, global_norm, global_norms
-from clipopt._step._clip_state import CLIP_KEY
 from clipopt.optimizer import ClippedOptimizer
 
 __all__ = [
     "ClippedOptimizerState",
     "NormScope",
-    "get_optimizer_state_dict",
     "local_tensors",
-    "set_optimizer_state_dict",
     "total_norm",
     "total_norms",
 ]
@@ -82,130 +79,88 @@ total_norm = global_norm
 total_norms = global_norms
 
 
-def _checked_wrapper(optimizer: object) -> ClippedOptimizer:
-    if not isinstance(optimizer, ClippedOptimizer):
-        raise TypeError(
-            f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}; "
-            "for a plain optimizer use torch.distributed.checkpoint.state_dict directly"
-        )
-    return optimizer
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()  # saving a checkpoint, as the user asked: not a step
+    if isinstance(value, Mapping):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
-def _encode_clip_state(clip_state: Mapping[str, Any]) -> bytes:
-    """The clip state as one opaque leaf, so DCP's load needs no template of its shape.
+def _encode(entry: Mapping[str, Any]) -> bytes:
+    """The clip entry ``torch.save``-d to bytes, its tensors on the CPU.
 
-    DCP loads tensors in place into a template of the same structure, which a fresh
-    optimizer cannot provide (``last_norm`` is None before the first step). The clip
-    state is small and identical on every rank, so it travels as bytes that DCP writes
-    once and every rank reads.
+    DCP loads tensors in place into a template of the same shapes, which a fresh
+    optimizer cannot give (``last_norm`` is None before the first step, a rule's history
+    grows); bytes are one leaf that DCP saves and loads whole.
     """
-    return _torch_dcp.entry_bytes(clip_state)
+    buffer = io.BytesIO()
+    torch.save(_to_cpu(entry), buffer)
+    return buffer.getvalue()
 
 
-def _decode_clip_state(blob: object) -> dict[str, Any]:
+def _decode(blob: object, key: str) -> Any:
     if not isinstance(blob, bytes):
         raise TypeError(
-            f"optim_state_dict[{CLIP_KEY!r}] must be the bytes written by "
-            f"clipopt.distributed.get_optimizer_state_dict, got {type(blob).__name__}"
+            f"ClippedOptimizerState's {key!r} must be the bytes its state_dict wrote, got "
+            f"{type(blob).__name__}; nothing was loaded"
         )
-    state = _torch_dcp.entry_from_bytes(blob)
-    if not isinstance(state, dict):
-        raise TypeError(f"the encoded clip state must be a dict, got {type(state).__name__}")
-    return state
-
-
-def get_optimizer_state_dict(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    options: Any = None,
-) -> dict[str, Any]:
-    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` that keeps "clip".
-
-    The inner optimizer goes through torch's function (FQN keys, FSDP2 DTensor state,
-    and its initialisation ``step()`` on zero grads, which therefore never reaches the
-    clipping wrapper and leaves its counters and ``last_norm`` untouched); the clip state
-    is added under ``"clip"`` as one opaque leaf.
-
-    Args:
-      model: the module the optimizer trains.
-      optimizer: a :class:`clipopt.ClippedOptimizer`.
-      options: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``.
-
-    Returns:
-      torch's optimizer state dict plus ``"clip"``; pass it to ``dcp.save``.
-    """
-    from torch.distributed.checkpoint import state_dict as dcp_state_dict
-
-    wrapper = _checked_wrapper(optimizer)
-    clip_state = wrapper._extra_state()
-    state = dcp_state_dict.get_optimizer_state_dict(model, wrapper.optimizer, options=options)
-    return {**state, CLIP_KEY: _encode_clip_state(clip_state)}
-
-
-def set_optimizer_state_dict(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    optim_state_dict: Mapping[str, Any],
-    *,
-    options: Any = None,
-) -> None:
-    """Load what :func:`get_optimizer_state_dict` made (after ``dcp.load``) into ``optimizer``.
-
-    The clip entry and the groups' ``clip_max_norm`` / ``clip_norm_type`` are validated before
-    anything is loaded, as :meth:`clipopt.ClippedOptimizer.load_state_dict` does; then the
-    inner optimizer's state goes through torch's ``set_optimizer_state_dict`` and the clip
-    state through the wrapper. A dict without ``"clip"`` (a run that started unwrapped)
-    loads the inner state and leaves the clip state as it is; groups loaded without
-    ``clip_max_norm`` / ``clip_norm_type`` get the wrapper's defaults.
-
-    Args:
-      model: the module the optimizer trains.
-      optimizer: a :class:`clipopt.ClippedOptimizer`.
-      optim_state_dict: the loaded dict.
-      options: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``.
-    """
-    from torch.distributed.checkpoint import state_dict as dcp_state_dict
-
-    wrapper = _checked_wrapper(optimizer)
-    raw = None
-    if CLIP_KEY in optim_state_dict:
-        raw = _decode_clip_state(optim_state_dict[CLIP_KEY])
-    inner_state = {k: v for k, v in optim_state_dict.items() if k != CLIP_KEY}
-    to_load, prepared = wrapper._check_load(inner_state, raw)
-    wrapper._load_atomically(
-        lambda: dcp_state_dict.set_optimizer_state_dict(
-            model, wrapper.optimizer, dict(to_load), options=options
-        ),
-        prepared,
-    )
+    entry = torch.load(io.BytesIO(blob), weights_only=True)
+    if not isinstance(entry, dict):
+        raise TypeError(
+            f"ClippedOptimizerState's {key!r} must hold a dict, got {type(entry).__name__}; "
+            "nothing was loaded"
+        )
+    return entry
 
 
 class ClippedOptimizerState:
-    """A DCP ``Stateful`` for a :class:`clipopt.ClippedOptimizer`, clip state included.
+    """The clip state of a :class:`clipopt.ClippedOptimizer` as a DCP ``Stateful``.
 
-    ``dcp.save`` and ``dcp.load`` call ``state_dict`` / ``load_state_dict`` on it, which
-    go through :func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`.
+    Put it in the checkpoint beside the model and the optimizer, under a name of its
+    own (``dcp.save`` / ``dcp.load`` call its ``state_dict`` / ``load_state_dict``, and
+    so do torchtitan's ``CheckpointManager(states=...)`` and a train module's state dict).
+    Its state dict is ``{"stage<i>": bytes}``: the wrapper's ``"clip"`` entry (counters,
+    last norms, the rule's and ``SpikeSkip``'s state, the wrapper-wide settings)
+    ``torch.save``-d to bytes, read back with ``weights_only=True`` and validated before
+    anything loads. ``i`` is this rank's stage in the wrapper's ``pp_mesh`` (0 without
+    one), so pipeline stages saved into one checkpoint each load their own entry; the
+    ranks of one stage write the same bytes.
+
+    Making it tells the wrapper that its clip state travels here: its
+    ``load_state_dict`` then takes a dict without ``"clip"`` (one from torch's DCP
+    functions) without a warning.
 
     Args:
-      model: the module the optimizer trains.
       optimizer: a :class:`clipopt.ClippedOptimizer`.
-      options: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``.
+
+    Raises:
+      TypeError: ``optimizer`` is not a ``ClippedOptimizer``.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: Any = None,
-    ) -> None:
-        _checked_wrapper(optimizer)
-        self.model = model
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, ClippedOptimizer):
+            raise TypeError(
+                f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}"
+            )
+        optimizer._saved_apart()
         self.optimizer = optimizer
-        self.options = options
+
+    def _key(self) -> str:
+        group = self.optimizer._norm_scope.pp_group
+        return f"stage{0 if group is None else dist.get_rank(group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+        return {self._key(): _encode(self.optimizer._extra_state())}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self.options)
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        key = self._key()
+        if not isinstance(state_dict, Mapping) or key not in state_dict:
+            shown = sorted(state_dict) if isinstance(state_dict, Mapping) else state_dict
+            raise ValueError(
+                f"ClippedOptimizerState's state dict has no {key!r} (this rank's pipeline "
+                f"stage), got {shown!r}; nothing was loaded"
+            )
+        self.optimizer._load_extra(_decode(state_dict[key], key))

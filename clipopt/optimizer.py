@@ -19,6 +19,7 @@ for it, and 45 the docstrings of the public methods it overrides to document.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
@@ -27,6 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from clipopt._dist._reduce import NormScope
+from clipopt._errors import user_stacklevel
 from clipopt._step import _monitor
 from clipopt._step._apply import apply_decision
 from clipopt._step._clip_state import (
@@ -349,8 +351,13 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
 
         Everything is validated before anything is changed: a malformed or mismatched
         dict raises ``TypeError``/``ValueError`` and leaves this optimizer as it was. A
-        plain inner dict keeps the current clip settings and counters; param groups it
-        loads without ``max_norm``/``norm_type`` get the defaults. As for ``lr``, the
+        dict without ``"clip"`` (a plain inner dict, or one that went through
+        ``torch.distributed.checkpoint.state_dict``'s functions, which keep only
+        ``"state"`` and ``"param_groups"``) keeps the current clip settings, counters and
+        rule state, and warns with a ``UserWarning`` naming
+        :class:`clipopt.distributed.ClippedOptimizerState`, unless one was made for this
+        optimizer (its clip state then travels in that entry); param groups it loads
+        without ``clip_max_norm``/``clip_norm_type`` get the defaults. As for ``lr``, the
         loaded settings replace the constructor's.
 
         Raises:
@@ -358,6 +365,18 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
           ValueError: the dict does not match this optimizer's groups or holds bad values.
         """
         super().load_state_dict(state_dict)
+
+    def _warn_extra_missing(self) -> None:
+        warnings.warn(
+            f"{type(self).__name__}.load_state_dict got a state dict without a "
+            f"{CLIP_KEY!r} entry (torch.distributed.checkpoint.state_dict's functions "
+            "keep only 'state' and 'param_groups'), so the clip state (step counters, "
+            "last norms, the rule's state) stays as it was; to checkpoint it through DCP, "
+            "save clipopt.distributed.ClippedOptimizerState(optimizer) beside the "
+            "optimizer",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def _check_load(
         self, inner_state: Mapping[str, Any], extra: Any

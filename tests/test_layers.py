@@ -23,7 +23,7 @@ PACKAGE = Path(clipopt.__file__).parent
 UNIT_LAYERS: list[set[str]] = [
     # errors, argument checks, torch's private APIs, torch.optim's step hooks
     {"_errors", "_validation", "_torch_internals", "_hooks"},
-    {"_kernels", "_torch_dcp"},  # one rank's norms and scales; torch's DCP calls, entry carried
+    {"_kernels"},  # one rank's norms and scales
     {"_dist", "_wrapper"},  # norms across ranks; the wrapper's plumbing
     {"rules", "functional"},  # the clip rules; torch.nn.utils' names
     {"_step"},  # one clipped step: measure, decide, apply, and its saved entry

@@ -932,7 +932,8 @@ def test_load_a_plain_inner_state_dict() -> None:
     inner_saved = plain.state_dict()
     fresh_model = _model()
     opt = ClippedOptimizer(_sgd(fresh_model), max_norm=0.7)
-    opt.load_state_dict(inner_saved)
+    with pytest.warns(UserWarning, match="without a 'clip' entry"):
+        opt.load_state_dict(inner_saved)
     assert (
         opt.param_groups[0]["clip_max_norm"] == 0.7 and opt.param_groups[0]["clip_norm_type"] == 2.0
     )
