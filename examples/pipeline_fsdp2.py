@@ -9,9 +9,10 @@ stage's norm over its FSDP2 mesh and then sum the stages' squares, so every rank
 by the whole model's norm and ZClip's state is the same on every rank. Without
 ``pp_mesh`` each stage would clip by its own norm.
 
-Halfway through, every stage saves a DCP checkpoint (each stage's entries under a key
-of its own: the stages hold different parameters), a fresh model and optimizer load it
-and training goes on; the script checks that the resumed run ends bit for bit where an
+Halfway through, every stage saves into one DCP checkpoint under the same names (the
+model's and the flattened optimizer's keys are the stage's parameter names, and
+``ClippedOptimizerState`` keys the clip state by stage), a fresh model and optimizer load
+it and training goes on; the script checks that the resumed run ends bit for bit where an
 uninterrupted one does.
 
 Run on CPU (gloo) with four processes (without torchrun the script prints this command
@@ -34,18 +35,25 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import clipopt
-from clipopt import distributed as cdist
+from clipopt.distributed import ClippedOptimizerState
 
 PP, DP = 2, 2
 NPROC = PP * DP
 STEPS, RESUME_AT = 6, 3
 VOCAB, WIDTH, SEQ, BATCH, MICROBATCHES = 13, 8, 5, 8, 2
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # keys by parameter name
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets for each process, and ``init_process_group()`` reads."""
 
@@ -150,18 +158,18 @@ class Trainer:
         return norm.clone()
 
     def state(self) -> dict[str, Any]:
-        """What DCP saves and loads: under this stage's own key."""
+        """What DCP saves and loads: the inner optimizer through torch's functions."""
         return {
-            f"stage{self.stage_index}": {
-                "model": get_model_state_dict(self.module),
-                "optim": cdist.get_optimizer_state_dict(self.module, self.optimizer),
-            }
+            "model": get_model_state_dict(self.module),
+            "optim": get_optimizer_state_dict(self.module, self.optimizer.optimizer, options=FLAT),
+            "clip": ClippedOptimizerState(self.optimizer),
         }
 
     def load(self, state: dict[str, Any]) -> None:
-        mine = state[f"stage{self.stage_index}"]
-        set_model_state_dict(self.module, mine["model"])
-        cdist.set_optimizer_state_dict(self.module, self.optimizer, mine["optim"])
+        set_model_state_dict(self.module, state["model"])
+        set_optimizer_state_dict(
+            self.module, self.optimizer.optimizer, state["optim"], options=FLAT
+        )
 
 
 def meshes() -> tuple[DeviceMesh, DeviceMesh]:

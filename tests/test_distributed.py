@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -468,9 +467,15 @@ def case_zero() -> None:
 
 
 def case_dcp_round_trip(checkpoint_dir: str) -> None:
-    """Clip state survives dcp.save/dcp.load with FSDP2; DCP's init step leaves it alone."""
+    """Clip state survives dcp.save/dcp.load with FSDP2, as the distributed page's recipe
+    saves it: torch's functions handed the inner optimizer, ClippedOptimizerState beside."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
@@ -482,27 +487,27 @@ def case_dcp_round_trip(checkpoint_dir: str) -> None:
         inner = torch.optim.Adam(model.parameters(), lr=0.01)
         return model, clipopt.ClippedOptimizer(inner, max_norm=0.5, nonfinite="skip")
 
+    def state(model: nn.Module, optimizer: clipopt.ClippedOptimizer) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer.optimizer),
+            "clip": cdist.ClippedOptimizerState(optimizer),
+        }
+
     model, optimizer = fresh()
     train(model, optimizer, inputs[:3])
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": cdist.ClippedOptimizerState(model, optimizer),
-    }
-    dcp.save(state, checkpoint_id=checkpoint_dir)
+    dcp.save(state(model, optimizer), checkpoint_id=checkpoint_dir)
     saved_clip = optimizer.state_dict()["clip"]
 
     restored_model, restored = fresh()
-    # DCP initialises a fresh optimizer's state with a step on zero grads: through the
-    # helper it runs on the inner optimizer only, so the clip state stays fresh.
-    cdist.get_optimizer_state_dict(restored_model, restored)
-    assert restored.last_norm is None and int(restored.step_count) == 0
+    target = state(restored_model, restored)
+    # torch's functions made the inner optimizer's state with a step on zero grads; it
+    # reached the inner optimizer only, so the clip state is still fresh.
     assert len(restored.state) > 0, "DCP should have initialised the inner state"
-    target = {
-        "model": get_model_state_dict(restored_model),
-        "optim": cdist.ClippedOptimizerState(restored_model, restored),
-    }
+    assert restored.last_norm is None and int(restored.step_count) == 0
     dcp.load(target, checkpoint_id=checkpoint_dir)
     set_model_state_dict(restored_model, target["model"])
+    set_optimizer_state_dict(restored_model, restored.optimizer, target["optim"])
     loaded_clip = restored.state_dict()["clip"]
     assert loaded_clip["settings"] == saved_clip["settings"]
     for key in ("last_norm", "step_count", "skip_count", "consecutive_skips"):
@@ -1051,105 +1056,13 @@ def test_a_pipeline_of_one_stage_adds_no_collective(world_of_one: Any) -> None:
         pickle.dumps(optimizer)
 
 
-def test_dcp_helpers_refuse_a_plain_optimizer_and_a_bad_clip_entry(world_of_one: Any) -> None:
-    model = nn.Linear(2, 2)
-    plain = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="ClippedOptimizer"):
-        cdist.get_optimizer_state_dict(model, plain)
-    optimizer = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 1.0)
-    saved = cdist.get_optimizer_state_dict(model, optimizer)
-    assert isinstance(saved["clip"], bytes)
-    for bad, error in (({"clip": {"last_norm": None}}, TypeError), ({"clip": b"x"}, Exception)):
-        with pytest.raises(error):
-            cdist.set_optimizer_state_dict(model, optimizer, {**saved, **bad})
-    bad_clip = optimizer.state_dict()["clip"]
-    bad_clip["step_count"] = torch.tensor(-1)
-    encoded = cdist._encode_clip_state(bad_clip)
-    before = copy.deepcopy(optimizer.state_dict())
-    with pytest.raises(ValueError, match="step_count"):
-        cdist.set_optimizer_state_dict(model, optimizer, {**saved, "clip": encoded})
-    after = optimizer.state_dict()
-    assert after["clip"]["settings"] == before["clip"]["settings"]
-    assert int(after["clip"]["step_count"]) == 0
-
-
-def test_torchs_dcp_functions_keep_clip_and_do_not_step_the_wrapper(
-    world_of_one: Any,
-) -> None:
-    """torch's DCP state-dict functions keep only "state" and "param_groups"; handed the
-    wrapper, they get "clip" carried in one parameter's state and give it back on load
-    (tests/test_olmo_core.py checks it through dcp.save / dcp.load, flattened too). Their
-    initialisation step on zero grads reaches only the inner optimizer, so a fresh
-    wrapper counts no step and records no norm of 0; a dict without "clip" warns."""
-    from torch.distributed.checkpoint import state_dict as dcp_state_dict
-
-    model = nn.Linear(3, 2)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    trained = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
-    trained.step()
-    clip_before = trained.state_dict()["clip"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        saved = dcp_state_dict.get_optimizer_state_dict(model, trained)
-        _, both = dcp_state_dict.get_state_dict(model, trained)
-    assert "clip" not in saved and saved["param_groups"][0]["clip_max_norm"] == 0.5
-    assert_same(trained.state_dict()["clip"], clip_before)
-    assert both["state"].keys() == saved["state"].keys()
-
-    model.zero_grad(set_to_none=True)  # torch steps a fresh optimizer only without grads
-    fresh = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
-    dcp_state_dict.get_optimizer_state_dict(model, fresh)
-    assert len(fresh.optimizer.state) > 0, "torch's init step should have reached the inner"
-    assert int(fresh.step_count) == 0 and fresh.last_norm is None
-    assert fresh.param_groups[0]["lr"] == 0.1
-
-    loading = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.3), 0.5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        dcp_state_dict.set_optimizer_state_dict(model, loading, saved)
-    assert_same(loading.state_dict()["clip"], clip_before)
-    assert_same(loading.optimizer.state_dict()["state"], trained.optimizer.state_dict()["state"])
-    assert loading.param_groups[0]["lr"] == 0.1
-
-    plain = dcp_state_dict.get_optimizer_state_dict(model, trained.optimizer)
-    other = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.3), 0.5)
-    with pytest.warns(UserWarning, match=r"carries no 'clip' entry.*keeps its current one"):
-        dcp_state_dict.set_optimizer_state_dict(model, other, plain)
-    assert int(other.step_count) == 0 and other.last_norm is None
-
-    # clipopt's helpers keep "clip" too, and warn about nothing.
-    ours = clipopt.ClippedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 0.5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cdist.get_optimizer_state_dict(model, ours)
-        kept = cdist.get_optimizer_state_dict(model, trained)
-        cdist.set_optimizer_state_dict(model, ours, kept)
-    assert int(ours.step_count) == 1 and ours.last_norm is not None
-    assert_same(ours.state_dict()["clip"], clip_before)
-
-
-def test_a_stateless_wrapper_steps_normally_outside_torchs_dcp() -> None:
-    """The check for torch's init step runs while the inner state is empty (every step of
-    plain SGD): outside torch's functions it must clip and count as usual."""
-    w = nn.Parameter(torch.zeros(2))
-    optimizer = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=1.0), 1.0)
-    for step in range(1, 3):
-        w.grad = torch.tensor([3.0, 4.0])
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            optimizer.step()
-            optimizer.state_dict()
-        assert not optimizer.state and int(optimizer.step_count) == step
-        assert torch.allclose(w.grad, torch.tensor([0.6, 0.8]), atol=1e-6)
-
-
 def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
     world_of_one: Any,
 ) -> None:
-    """A checkpoint of a run that started unwrapped has no "clip": the inner state loads,
-    the clip state stays, the groups get the defaults, and bad group settings are refused
-    before anything is loaded, as ``ClippedOptimizer.load_state_dict`` does."""
+    """A checkpoint of a run that started unwrapped has no "clip": loaded through torch's
+    functions into the wrapper, the inner state loads, the clip state stays (with the
+    warning naming ClippedOptimizerState), the groups get the defaults, and bad group
+    settings are refused before anything is loaded."""
     from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
     model = nn.Linear(3, 2)
@@ -1169,11 +1082,14 @@ def test_dcp_load_of_an_unwrapped_run_keeps_the_clip_state_and_validates_groups(
     ):
         groups = [{**g, **bad} for g in saved["param_groups"]]
         before = copy.deepcopy(optimizer.state_dict())
-        with pytest.raises(ValueError, match=match):
-            cdist.set_optimizer_state_dict(model, optimizer, {**saved, "param_groups": groups})
+        with pytest.raises(ValueError, match=match), pytest.warns(UserWarning):
+            dcp_state_dict.set_optimizer_state_dict(
+                model, optimizer, {**saved, "param_groups": groups}
+            )
         assert_same(optimizer.state_dict(), before)
 
-    cdist.set_optimizer_state_dict(model, optimizer, saved)
+    with pytest.warns(UserWarning, match="ClippedOptimizerState"):
+        dcp_state_dict.set_optimizer_state_dict(model, optimizer, saved)
     group = optimizer.param_groups[0]
     assert group["lr"] == 0.1 and group["clip_max_norm"] == 0.25 and group["clip_norm_type"] == 2.0
     assert_same(optimizer.state_dict()["clip"], clip_before)

@@ -237,33 +237,37 @@ def _pipeline_run(
 
 
 def _dcp_round_trip(stage: nn.Module, optimizer: Any, checkpoint: str) -> Callable[..., None]:
-    """Save ``stage`` and ``optimizer`` in one DCP checkpoint of every stage (each
-    stage's entries under its own key: the stages' clip entries may differ); return
+    """Save ``stage`` and ``optimizer`` into one DCP checkpoint of every stage under the
+    same keys, as torchtitan does (the model's and the flattened optimizer's keys are the
+    stage's parameter names; ``ClippedOptimizerState`` keys its entry by stage); return
     what loads them into a fresh stage and optimizer."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    from clipopt import distributed as cdist
+    from clipopt.distributed import ClippedOptimizerState
 
-    key = f"stage{stage_of()}"
-    state = {
-        key: {
-            "model": get_model_state_dict(stage),
-            "optim": cdist.get_optimizer_state_dict(stage, optimizer),
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state(module: nn.Module, wrapper: Any) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(module),
+            "optim": get_optimizer_state_dict(module, wrapper.optimizer, options=flat),
+            "clip": ClippedOptimizerState(wrapper),
         }
-    }
-    dcp.save(state, checkpoint_id=checkpoint)
+
+    dcp.save(state(stage, optimizer), checkpoint_id=checkpoint)
 
     def load(fresh: nn.Module, fresh_optimizer: Any) -> None:
-        target = {
-            key: {
-                "model": get_model_state_dict(fresh),
-                "optim": cdist.get_optimizer_state_dict(fresh, fresh_optimizer),
-            }
-        }
+        target = state(fresh, fresh_optimizer)
         dcp.load(target, checkpoint_id=checkpoint)
-        set_model_state_dict(fresh, target[key]["model"])
-        cdist.set_optimizer_state_dict(fresh, fresh_optimizer, target[key]["optim"])
+        set_model_state_dict(fresh, target["model"])
+        set_optimizer_state_dict(fresh, fresh_optimizer.optimizer, target["optim"], options=flat)
 
     return load
 

@@ -6,13 +6,22 @@ calls are reproduced here instead: its train module saves the optimizer through 
 cpu_offload=True)`` and ``dcp.save``, and loads through a template from the same
 function, ``dcp.load`` and ``set_optimizer_state_dict`` with
 ``StateDictOptions(flatten_optimizer_state_dict=True, strict=True)``
-(``olmo_core/train/train_module/transformer/train_module.py``). The wrapper's ``"clip"``
-entry must survive that, flattened or not, bit for bit; and OLMo-core's
+(``olmo_core/train/train_module/transformer/train_module.py``). torch's functions keep
+only ``"state"`` and ``"param_groups"``; the recipe puts
+``clipopt.distributed.ClippedOptimizerState`` beside them, and the resumed run must be
+the uninterrupted one bit for bit. The rows of the checkpoint table of issue 27 are here
+too: every state dict prints and loads with ``weights_only=True``, a decorated
+``state_dict`` and a change of the first parameter lose nothing, a plain AdamW loads the
+checkpoint with nothing of clipopt, and a load without the clip entry says so. OLMo-core's
 ``SkipStepOptimizer`` is refused, since wrapped it would never skip.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import io
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -40,7 +49,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 import clipopt
-from clipopt import _torch_dcp
+from clipopt.distributed import ClippedOptimizerState
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
@@ -92,21 +101,16 @@ def world_of_one() -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-INNERS: dict[str, Callable[[Any], Optimizer]] = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=0.05),
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.05),  # no state at all
-}
-
-
-def _run(inner: str, steps: int, seed: int = 0) -> tuple[nn.Module, clipopt.ClippedOptimizer]:
+def _run(
+    steps: int, seed: int = 0, kind: type[clipopt.ClippedOptimizer] = clipopt.ClippedOptimizer
+) -> tuple[nn.Module, clipopt.ClippedOptimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     decay = [p for p in model.parameters() if p.dim() > 1]
     rest = [p for p in model.parameters() if p.dim() <= 1]
     groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
-    opt = clipopt.ClippedOptimizer(
-        INNERS[inner](groups), clipopt.AutoClip(50.0), skip_spikes=clipopt.SpikeSkip()
-    )
+    inner = torch.optim.AdamW(groups, lr=0.05)
+    opt = kind(inner, clipopt.AutoClip(50.0), skip_spikes=clipopt.SpikeSkip())
     _steps(model, opt, steps, seed)
     return model, opt
 
@@ -125,29 +129,53 @@ def _options(flatten: bool, **more: Any) -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=flatten, **more)
 
 
-@pytest.mark.parametrize("inner", list(INNERS))
-@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
-def test_torchs_functions_keep_the_clip_entry_through_dcp_and_resume_bit_exactly(
-    world_of_one: Any, tmp_path: Path, inner: str, flatten: bool
+def _train_module_state(model: nn.Module, opt: Optimizer, options: Any) -> dict[str, Any]:
+    """OLMo-core's train-module state dict (its optimizer handed to torch's functions),
+    with the recipe's ``"clip"`` entry beside it."""
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    return {
+        "model": dcp_sd.get_model_state_dict(model, options=options),
+        "optim": dcp_sd.get_optimizer_state_dict(model, opt, options=options),
+        "clip": ClippedOptimizerState(opt),
+    }
+
+
+def _save_and_load(
+    model: nn.Module,
+    opt: clipopt.ClippedOptimizer,
+    fresh_model: nn.Module,
+    fresh: clipopt.ClippedOptimizer,
+    path: Path,
+    flatten: bool = True,
 ) -> None:
+    """Save as OLMo-core's checkpointer does and load into ``fresh`` the same way."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    model, opt = _run(inner, 3)
+    dcp.save(
+        _train_module_state(model, opt, _options(flatten, cpu_offload=True)), checkpoint_id=path
+    )
+    load_opts = _options(flatten, strict=True)
+    loaded = _train_module_state(fresh_model, fresh, load_opts)
+    dcp.load(loaded, checkpoint_id=path)
+    dcp_sd.set_model_state_dict(fresh_model, loaded["model"], options=load_opts)
+    dcp_sd.set_optimizer_state_dict(fresh_model, fresh, loaded["optim"], options=load_opts)
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_olmo_cores_calls_with_the_clip_entry_resume_bit_exactly(
+    world_of_one: Any, tmp_path: Path, flatten: bool
+) -> None:
+    """The wrapper handed to torch's functions as OLMo-core's train module does, the clip
+    state in its own entry: no warning, and the resumed run is the uninterrupted one.
+    torch's initialisation step reaches the fresh wrapper (it has no state yet), and the
+    loaded clip entry replaces what it counted."""
+    model, opt = _run(3)
+    fresh_model, fresh = _run(0, seed=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        saved = dcp_sd.get_optimizer_state_dict(model, opt, options=_options(flatten))
-        dcp.save({"optim": saved}, checkpoint_id=str(tmp_path))
-
-        fresh_model, fresh = _run(inner, 0)
-        fresh_model.load_state_dict(model.state_dict())
-        template = dcp_sd.get_optimizer_state_dict(fresh_model, fresh, options=_options(flatten))
-        assert int(fresh.step_count) == 0 and fresh.last_norm is None  # torch's init step
-        loaded = {"optim": template}
-        dcp.load(loaded, checkpoint_id=str(tmp_path))
-        dcp_sd.set_optimizer_state_dict(
-            fresh_model, fresh, loaded["optim"], options=_options(flatten, strict=True)
-        )
+        _save_and_load(model, opt, fresh_model, fresh, tmp_path, flatten)
     assert_identical(fresh.state_dict(), opt.state_dict())
     _steps(model, opt, 2, seed=5)
     _steps(fresh_model, fresh, 2, seed=5)
@@ -157,72 +185,186 @@ def test_torchs_functions_keep_the_clip_entry_through_dcp_and_resume_bit_exactly
     assert int(fresh.step_count) == 5
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"full_state_dict": True, "cpu_offload": True},
-        {"full_state_dict": True, "cpu_offload": True, "broadcast_from_rank0": True},
-    ],
-    ids=["full", "broadcast"],
-)
-def test_full_state_dicts_keep_the_clip_entry(world_of_one: Any, options: dict[str, Any]) -> None:
+def _decorated(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        calls.append(method.__name__)
+        return method(*args, **kwargs)
+
+    return logged
+
+
+calls: list[str] = []
+
+
+class DecoratedClippedOptimizer(clipopt.ClippedOptimizer):
+    """A subclass whose ``state_dict`` is decorated three deep (logging, timing...)."""
+
+    @_decorated
+    @_decorated
+    @_decorated
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict()
+
+
+def test_a_subclass_with_a_decorated_state_dict_keeps_its_clip_state(
+    world_of_one: Any, tmp_path: Path
+) -> None:
+    model, opt = _run(3, kind=DecoratedClippedOptimizer)
+    fresh_model, fresh = _run(1, seed=3, kind=DecoratedClippedOptimizer)
+    calls.clear()
+    _save_and_load(model, opt, fresh_model, fresh, tmp_path)
+    assert calls, "torch's functions called the decorated state_dict"
+    assert_identical(fresh.state_dict()["clip"], opt.state_dict()["clip"])
+
+
+@pytest.mark.parametrize("change", ["reversed_order", "first_frozen_at_save"])
+def test_which_parameter_comes_first_does_not_matter(
+    world_of_one: Any, tmp_path: Path, change: str
+) -> None:
+    """The clip state is no parameter's: reordering the parameters, or unfreezing the
+    first one, between save and load restores it all the same."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    def build(reverse: bool, frozen: bool) -> tuple[nn.Module, clipopt.ClippedOptimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        model[0].weight.requires_grad_(not frozen)
+        params = list(model.parameters())
+        inner = torch.optim.AdamW(params[::-1] if reverse else params, lr=0.05)
+        return model, clipopt.ClippedOptimizer(inner, clipopt.AutoClip(50.0))
+
+    model, opt = build(reverse=False, frozen=change == "first_frozen_at_save")
+    _steps(model, opt, 3, seed=0)
+    dcp.save(
+        {
+            "optim": dcp_sd.get_optimizer_state_dict(model, opt.optimizer),
+            "clip": ClippedOptimizerState(opt),
+        },
+        checkpoint_id=tmp_path,
+    )
+    fresh_model, fresh = build(reverse=change == "reversed_order", frozen=False)
+    fresh_model.load_state_dict(model.state_dict())
+    loaded = {
+        "optim": dcp_sd.get_optimizer_state_dict(fresh_model, fresh.optimizer),
+        "clip": ClippedOptimizerState(fresh),
+    }
+    partial = change == "first_frozen_at_save"  # the unfrozen weight has no saved moments
+    dcp.load(loaded, checkpoint_id=tmp_path, planner=DefaultLoadPlanner(allow_partial_load=partial))
+    assert_identical(fresh.state_dict()["clip"], opt.state_dict()["clip"])
+    assert int(fresh.step_count) == 3
+
+
+def test_every_state_dict_prints_and_loads_weights_only(world_of_one: Any, tmp_path: Path) -> None:
+    """Plain data: repr, logging's formatting and torch.save + torch.load(weights_only=True)
+    of each state dict clipopt makes, after enough AutoClip steps that a history of them
+    as one int would pass Python's 4300-digit limit for printing an int."""
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    model, opt = _run("adamw", 3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        saved = dcp_sd.get_optimizer_state_dict(model, opt, options=_options(False, **options))
-        fresh_model, fresh = _run("adamw", 0)
-        fresh_model.load_state_dict(model.state_dict())
-        dcp_sd.set_optimizer_state_dict(
-            fresh_model, fresh, saved, options=_options(False, **options)
+    model, opt = _run(60)
+    dicts = {
+        "wrapper": opt.state_dict(),
+        "ClippedOptimizerState": ClippedOptimizerState(opt).state_dict(),
+        "torch's nested": dcp_sd.get_optimizer_state_dict(model, opt),
+        "torch's flattened": dcp_sd.get_optimizer_state_dict(model, opt, options=_options(True)),
+        "torch's both": dcp_sd.get_state_dict(model, opt)[1],
+    }
+    for name, state_dict in dicts.items():
+        assert repr(state_dict) and str(state_dict), name
+        assert logging.Formatter().format(
+            logging.LogRecord("x", logging.INFO, "", 0, "%s", (state_dict,), None)
         )
-    ours, theirs = fresh.state_dict(), opt.state_dict()
-    assert_identical(ours["clip"], theirs["clip"])
-    assert_identical(ours["state"], theirs["state"])  # (torch's full dicts list the betas)
+        path = tmp_path / "dict.pt"
+        torch.save(state_dict, path)
+        assert_identical(torch.load(path, weights_only=True), state_dict, name)
+    for name in ("torch's nested", "torch's flattened", "torch's both"):
+        assert "clip" not in dicts[name] and "clipopt" not in repr(dicts[name]), name
 
 
-def test_the_carried_entry_is_not_the_inners_optimizers(world_of_one: Any) -> None:
-    """Saved through torch's functions the entry rides in one parameter's state; the inner
-    optimizer's own state is untouched, and its plain state dict never carries it."""
+def test_a_checkpoint_loads_into_a_plain_adamw_with_nothing_of_clipopt(
+    world_of_one: Any, tmp_path: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    model, opt = _run("adamw", 2)
-    inner_before = opt.optimizer.state_dict()
+    model, opt = _run(3)
+    dcp.save(_train_module_state(model, opt, _options(True)), checkpoint_id=tmp_path)
+    fresh_model, _ = _run(0, seed=3)  # no grads: torch creates the AdamW's state
+    plain = torch.optim.AdamW(fresh_model.parameters(), lr=0.05)
+    loaded = {"optim": dcp_sd.get_optimizer_state_dict(fresh_model, plain, options=_options(True))}
+    dcp.load(loaded, checkpoint_id=tmp_path)
+    dcp_sd.set_optimizer_state_dict(fresh_model, plain, loaded["optim"], options=_options(True))
+    names = {name for state in plain.state.values() for name in state}
+    assert names == {"step", "exp_avg", "exp_avg_sq"}, names
+    by_name = dcp_sd.get_optimizer_state_dict(fresh_model, plain)["state"]
+    assert_identical(by_name, dcp_sd.get_optimizer_state_dict(model, opt.optimizer)["state"])
+
+
+def test_a_load_without_the_clip_entry_warns_once_naming_the_fix(world_of_one: Any) -> None:
+    """torch's functions keep only "state" and "param_groups": handed the wrapper, they
+    load no clip state. The wrapper says so, once, naming ClippedOptimizerState, and
+    keeps its clip state; once one is made for it, the same load is expected and quiet."""
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    model, opt = _run(2)
     saved = dcp_sd.get_optimizer_state_dict(model, opt)
-    carriers = [k for k, v in saved["state"].items() if _torch_dcp.CARRIED_KEY in v]
-    assert carriers == ["0.weight"]
-    assert all(_torch_dcp.CARRIED_KEY not in v for v in opt.optimizer.state.values())
-    assert_identical(opt.optimizer.state_dict(), inner_before)
-    assert all(_torch_dcp.CARRIED_KEY not in v for v in opt.state_dict()["state"].values())
-
-
-def test_a_checkpoint_without_the_entry_loads_the_inner_state_and_warns(world_of_one: Any) -> None:
-    """An unwrapped run (or one saved before clipopt carried the entry) has no "clip":
-    the inner state loads, the wrapper keeps its own and says so."""
-    from torch.distributed.checkpoint import state_dict as dcp_sd
-
-    model, opt = _run("adamw", 2)
-    plain = dcp_sd.get_optimizer_state_dict(model, opt.optimizer)
-    fresh_model, fresh = _run("adamw", 1, seed=3)
+    fresh_model, fresh = _run(1, seed=3)
     clip_before = fresh.state_dict()["clip"]
-    with pytest.warns(UserWarning, match=r"carries no 'clip' entry.*keeps its current one"):
-        dcp_sd.set_optimizer_state_dict(fresh_model, fresh, plain)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp_sd.set_optimizer_state_dict(fresh_model, fresh, saved)
+    assert [str(w.message) for w in caught] == [
+        str(w.message) for w in caught if "ClippedOptimizerState(optimizer)" in str(w.message)
+    ] and len(caught) == 1, [str(w.message) for w in caught]
     assert_identical(fresh.state_dict()["clip"], clip_before)
     assert_identical(fresh.optimizer.state_dict()["state"], opt.optimizer.state_dict()["state"])
+    ClippedOptimizerState(fresh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dcp_sd.set_optimizer_state_dict(fresh_model, fresh, saved)
 
 
-def test_a_bad_carried_value_is_refused_before_anything_loads(world_of_one: Any) -> None:
+def test_torchs_initialisation_step_is_a_step_of_a_wrapper_handed_to_it(world_of_one: Any) -> None:
+    """torch's functions step an optimizer that has no state and no grads (zero grads,
+    lr 0) to create its state. Handed the wrapper, that is one of its steps, as any other;
+    handed the inner optimizer, as the recipes do, the wrapper is left alone."""
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    model, opt = _run("adamw", 2)
-    saved = dcp_sd.get_optimizer_state_dict(model, opt)
-    saved["state"]["0.weight"][_torch_dcp.CARRIED_KEY] = "not an entry"
-    fresh_model, fresh = _run("adamw", 1, seed=3)
-    before = fresh.state_dict()
-    with pytest.raises(TypeError, match=_torch_dcp.CARRIED_KEY):
-        dcp_sd.set_optimizer_state_dict(fresh_model, fresh, saved)
-    assert_identical(fresh.state_dict(), before)
+    for hand_inner in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = clipopt.ClippedOptimizer(torch.optim.AdamW(model.parameters()), 1.0)
+        dcp_sd.get_optimizer_state_dict(model, opt.optimizer if hand_inner else opt)
+        assert len(opt.optimizer.state) == 2
+        if hand_inner:
+            assert int(opt.step_count) == 0 and opt.last_norm is None
+        else:
+            assert int(opt.step_count) == 1 and torch.equal(opt.last_norm, torch.tensor(0.0))
+
+
+def test_clipped_optimizer_state_refuses_bad_input_touching_nothing(world_of_one: Any) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="ClippedOptimizer, got SGD"):
+        ClippedOptimizerState(torch.optim.SGD(model.parameters(), lr=0.1))
+    _, opt = _run(2)
+    entry = ClippedOptimizerState(opt)
+    saved = entry.state_dict()
+    assert list(saved) == ["stage0"] and isinstance(saved["stage0"], bytes)
+    bad_clip = opt.state_dict()["clip"]
+    bad_clip["step_count"] = torch.tensor(-1)
+    buffer = io.BytesIO()
+    torch.save(bad_clip, buffer)
+    before = copy.deepcopy(opt.state_dict())
+    for bad, error, match in (
+        ({}, ValueError, "no 'stage0'"),
+        ({"stage0": {"last_norm": None}}, TypeError, "must be the bytes"),
+        ({"stage0": buffer.getvalue()}, ValueError, "step_count"),
+    ):
+        with pytest.raises(error, match=match):
+            entry.load_state_dict(bad)
+        assert_identical(opt.state_dict(), before)
 
 
 # --------------------------------------------------------------------------- 2 ranks, FSDP2
@@ -230,7 +372,8 @@ def test_a_bad_carried_value_is_refused_before_anything_loads(world_of_one: Any)
 
 def case_fsdp2_train_module_resume(checkpoint_dir: str) -> None:
     """OLMo-core's train module: FSDP2, the wrapper as its optimizer with its
-    ``max_grad_norm`` off, model and optimizer saved and loaded with its options."""
+    ``max_grad_norm`` off, model and optimizer saved and loaded with its options, the
+    clip state in the recipe's ``"clip"`` entry."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_sd
     from torch.distributed.device_mesh import init_device_mesh
@@ -255,19 +398,13 @@ def case_fsdp2_train_module_resume(checkpoint_dir: str) -> None:
             norms.append(opt.last_norm)
         return norms
 
-    def state(model: nn.Module, opt: clipopt.ClippedOptimizer, opts: Any) -> dict[str, Any]:
-        return {
-            "model": dcp_sd.get_model_state_dict(model, options=opts),
-            "optim": dcp_sd.get_optimizer_state_dict(model, opt, options=opts),
-        }
-
     model, opt = build()
     train(model, opt, inputs[:3])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        dcp.save(state(model, opt, save_opts), checkpoint_id=checkpoint_dir)
+        dcp.save(_train_module_state(model, opt, save_opts), checkpoint_id=checkpoint_dir)
         restored_model, restored = build()
-        loaded = state(restored_model, restored, load_opts)
+        loaded = _train_module_state(restored_model, restored, load_opts)
         dcp.load(loaded, checkpoint_id=checkpoint_dir)
         dcp_sd.set_model_state_dict(restored_model, loaded["model"], options=load_opts)
         dcp_sd.set_optimizer_state_dict(
