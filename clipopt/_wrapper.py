@@ -166,12 +166,12 @@ class OptimizerWrapper(Optimizer):
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         loaded = dict(state_dict)
-        if self.EXTRA_KEY not in loaded and not self._extra_saved_apart:
-            self._warn_extra_missing()
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, loaded)
             if result is not None:
                 loaded = dict(result)
+        if self.EXTRA_KEY not in loaded and not self._extra_saved_apart:
+            self._warn_extra_missing()
         extra = loaded.pop(self.EXTRA_KEY, None)
         inner_state, prepared = self._check_load(loaded, extra)
         self._load_atomically(lambda: self.optimizer.load_state_dict(inner_state), prepared)
