@@ -157,6 +157,7 @@ def decide(
     settings = _parts.read_group_settings(
         optimizer.param_groups, optimizer.defaults, config.per_group
     )
+    config.norm_scope.check_stages(config.per_group, settings.norm_types, settings.thresholds)
     zero, given = _deepspeed.zero_step(), None
     if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
         rule, track = config.rule, config.track_tensor_norms
