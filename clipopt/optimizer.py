@@ -145,7 +145,8 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         reduced as without it, then the stages' ``norm**p`` are summed over it (max for
         inf) in one more ``all_reduce``, so every stage clips, skips and updates its rule
         by the whole model's norm. Per-tensor and unit norms, and their rules' state, stay
-        the stage's own. With ``per_group`` the stages' groups are matched by position.
+        the stage's own. With ``per_group`` the stages' groups are matched by position;
+        the first step refuses stages whose clip settings differ, on every rank.
 
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or

@@ -226,7 +226,7 @@ def global_norms(
     contributions = [
         _local_contribution(c, p, foreach, device) for c, p in zip(classes, norm_types, strict=True)
     ]
-    return _finish(buckets, norm_types, contributions, groups, device)
+    return _finish(buckets, norm_types, contributions, groups, device, params)
 
 
 def _finish(
@@ -235,8 +235,11 @@ def _finish(
     contributions: list[Tensor],
     groups: Sequence[Any],
     device: torch.device,
+    params: Sequence[Tensor],
 ) -> list[Tensor]:
-    """Reduce the local contributions on ``device`` (one collective per op), take p-th roots."""
+    """Reduce the local contributions on ``device`` (one collective per op), take p-th
+    roots. An empty bucket's norm takes the parameters' dtype, as the grads on the ranks
+    (and stages) that hold some do."""
     sum_at = [i for i, p in enumerate(norm_types) if p != math.inf]
     max_at = [i for i, p in enumerate(norm_types) if p == math.inf]
     reduced: dict[int, Tensor] = {}
@@ -251,7 +254,7 @@ def _finish(
     results = []
     for i, bucket in enumerate(buckets):
         out_device = bucket[0].device if bucket else device
-        out_dtype = _norms.result_dtype([t.dtype for t in bucket])
+        out_dtype = _norms.result_dtype([t.dtype for t in bucket or params])
         results.append(reduced[i].to(device=out_device, dtype=out_dtype))
     return results
 
@@ -313,6 +316,8 @@ class NormScope:
 
     pp_group: dist.ProcessGroup | None = None
     """The stages' group; a class default, for scopes pickled before it existed."""
+    stages_checked: tuple[bool, int] | None = None
+    """``per_group`` and the group count :meth:`check_stages` last checked; None: never."""
 
     def __init__(
         self,
@@ -360,6 +365,20 @@ class NormScope:
             params=params,
             pp_group=self.pp_group,
         )
+
+    def check_stages(
+        self, per_group: bool, norm_types: Sequence[float], thresholds: Sequence[object]
+    ) -> None:
+        """Under pipeline stages, refuse stages whose clip layouts differ
+        (:func:`clipopt._dist._stages.check_layout`): at the first step, and again where
+        ``per_group`` or, with it, the group count changed. A change made on every stage
+        at the same step (a load, ``add_param_group``) is checked again; one made on some
+        stages only would make the others wait, as it would without the check."""
+        key = (per_group, len(norm_types) if per_group else 0)
+        if self.pp_group is None or self.stages_checked == key:
+            return
+        _stages.check_layout(self.pp_group, per_group, norm_types, thresholds)
+        self.stages_checked = key
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NormScope:
         twin = NormScope.__new__(NormScope)

@@ -13,21 +13,28 @@ Where the stage's reduction already sends p-th powers (:func:`clipopt._dist._red
 the pipeline group is one more group to reduce over (:func:`stage_groups`), before any
 root is taken. Where a stage's norms come from elsewhere (per-tensor norms, a unit-wise
 rule's squares), :func:`combine_stages` raises them to ``p`` again in float64.
+
+The stages' sums line up by position, so the stages must agree on what they send:
+:func:`check_layout`, at a wrapper's first step, refuses stages whose clip settings
+differ (with ``per_group``, their param groups' count, orders and thresholds, in order),
+on every rank, before any stage enters a collective the others would not.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from clipopt._dist._collective import REDUCE_DTYPE, collective_device, reduce_max, reduce_sum
 
-__all__ = ["check_disjoint", "combine_stages", "stage_group", "stage_groups"]
+__all__ = ["check_disjoint", "check_layout", "combine_stages", "stage_group", "stage_groups"]
 
 
 def _device_mesh_type() -> type | None:
@@ -90,6 +97,67 @@ def check_disjoint(pp_group: Any, stage_ranks: Sequence[int], what: str) -> None
             f"pp_mesh spans ranks {sorted(pp_ranks)}, which share {shared} with {what} "
             f"{sorted(stage_ranks)}: pp_mesh must hold one rank of each pipeline stage, "
             "this one and no other rank of its stage"
+        )
+
+
+def _layout(per_group: bool, norm_types: Sequence[float], thresholds: Sequence[object]) -> str:
+    """What the stages must agree on, as text: one order without ``per_group``; with it,
+    each group's order and threshold in turn (a tensor threshold by kind: its value
+    would be a read from the device)."""
+    if not per_group:
+        return f"per_group=False, clip_norm_type {norm_types[0]}"
+    pairs = [
+        (p, "a tensor" if isinstance(t, Tensor) else t)
+        for p, t in zip(norm_types, thresholds, strict=True)
+    ]
+    return f"per_group=True, (clip_norm_type, clip_max_norm) of each group {pairs}"
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def check_layout(
+    pp_group: Any, per_group: bool, norm_types: Sequence[float], thresholds: Sequence[object]
+) -> None:
+    """Raise a ValueError on every rank unless every stage has this stage's clip layout.
+
+    One ``all_reduce(MAX)`` over the stages of six float64 values (``per_group``, the
+    group count and a CRC-32 of the layout, each beside its negation, so that the
+    maximum gives the least too), read on the host: the wrapper calls it at its first
+    step (again where ``per_group`` and the group count change), not at every step.
+
+    Args:
+      pp_group: the stages' group.
+      per_group: the wrapper's; every stage must have the same.
+      norm_types: each param group's order.
+      thresholds: each param group's ``clip_max_norm``.
+    """
+    layout = _layout(per_group, norm_types, thresholds)
+    mine = [float(per_group), float(len(norm_types)), float(zlib.crc32(layout.encode()))]
+    device = collective_device([], [pp_group])
+    values = torch.tensor([v for m in mine for v in (m, -m)], dtype=REDUCE_DTYPE, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=pp_group)
+    bounds = values.tolist()  # once, on the host
+    per_group_differs, counts_differ, layouts_differ = (
+        bounds[i] != -bounds[i + 1] for i in (0, 2, 4)
+    )
+    if per_group_differs:
+        raise ValueError(
+            f"pp_mesh: per_group is {per_group} on this pipeline stage and "
+            f"{not per_group} on another; pass the same per_group on every stage"
+        )
+    if per_group and counts_differ:
+        raise ValueError(
+            f"pp_mesh with per_group=True: the pipeline stages' optimizers hold "
+            f"{int(-bounds[3])} and {int(bounds[2])} param groups (this stage "
+            f"{len(norm_types)}); per_group combines the stages' groups by position, so "
+            "give every stage as many param groups, with the same clip settings in the "
+            "same order, or pass per_group=False"
+        )
+    if layouts_differ:
+        raise ValueError(
+            f"pp_mesh: the pipeline stages' clip settings differ (this stage: {layout}); "
+            "the stages' norms are combined by position, so every stage needs the same "
+            "clip_norm_type and, with per_group=True, its param groups' clip settings in "
+            "the same order"
         )
 
 

@@ -291,6 +291,7 @@ def _coefficients(
     rule decides first: the norms come from what it measured, where it says. A ``given``
     norm (DeepSpeed's, of groups this call does not see) is the norm of every group."""
     norm_types = settings.norm_types
+    config.norm_scope.check_stages(config.per_group, norm_types, settings.thresholds)
     if isinstance(config.rule, UnitWiseRule):
         check_rule_groups(optimizer.param_groups, config.rule)
         coefficients, outcome, squares, check = _rule_step.unit_rule_coefficients(

@@ -107,7 +107,8 @@ def measure_per_tensor(
     elif flat:
         norms, totals = _local_norms(grads, norm_types, per_group, foreach)
     else:
-        zero = torch.zeros((), dtype=torch.float32)
+        # the parameters' dtype, as the norms of the ranks (and stages) with grads
+        zero = torch.zeros((), dtype=_norms.result_dtype([q.dtype for q in flatten(groups)]))
         return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
     return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
 
