@@ -52,13 +52,12 @@ class Binding:
 
     Attributes:
       caller: for messages (``"DeepSpeed ZeRO-2"``).
-      groups: the wrapper's param-group list as DeepSpeed keeps it between its calls.
-      owner: DeepSpeed's ZeRO optimizer, which steps the wrapper one group at a time;
-        None where DeepSpeed steps it on whole parameters (stage 0).
+      owner: DeepSpeed's ZeRO optimizer, which steps the wrapper one group at a time on
+        its flat partitions (``single_partition_of_fp32_groups``, the same tensors
+        whatever loads); None where DeepSpeed steps it on whole parameters (stage 0).
     """
 
     caller: str
-    groups: list[dict[str, Any]]
     owner: Any = None
 
 
@@ -141,14 +140,16 @@ def _zero_call(binding: Binding, param_groups: Sequence[dict[str, Any]]) -> Zero
     owner = binding.owner
     if owner is None:
         return None
-    count = len(binding.groups)
-    index = next((i for i, g in enumerate(binding.groups) if g is param_groups[0]), None)
-    if len(param_groups) != 1 or index is None:
+    partitions = owner.single_partition_of_fp32_groups
+    held: list[Tensor] = list(param_groups[0]["params"]) if len(param_groups) == 1 else []
+    index = next((i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]), None)
+    if index is None:
         raise ValueError(
             f"{binding.caller} steps ClippedOptimizer one param group at a time, from "
             "engine.step(); this step saw other groups: step the engine, not the wrapper"
         )
-    return ZeroStep(binding.caller, index, count, owner.real_dp_process_group[index], owner)
+    dp_group = owner.real_dp_process_group[index]
+    return ZeroStep(binding.caller, index, len(partitions), dp_group, owner)
 
 
 def bind(engine: Any, optimizer: Optimizer) -> Binding:
@@ -186,7 +187,7 @@ def bind(engine: Any, optimizer: Optimizer) -> Binding:
         )
     owner = engine.optimizer
     if owner is optimizer or isinstance(owner, unfused.FP16_UnfusedOptimizer):
-        return Binding(caller, optimizer.param_groups)  # whole, averaged grads
+        return Binding(caller)  # whole, averaged grads
     if type(owner) is not zero12.DeepSpeedZeroOptimizer or owner.cpu_offload:
         raise ValueError(
             f"ClippedOptimizer is stepped by DeepSpeed's {type(owner).__name__}"
@@ -200,7 +201,7 @@ def bind(engine: Any, optimizer: Optimizer) -> Binding:
             "data-parallel ranks: not supported; give DeepSpeed a bare optimizer and its "
             "own gradient_clipping"
         )
-    return Binding(caller, optimizer.param_groups, owner)
+    return Binding(caller, owner)
 
 
 def _ranks(group: Any) -> list[int]:
