@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from clipopt._dist._deepspeed import Watch, bind
 from clipopt._dist._reduce import NormScope
 from clipopt._errors import user_stacklevel
 from clipopt._step import _monitor
@@ -218,6 +219,7 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         self._apply_settings(settings)
         self._fill_group_defaults()
         self._record = StepRecord()
+        self._deepspeed = Watch(p for group in optimizer.param_groups for p in group["params"])
 
     def _apply_settings(self, settings: Settings) -> None:
         self.optimizer.defaults[MAX_NORM_KEY] = settings.max_norm
@@ -258,6 +260,23 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             check_rule_groups([copy], self._rule)
             rename_legacy_keys([param_group], self.defaults)
         self.optimizer.add_param_group(param_group)
+        self._deepspeed.add(self.param_groups[-1]["params"])
+
+    def attach_deepspeed(self, engine: Any) -> None:
+        """Say that DeepSpeed's ``engine`` steps this wrapper: call it once, right after
+        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage.
+
+        Under ZeRO-1/2 each step then measures the global norm of DeepSpeed's flat
+        partitions (see ``docs/integrations.md#deepspeed``). A wrapper whose param groups
+        DeepSpeed has rewritten refuses to step until it is attached.
+
+        Raises:
+          ValueError: the engine does not step this wrapper, or uses a setting under which
+            the norm cannot be right (its own ``gradient_clipping``, fp16 dynamic loss
+            scaling, an optimizer clipopt has not tested); the message names the setting.
+            Nothing is changed.
+        """
+        self._deepspeed.binding = bind(engine, self)
 
     def __repr__(self) -> str:
         shown = self._settings().as_dict()
@@ -274,6 +293,8 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         state.setdefault("_skip_spikes", None)
         state.setdefault("_track_tensor_norms", False)
         state.setdefault("_tensor_norms", _monitor.TensorNorms())
+        groups = state["optimizer"].param_groups
+        state.setdefault("_deepspeed", Watch(p for group in groups for p in group["params"]))
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ the step
@@ -329,6 +350,7 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             self._foreach,
             self._norm_scope,
             self._track_tensor_norms,
+            self._deepspeed,
         )
 
     # ------------------------------------------------------------------ checkpoints

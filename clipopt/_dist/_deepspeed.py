@@ -1,84 +1,76 @@
-"""A step called by DeepSpeed's ZeRO optimizer: recognised, and where its norm must come from.
+"""DeepSpeed stepping the wrapper: told by the user, checked by structure.
 
-DeepSpeed (0.19) hands a client optimizer to ``DeepSpeedZeroOptimizer``
-(``deepspeed/runtime/zero/stage_1_and_2.py``, ZeRO-1 and -2), which rewrites its param
-groups: each group's ``params`` becomes one flat fp32 tensor, this rank's partition of
-the group's parameters, flattened and split over the data-parallel group. Its ``step``
-then computes the global L2 norm of every group's grads over all ranks (kept as
-``_global_grad_norm``), unscales (and, with ``gradient_clipping > 0``, clips) each
-group's flat grad and calls the client's ``step()`` once per group from
-``_optimizer_step(group_no)``, with ``param_groups`` swapped for ``[group_i]``.
+DeepSpeed (0.19) hands a client optimizer to one of its own and steps it from there:
 
-So a wrapper stepped there sees one rank's shard of one group. Its local norm is not the
-global one; with one group, summing the ranks' ``norm**p`` over the data-parallel group
-is (the partitions are disjoint, their padding is zeros); with several groups, no call
-sees the others' grads, and the only global norm there is DeepSpeed's own, which it has
-computed before the first call.
+- ZeRO-1 and -2 (``DeepSpeedZeroOptimizer``) rewrite its param groups: each group's
+  ``params`` becomes one flat fp32 tensor, this rank's partition of the group's
+  parameters, flattened and split over the data-parallel group. Its ``step`` computes
+  the global L2 norm of every group's grads over all ranks (``_global_grad_norm``),
+  unscales each group's flat grad and steps the client once per group, with
+  ``param_groups`` swapped for ``[group_i]``. A call sees one rank's shard of one group:
+  with one group, its ``norm**p`` summed over the data-parallel group is the global
+  norm (the partitions are disjoint, their padding zeros); with several, the only
+  global norm is DeepSpeed's own, computed before the first call.
+- At stage 0, fp32, DeepSpeed steps the client itself on the whole, averaged grads; with
+  fp16 or bf16, ``FP16_UnfusedOptimizer`` steps it on fp32 copies of the parameters, and
+  its constructor, inside ``deepspeed.initialize``, steps it once on zero grads to
+  create the optimizer's state (``initialize_optimizer_states``).
 
-:func:`zero_step` recognises the call (DeepSpeed's method is among the step's nearest
-callers, as :mod:`clipopt._torch_dcp` recognises torch's DCP functions; no import of
-deepspeed, no tensor read) and reads what the step needs of DeepSpeed's optimizer;
-:func:`zero_scope` refuses what cannot be right there and says what to set instead, and
-gives the :class:`~clipopt._dist._reduce.NormScope` to measure one group with.
-DeepSpeed's other optimizers that step a client optimizer on flat partitions (ZeRO-3's
-sub-groups, the BF16 optimizer of bf16 ZeRO-1) are recognised and refused: untested.
+The user tells the wrapper, after ``deepspeed.initialize``, which engine steps it
+(:meth:`clipopt.ClippedOptimizer.attach_deepspeed`); :func:`bind` reads the engine and
+refuses what cannot be right there, naming the setting to change. Untold, the wrapper
+checks what it sees (:meth:`Watch.call`): tensors in its param groups that are neither
+the parameters it was built with nor a model's ``Parameter`` are DeepSpeed's (or another
+mixed-precision optimizer's) partitions or copies, and refused, but for the first step
+of a wrapper that has never stepped, on same-shaped copies of its parameters: that is
+the start-up step, clipped as any (its grads are zeros) and neither counted nor shown
+to a rule.
 """
 
 from __future__ import annotations
 
 import math
-import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from clipopt._dist._reduce import NormScope
 
-__all__ = ["ZeroStep", "ds_global_norm", "zero_scope", "zero_source", "zero_step"]
+__all__ = ["Binding", "Watch", "ZeroStep", "bind", "ds_global_norm", "zero_source"]
 
-ZERO_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
-ZERO_METHOD = "_optimizer_step"
-UNTESTED = {
-    "deepspeed.runtime.zero.stage3": "DeepSpeed ZeRO-3 (it steps one sub-group at a time)",
-    "deepspeed.runtime.bf16_optimizer": "DeepSpeed's BF16_Optimizer (bf16 ZeRO-1)",
-}
-_FRAMES = 10
-"""How many callers to look at past the asking function: the wrapper's step methods, an
-LR scheduler's patched ``step``, torch's GradScaler on DeepSpeed's autocast path."""
+ATTACH = "opt.attach_deepspeed(engine) after deepspeed.initialize"
 
-RECOMMENDED = (
-    "DeepSpeed ZeRO-1 or -2 with 'gradient_clipping': 0 in its config and the wrapper "
-    "as the client optimizer"
-)
+
+@dataclass(frozen=True)
+class Binding:
+    """What :func:`bind` learned of the engine that steps the wrapper.
+
+    Attributes:
+      caller: for messages (``"DeepSpeed ZeRO-2"``).
+      owner: DeepSpeed's ZeRO optimizer, which steps the wrapper one group at a time on
+        its flat partitions (``single_partition_of_fp32_groups``, the same tensors
+        whatever loads); None where DeepSpeed steps it on whole parameters (stage 0).
+    """
+
+    caller: str
+    owner: Any = None
 
 
 @dataclass(frozen=True)
 class ZeroStep:
-    """A client step called by DeepSpeed: what the wrapper needs of its caller.
-
-    Attributes:
-      caller: where it was called from, for messages (``"DeepSpeed ZeRO-2"``).
-      supported: False for a DeepSpeed optimizer clipopt refuses (see ``caller``).
-      group_index: the param group DeepSpeed steps in this call.
-      group_count: how many param groups DeepSpeed steps one by one each step.
-      dp_group: the data-parallel group this group's partitions are split over.
-      clip_grad: DeepSpeed's ``gradient_clipping``.
-      expert: whether the group holds MoE expert parameters (other ranks, other groups).
-      owner: DeepSpeed's optimizer, whose global norm :func:`ds_global_norm` reads.
-    """
+    """One client call of DeepSpeed's ZeRO optimizer: the group it steps, and where its
+    partitions lie."""
 
     caller: str
-    supported: bool
-    group_index: int = 0
-    group_count: int = 1
-    dp_group: Any = None
-    clip_grad: float = 0.0
-    expert: bool = False
-    owner: Any = None
+    group_index: int
+    group_count: int
+    dp_group: Any
+    owner: Any
 
     @property
     def last_call(self) -> bool:
@@ -86,108 +78,146 @@ class ZeroStep:
         return self.group_index == self.group_count - 1
 
 
-def _ds_frame(frame: FrameType | None) -> tuple[FrameType, str] | None:
-    for _ in range(_FRAMES):
-        if frame is None:
-            return None
-        module = frame.f_globals.get("__name__")
-        if module == ZERO_MODULE and frame.f_code.co_name == ZERO_METHOD:
-            return frame, module
-        if module in UNTESTED:
-            return frame, module
-        frame = frame.f_back
-    return None
+class Watch:
+    """The parameters a wrapper was built with, whether it has stepped, and the engine
+    it was attached to (a copy or a pickle is not attached: attach it again)."""
+
+    def __init__(self, params: Iterable[Tensor]) -> None:
+        self.params = list(params)
+        self.binding: Binding | None = None
+        self.stepped = False
+
+    def add(self, params: Iterable[Tensor]) -> None:
+        """Parameters of a group added to the wrapper: its own too."""
+        self.params.extend(params)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"params": self.params, "binding": None, "stepped": self.stepped}
+
+    def call(self, param_groups: Sequence[dict[str, Any]]) -> tuple[ZeroStep | None, bool]:
+        """This step's DeepSpeed call, and whether it is recorded (counted, shown to rules).
+
+        Returns:
+          (the ZeRO call, or None where the wrapper sees whole parameters; whether the
+          call is recorded: False for DeepSpeed's start-up step and a ZeRO call that
+          is not its step's last).
+
+        Raises:
+          ValueError: the param groups hold foreign tensors and the wrapper was not
+            attached, or DeepSpeed steps the attached wrapper on groups it does not keep.
+        """
+        if self.binding is not None:
+            self.stepped = True
+            zero = _zero_call(self.binding, param_groups)
+            return zero, zero is None or zero.last_call
+        known = {id(p) for p in self.params}
+        tensors = [p for group in param_groups for p in group["params"]]
+        foreign = [p for p in tensors if id(p) not in known and not isinstance(p, nn.Parameter)]
+        # Written, not read, on a plain step: a compiled step does not guard on it.
+        first, self.stepped = bool(foreign) and not self.stepped, True
+        if not foreign:
+            return None, True
+        if first and _copies(tensors, self.params):
+            return None, False  # DeepSpeed's start-up step on zero grads
+        raise ValueError(
+            f"ClippedOptimizer's param groups hold {len(foreign)} tensor(s) that are not "
+            "the parameters it was built with (first of shape "
+            f"{tuple(foreign[0].shape)}): DeepSpeed's flat ZeRO partitions or its fp32 "
+            "copies, or another mixed-precision optimizer's, whose norm the wrapper "
+            f"cannot know from them alone. Under DeepSpeed call {ATTACH}; another "
+            "optimizer that replaces the parameters is not supported"
+        )
 
 
-def zero_step(depth: int = 1) -> ZeroStep | None:
-    """The DeepSpeed call the caller's step runs in, or None outside DeepSpeed's optimizers.
-
-    Args:
-      depth: how many frames above this function's caller the wrapper's step sits
-        (1: the caller's own caller is the step's first frame).
-
-    Returns:
-      A :class:`ZeroStep`, ``supported=False`` for an optimizer clipopt refuses; None
-      while ``torch.compile`` traces the step, which cannot read frames (a compiled
-      step under DeepSpeed is not recognised).
-    """
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        frame: FrameType | None = sys._getframe(1 + depth)
-    except ValueError:
-        return None
-    found = _ds_frame(frame)
-    if found is None:
-        return None
-    frame, module = found
-    if module in UNTESTED:
-        return ZeroStep(UNTESTED[module], supported=False)
-    owner = frame.f_locals.get("self")
-    index = frame.f_locals.get("group_no")
-    if owner is None or not isinstance(index, int):
-        return ZeroStep(f"DeepSpeed's {ZERO_MODULE}.{ZERO_METHOD}", supported=False)
-    stage = 2 if getattr(owner, "partition_gradients", False) else 1
-    moe = getattr(owner, "is_moe_param_group", [])
-    return ZeroStep(
-        f"DeepSpeed ZeRO-{stage}",
-        supported=True,
-        group_index=index,
-        group_count=len(owner.bit16_groups),
-        dp_group=owner.real_dp_process_group[index],
-        clip_grad=float(getattr(owner, "clip_grad", 0.0) or 0.0),
-        expert=bool(moe[index]) if index < len(moe) else False,
-        owner=owner,
+def _copies(tensors: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` are copies of ``params``, one by one, of the same shapes."""
+    return len(tensors) == len(params) and all(
+        t.shape == p.shape for t, p in zip(tensors, params, strict=True)
     )
+
+
+def _zero_call(binding: Binding, param_groups: Sequence[dict[str, Any]]) -> ZeroStep | None:
+    owner = binding.owner
+    if owner is None:
+        return None
+    partitions = owner.single_partition_of_fp32_groups
+    held: list[Tensor] = list(param_groups[0]["params"]) if len(param_groups) == 1 else []
+    index = next((i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]), None)
+    if index is None:
+        raise ValueError(
+            f"{binding.caller} steps ClippedOptimizer one param group at a time, from "
+            "engine.step(); this step saw other groups: step the engine, not the wrapper"
+        )
+    dp_group = owner.real_dp_process_group[index]
+    return ZeroStep(binding.caller, index, len(partitions), dp_group, owner)
+
+
+def bind(engine: Any, optimizer: Optimizer) -> Binding:
+    """Read how ``engine`` steps ``optimizer``; refuse what cannot give the true norm.
+
+    Raises:
+      ValueError: the engine does not step ``optimizer``, clips the grads itself, uses
+        fp16 dynamic loss scaling, or steps it from an optimizer clipopt has not tested;
+        each message names the setting to change.
+    """
+    import deepspeed.runtime.fp16.unfused_optimizer as unfused  # type: ignore[import-untyped]
+    import deepspeed.runtime.zero.stage_1_and_2 as zero12  # type: ignore[import-untyped]
+
+    basic: object = getattr(engine, "basic_optimizer", None)
+    if basic is not optimizer:
+        raise ValueError(
+            f"the engine steps {type(basic).__name__}, not this ClippedOptimizer: pass the "
+            "wrapper as deepspeed.initialize(optimizer=...)"
+        )
+    stage = int(engine.zero_optimization_stage())
+    caller = f"DeepSpeed ZeRO-{stage}"
+    clipping = float(engine.gradient_clipping() or 0.0)
+    if clipping > 0:
+        raise ValueError(
+            f"{caller} clips the grads itself (gradient_clipping={clipping}) before it "
+            "steps ClippedOptimizer, which would clip twice and record the clipped norm "
+            "as last_norm: set 'gradient_clipping': 0 in the DeepSpeed config"
+        )
+    if engine.fp16_enabled() and engine.dynamic_loss_scale():
+        raise ValueError(
+            f"{caller} with fp16 dynamic loss scaling unscales the grads by the loss scale "
+            "after it updates it, so at a step where the scale grows the wrapper sees "
+            "grads scaled by a factor that is not 1 and measures the wrong norm: set a "
+            "static 'fp16': {'loss_scale': <a power of 2>}, or use bf16"
+        )
+    owner = engine.optimizer
+    if owner is optimizer or isinstance(owner, unfused.FP16_UnfusedOptimizer):
+        return Binding(caller)  # whole, averaged grads
+    if type(owner) is not zero12.DeepSpeedZeroOptimizer or owner.cpu_offload:
+        raise ValueError(
+            f"ClippedOptimizer is stepped by DeepSpeed's {type(owner).__name__}"
+            f"{' with CPU offload' if getattr(owner, 'cpu_offload', False) else ''}, which "
+            "clipopt has not tested: use ZeRO-0, -1 or -2 without offload, or DeepSpeed's "
+            "own gradient_clipping with a bare optimizer"
+        )
+    if owner.has_moe_layers:
+        raise ValueError(
+            f"{caller} holds MoE expert layers, whose partitions lie on the expert "
+            "data-parallel ranks: not supported; give DeepSpeed a bare optimizer and its "
+            "own gradient_clipping"
+        )
+    return Binding(caller, owner)
 
 
 def _ranks(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group or dist.group.WORLD))
 
 
-def zero_scope(
+def _zero_scope(
     call: ZeroStep,
     scope: NormScope,
     norm_types: list[float],
     per_group: bool,
     measures_each_grad: bool,
 ) -> NormScope | None:
-    """Refuse a setting that cannot measure the right norm under ``call``; else where to.
-
-    Args:
-      call: the DeepSpeed call, from :func:`zero_step`.
-      scope: the wrapper's own scope (its ``process_group`` and ``replicated_params``).
-      norm_types: each param group's order (the one group stepped in this call).
-      per_group: the wrapper's ``per_group``.
-      measures_each_grad: the wrapper measures grad by grad or unit by unit
-        (``track_tensor_norms``, a per-tensor or unit-wise rule), which a flat
-        partition of many parameters cannot give.
-
-    Returns:
-      With one group, the scope reducing over DeepSpeed's data-parallel group; with
-      several, None: the norm is DeepSpeed's (:func:`ds_global_norm`).
-
-    Raises:
-      ValueError: naming the setting to use.
-    """
-    if not call.supported:
-        raise ValueError(
-            f"ClippedOptimizer is stepped by {call.caller}, which clipopt has not tested: "
-            f"each call sees flat partitions whose global norm it cannot check. Use "
-            f"{RECOMMENDED}, or DeepSpeed's own gradient_clipping with a bare optimizer"
-        )
-    if call.clip_grad > 0:
-        raise ValueError(
-            f"{call.caller} clips the grads itself (gradient_clipping={call.clip_grad}) "
-            "before it steps ClippedOptimizer, which would clip twice and record the "
-            "clipped norm as last_norm: set 'gradient_clipping': 0 in the DeepSpeed config"
-        )
-    if call.expert:
-        raise ValueError(
-            f"{call.caller} steps a MoE expert param group (param group {call.group_index}), "
-            "whose partitions lie on the expert data-parallel ranks: not supported; give "
-            "DeepSpeed a bare optimizer and its own gradient_clipping"
-        )
+    """Refuse a setting that cannot measure the right norm under ``call``; else where to
+    reduce: DeepSpeed's data-parallel group with one param group, None with several (the
+    norm is then DeepSpeed's)."""
     if measures_each_grad:
         raise ValueError(
             f"under {call.caller} each param group is one flat partition of many "
@@ -233,9 +263,21 @@ def zero_source(
     measures_each_grad: bool,
 ) -> tuple[NormScope, Tensor | None]:
     """Where the norm of a step under ``call`` comes from: (the scope to reduce over,
-    None) with one group, (``scope``, DeepSpeed's norm) with several; the arguments and
-    the refusals are :func:`zero_scope`'s."""
-    reduced = zero_scope(call, scope, norm_types, per_group, measures_each_grad)
+    None) with one group, (``scope``, DeepSpeed's norm) with several.
+
+    Args:
+      call: the ZeRO call, from :meth:`Watch.call`.
+      scope: the wrapper's own scope (its ``process_group`` and ``replicated_params``).
+      norm_types: each param group's order (the one group stepped in this call).
+      per_group: the wrapper's ``per_group``.
+      measures_each_grad: the wrapper measures grad by grad or unit by unit
+        (``track_tensor_norms``, a per-tensor or unit-wise rule), which a flat
+        partition of many parameters cannot give.
+
+    Raises:
+      ValueError: naming the setting to use.
+    """
+    reduced = _zero_scope(call, scope, norm_types, per_group, measures_each_grad)
     if reduced is not None:
         return reduced, None
     return scope, ds_global_norm(call)

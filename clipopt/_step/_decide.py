@@ -80,6 +80,7 @@ class ClipConfig:
     foreach: bool | None
     norm_scope: NormScope
     track_tensor_norms: bool
+    deepspeed: _deepspeed.Watch | None = None
 
 
 def check_config(
@@ -157,7 +158,9 @@ def decide(
     settings = _parts.read_group_settings(
         optimizer.param_groups, optimizer.defaults, config.per_group
     )
-    zero, given = _deepspeed.zero_step(), None
+    zero, final, given = None, True, None
+    if config.deepspeed is not None:
+        zero, final = config.deepspeed.call(optimizer.param_groups)
     if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
         rule, track = config.rule, config.track_tensor_norms
         each = track or isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
@@ -167,7 +170,6 @@ def decide(
         config = dataclasses.replace(config, norm_scope=scope)
     grads = _parts.collect_grads(optimizer.param_groups)
     measured, coefficients, outcome = _coefficients(optimizer, config, grads, settings, given)
-    final = zero is None or zero.last_call
     spike = None
     spikes = config.skip_spikes
     # Compiled, the verdict is judged from the first step (it is false on the device until
@@ -264,7 +266,8 @@ def commit(
 
     A call that is not the step's last (``decision.final`` False: DeepSpeed's ZeRO
     optimizer steps the wrapper once per param group) keeps nothing: the step is
-    recorded and its rules commit once, at its last call.
+    recorded and its rules commit once, at its last call. Nor does DeepSpeed's start-up
+    step on zero grads.
     """
     if not decision.final:
         return
