@@ -110,9 +110,10 @@ class Watch:
             self.stepped = True
             zero = _zero_call(self.binding, param_groups)
             return zero, zero is None or zero.last_call
-        known = {id(p) for p in self.params}
         tensors = [p for group in param_groups for p in group["params"]]
-        foreign = [p for p in tensors if id(p) not in known and not isinstance(p, nn.Parameter)]
+        plain = [p for p in tensors if not isinstance(p, nn.Parameter)]
+        known = {id(p) for p in self.params} if plain else set()
+        foreign = [p for p in plain if id(p) not in known]
         # Written, not read, on a plain step: a compiled step does not guard on it.
         first, self.stepped = bool(foreign) and not self.stepped, True
         if not foreign:
