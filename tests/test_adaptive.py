@@ -564,14 +564,6 @@ def test_a_rule_state_with_other_keys_is_refused_and_changes_nothing(
     assert_same(opt.state_dict(), before)
 
 
-def test_the_legacy_layout_still_parses_beside_the_rule_entries() -> None:
-    opt = _trained(1.0)
-    entry = opt.state_dict()["clip"]
-    assert "rule" not in entry and "skip_spikes" not in entry
-    ruled = _trained(clipopt.AutoClip(), clipopt.SpikeSkip(window=4))
-    assert {"rule", "skip_spikes"} <= set(ruled.state_dict()["clip"])
-
-
 # ---------------------------------------------------------------- settings
 
 
