@@ -32,9 +32,6 @@ Two more places use torch internals of their own subsystem, and say so at their 
 :mod:`clipopt._hooks` (``torch.optim``'s step-hook dicts, which a wrapper must fire in
 torch's order) and :mod:`clipopt._step._fold` (the ``grad_scale`` / ``found_inf`` attributes
 that torch's fused optimizers read, as ``GradScaler`` sets them).
-
-Its length (about 320 lines) is the point of the module: every private API in one
-file, so that a torch release is audited by reading one file.
 """
 
 from __future__ import annotations

@@ -100,7 +100,6 @@ class OptimizerWrapper(Optimizer):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("_extra_saved_apart", False)
         self.__dict__.update(state)
         self._init_hooks()
 

@@ -39,11 +39,6 @@ Gradient norm clipping: Pascanu et al., 2013, "On the difficulty of training rec
 neural networks"; global norms over sharded and replicated parameters as in Megatron-LM
 (Shoeybi et al., 2019) and FSDP (Zhao et al., 2023).
 
-The user API here is :class:`ClippedOptimizerState`. ``NormScope``, ``total_norm``,
-``total_norms`` and ``local_tensors`` are the reduction's internals, re-exported from
-``clipopt._dist._reduce`` so that code written against 0.1.0 keeps importing; they are not
-covered by semver.
-
 DCP checkpoints of a :class:`clipopt.ClippedOptimizer` keep its clip state in an entry of
 its own: ``torch.distributed.checkpoint.state_dict``'s functions save and load the inner
 optimizer (FQN keys, FSDP2 DTensor state) and keep only ``"state"`` and
@@ -61,22 +56,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt._dist._mesh import local_tensors
-from clipopt._dist._reduce import NormScope, global_norm, global_norms
 from clipopt.optimizer import ClippedOptimizer
 
-__all__ = [
-    "ClippedOptimizerState",
-    "NormScope",
-    "local_tensors",
-    "total_norm",
-    "total_norms",
-]
-
-# The names this module exported in 0.1.0, kept importable for one release. They are the
-# cross-rank plumbing of the wrapper and the functional API, not covered by semver.
-total_norm = global_norm
-total_norms = global_norms
+__all__ = ["ClippedOptimizerState"]
 
 
 def _to_cpu(value: Any) -> Any:

@@ -18,11 +18,6 @@ Same names and signatures, so switching is one import. What differs, and why:
   copies. torch's function of that name is a deprecated in-place alias.
 
 Nothing here reads a tensor's value on the host unless ``error_if_nonfinite=True``.
-
-Its length (about 460 lines) is mostly docstrings (about 175 lines, 135 of them the five
-public functions', with their examples): this module is the functional API's reference
-page. Its code validates and routes; the norms are in :mod:`clipopt._kernels` and
-:mod:`clipopt._dist`.
 """
 
 from __future__ import annotations

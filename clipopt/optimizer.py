@@ -10,10 +10,6 @@ the inner step (or folds the scale into it), and
 :func:`clipopt._step._decide.commit` keeps what the step leaves) and the entry points of
 its ``"clip"`` entry in the state dict (written, checked and installed by
 :mod:`clipopt._step._saved`).
-
-Its length (about 390 lines) is the class: ``ClippedOptimizer`` is about 300 lines, over
-the ~250 a class aims at, because 72 of them are its docstring, the API reference's page
-for it, and 45 the docstrings of the public methods it overrides to document.
 """
 
 from __future__ import annotations
@@ -40,8 +36,6 @@ from clipopt._step._clip_state import (
     NonFinite,
     Settings,
     check_groups,
-    migrated,
-    rename_legacy_keys,
     validated_settings,
 )
 from clipopt._step._decide import (
@@ -59,7 +53,6 @@ from clipopt._step._saved import (
     clip_entry,
     load_clip_state,
     prepare_load,
-    upgrade_0_1_0_pickle,
 )
 from clipopt._validation import check_foreach, check_not_skip_step
 from clipopt._wrapper import Closure, OptimizerWrapper
@@ -198,9 +191,8 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
         )
         check_config(rule, settings, process_group, track_tensor_norms, skip_spikes)
         check_foreach(foreach)
-        copies = [migrated(group, optimizer.defaults) for group in optimizer.param_groups]
-        check_groups(copies, settings)
-        check_rule_groups(copies, rule)
+        check_groups(optimizer.param_groups, settings)
+        check_rule_groups(optimizer.param_groups, rule)
         scope = NormScope(
             process_group,
             replicated_params,
@@ -208,7 +200,6 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             pp_mesh=pp_mesh,
         )
         # Nothing has been touched above this line.
-        rename_legacy_keys(optimizer.param_groups, optimizer.defaults)
         super().__init__(optimizer)
         self._foreach = foreach
         self._norm_scope = scope
@@ -255,10 +246,8 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             added.
         """
         if isinstance(param_group, dict):
-            copy = migrated(param_group, self.defaults)
-            check_groups([*self.param_groups, copy], self._settings())
-            check_rule_groups([copy], self._rule)
-            rename_legacy_keys([param_group], self.defaults)
+            check_groups([*self.param_groups, param_group], self._settings())
+            check_rule_groups([param_group], self._rule)
         self.optimizer.add_param_group(param_group)
         self._deepspeed.add(self.param_groups[-1]["params"])
 
@@ -285,17 +274,6 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             shown["skip_spikes"] = self._skip_spikes
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return f"{type(self).__name__}({settings}) wrapping\n{self.optimizer!r}"
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "_record" not in state:
-            upgrade_0_1_0_pickle(state)
-        state.setdefault("_rule", None)
-        state.setdefault("_skip_spikes", None)
-        state.setdefault("_track_tensor_norms", False)
-        state.setdefault("_tensor_norms", _monitor.TensorNorms())
-        groups = state["optimizer"].param_groups
-        state.setdefault("_deepspeed", Watch(p for group in groups for p in group["params"]))
-        super().__setstate__(state)
 
     # ------------------------------------------------------------------ the step
 
@@ -404,9 +382,7 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
     def _check_load(
         self, inner_state: Mapping[str, Any], extra: Any
     ) -> tuple[dict[str, Any], ClipState | None]:
-        inner, prepared = prepare_load(
-            extra, inner_state, len(self.param_groups), self._settings(), self.defaults
-        )
+        inner, prepared = prepare_load(extra, inner_state, len(self.param_groups), self._settings())
         if prepared is not None:
             check_saved_rules(prepared, self._rule, self._skip_spikes, self.defaults[MAX_NORM_KEY])
         return inner, prepared
@@ -414,8 +390,7 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
     def _finish_load(self, prepared: ClipState | None) -> None:
         # An inner optimizer with a layout of its own loads groups that only now can be read.
         settings = self._settings() if prepared is None else prepared.settings
-        check_groups([migrated(g, self.defaults) for g in self.param_groups], settings)
-        rename_legacy_keys(self.param_groups, self.defaults, warn=False)
+        check_groups(self.param_groups, settings)
         if prepared is not None:
             self._apply_clip_state(prepared)
         self._fill_group_defaults()

@@ -103,7 +103,6 @@ COMPAT_MODULES = frozenset(
         "test_fused.py",
         "test_amp.py",
         "test_checkpoint.py",
-        "test_legacy.py",
         "test_adaptive.py",
         "test_adagc.py",
         "test_agc.py",
@@ -114,8 +113,8 @@ COMPAT_MODULES = frozenset(
     }
 )
 """The ``compat`` subset, the tests the torch matrix runs on every release: the
-functional API, the wrapper and its hooks, fused folding and AMP, checkpoints, resume and
-0.1.0 files, every clip rule against its reference, torch.compile, 2-rank distributed
+functional API, the wrapper and its hooks, fused folding and AMP, checkpoints and resume,
+every clip rule against its reference, torch.compile, 2-rank distributed
 layouts, the plans and kernels, and the fence around torch's private APIs."""
 
 

@@ -10,9 +10,12 @@ so every step clips.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -178,3 +181,61 @@ def test_run_started_unwrapped_resumes_wrapped(tmp_path: Path) -> None:
     assert_same(list(reference.parameters()), list(fresh.parameters()), "params")
     assert_same(reference_opt.state_dict()["state"], opt.state_dict()["state"], "state")
     assert int(opt.step_count) == TOTAL_STEPS - 3
+
+
+# --- A checkpoint written by format 1 of the "clip" entry -------------------------------
+
+DATA = Path(__file__).parent / "data"
+FORMAT_1 = DATA / "format_1_adamw_zclip.pt"
+
+
+def _format_1_maker() -> ModuleType:
+    """``tests/data/make_format_1.py``, which wrote ``FORMAT_1``: its model, wrapper,
+    grads and read-outs."""
+    spec = importlib.util.spec_from_file_location("make_format_1", DATA / "make_format_1.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+maker = _format_1_maker()
+
+
+def _loaded_format_1() -> tuple[list[nn.Parameter], ClippedOptimizer, dict[str, Any]]:
+    saved = torch.load(FORMAT_1, weights_only=True)
+    params = maker.params()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(saved["params"], params)
+    return params, maker.wrapper(params), saved
+
+
+def test_a_format_1_checkpoint_loads_and_resumes_bit_for_bit() -> None:
+    """The loaded wrapper reports what the writing run recorded at the save, and its
+    next steps are that run's continued steps, bit for bit."""
+    params, opt, saved = _loaded_format_1()
+    assert saved["optimizer"]["clip"]["format"] == 1
+    opt.load_state_dict(saved["optimizer"])
+    assert_same(maker.readouts(opt), saved["recorded"])
+    for i, step in enumerate(range(maker.SAVED_AT, maker.SAVED_AT + maker.CONTINUED)):
+        maker.set_grads(params, step)
+        opt.step()
+        expected = {key: values[i] for key, values in saved["continued"].items()}
+        assert_same({"params": maker.flat(params), **maker.readouts(opt)}, expected, f"{step}")
+
+
+@pytest.mark.parametrize("version", [None, 0, 2, True, 1.0, "1"])
+def test_a_clip_entry_of_another_format_is_refused_touching_nothing(version: object) -> None:
+    params, opt, saved = _loaded_format_1()
+    maker.set_grads(params, 0)
+    opt.step()
+    before, weights = opt.state_dict(), maker.flat(params).clone()
+    clip = dict(saved["optimizer"]["clip"])
+    if version is None:
+        del clip["format"]
+    else:
+        clip["format"] = version
+    with pytest.raises(ValueError, match=re.escape(f"['clip']['format'] is {version!r}")):
+        opt.load_state_dict({**saved["optimizer"], "clip": clip})
+    assert_same(opt.state_dict(), before)
+    assert_same(maker.flat(params), weights)

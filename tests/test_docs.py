@@ -92,8 +92,7 @@ def test_readme_quick_start_runs_as_copied(tmp_path: Path) -> None:
     assert float(printed[1]) == pytest.approx(float(saved["clip"]["last_norm"]), abs=5e-4)
 
 
-# clipopt.distributed's user API; its other names are the reduction's internals, kept
-# importable for 0.1.0 and not covered by semver (see its module docstring).
+# clipopt.distributed's user API.
 DISTRIBUTED_USER_API = ["ClippedOptimizerState"]
 REFERENCE = re.compile(r"^::: (\S+)$", re.MULTILINE)
 

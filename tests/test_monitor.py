@@ -3,24 +3,20 @@
 - the norms against ``torch.linalg.vector_norm`` of each grad in float64, the global
   norm derived from them against ``torch.nn.utils.get_total_norm`` and a float64 sum;
 - names from ``named_parameters()`` (torch's ``param_names``), else positional;
-- every grad is read once per step, by one batched norm pass and no other norm kernel,
-  also for a per-tensor rule (which used to measure twice);
-- no host read; nothing new in the checkpoint; bad settings refused.
+- no host read, whatever the rule; nothing new in the checkpoint; bad settings refused.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from helpers import needs_torch_internal
 from torch import Tensor
 
 import clipopt
-from clipopt._kernels import _cpu, _norms
 
 
 def model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -142,38 +138,7 @@ def test_groups_with_their_own_norm_types() -> None:
     assert opt.last_group_norms.tolist() == pytest.approx(groups, rel=2e-7)
 
 
-# ---------------------------------------------------------------- one read of the grads
-
-
-@pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
-    """The ids of the grads each norm-kernel call reads (``_foreach_norm``, or on the CPU
-    the C reduction, one call per group of tensors), gathered per step by the test; the
-    global norm's own pass over the grads fails the test."""
-    calls: list[list[int]] = []
-    original_foreach, original_partial = torch._foreach_norm, _cpu.norm_partial
-    original_each = _cpu.tensor_norms
-
-    def counting(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Any:
-        calls.append([id(t) for t in tensors])
-        return original_foreach(tensors, *args, **kwargs)
-
-    def counting_partial(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Tensor:
-        calls.append([id(t) for t in tensors])
-        return original_partial(tensors, *args, **kwargs)
-
-    def counting_each(run: _cpu.Run, p: float) -> Tensor:
-        calls.append([id(t) for t in run.tensors])
-        return original_each(run, p)
-
-    def forbidden(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a second pass over the grads")
-
-    monkeypatch.setattr(torch, "_foreach_norm", counting)
-    monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
-    monkeypatch.setattr(_cpu, "tensor_norms", counting_each)
-    monkeypatch.setattr(_norms, "grouped_total_norm", forbidden)
-    yield calls
+# ---------------------------------------------------------------- no host reads
 
 
 RULES: dict[str, Callable[[], float | clipopt.ClipRule]] = {
@@ -185,11 +150,10 @@ RULES: dict[str, Callable[[], float | clipopt.ClipRule]] = {
 }
 
 
-@needs_torch_internal("_foreach_norm/_mul_/_clamp_min_/_clamp_max_")
 @pytest.mark.parametrize("name", sorted(RULES))
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_every_grad_is_read_once_per_step(
-    name: str, fused: bool, reads: list[list[int]], no_host_sync: Callable[[], Any]
+def test_a_tracked_step_reads_nothing_on_the_host(
+    name: str, fused: bool, no_host_sync: Callable[[], Any]
 ) -> None:
     net = model()
     # torch's unfused CPU Adam reads its step count on the host itself: SGD there.
@@ -201,25 +165,19 @@ def test_every_grad_is_read_once_per_step(
     opt = clipopt.ClippedOptimizer(inner, RULES[name](), track_tensor_norms=True)
     for step in range(4):
         backward(net)
-        reads.clear()
         with no_host_sync():
             opt.step()
             tracked = opt.last_tensor_norms
-        grads = [id(p.grad) for p in net.parameters()]
-        assert [i for call in reads for i in call] == grads, f"step {step}"
-        assert tracked is not None and len(tracked) == len(grads)
+        assert tracked is not None and len(tracked) == len(list(net.parameters())), step
 
 
-@needs_torch_internal("_foreach_norm/_mul_/_clamp_min_/_clamp_max_")
-def test_a_per_tensor_rule_reuses_its_norms_without_tracking(reads: list[list[int]]) -> None:
+def test_a_per_tensor_rule_keeps_no_tensor_norms_unless_asked() -> None:
     net = model()
     rule = clipopt.AutoClip(50.0, 5, per_tensor=True)
     opt = clipopt.ClippedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), rule)
     for _ in range(3):
         grads = backward(net)
-        reads.clear()
         opt.step()
-        assert [i for call in reads for i in call] == [id(p.grad) for p in net.parameters()]
     assert opt.last_tensor_norms is None  # not asked for
     assert opt.last_norm is not None
     torch.testing.assert_close(

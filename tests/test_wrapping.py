@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import copy
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -66,26 +65,7 @@ def test_scions_documented_two_group_set_up_is_wrapped() -> None:
     assert math.isclose(clipped, 0.5, rel_tol=1e-5)
 
 
-def test_0_1_0_group_keys_are_renamed_with_a_warning_where_the_optimizer_does_not_own_them() -> (
-    None
-):
-    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
-    inner = torch.optim.SGD([{"params": [a]}, {"params": [b], "max_norm": 10.0}], lr=0.1)
-    with pytest.warns(FutureWarning, match="clip_max_norm") as made:
-        opt = clipopt.ClippedOptimizer(inner, max_norm=1.0, per_group=True)
-    assert made[0].filename == __file__  # the user's line, not clipopt's or torch's
-    assert "max_norm" not in inner.param_groups[1]
-    assert [g["clip_max_norm"] for g in inner.param_groups] == [1.0, 10.0]
-    inner.param_groups[0]["max_norm"] = 2.0  # set by 0.1.0-era code after construction
-    a.grad, b.grad = torch.tensor([30.0, 40.0]), torch.tensor([20.0])
-    with pytest.warns(FutureWarning, match="clip_max_norm") as stepped:
-        opt.step()
-    assert stepped[0].filename == __file__
-    torch.testing.assert_close(a.grad, torch.tensor([30.0, 40.0]) * (2.0 / (50.0 + 1e-6)))
-    torch.testing.assert_close(b.grad, torch.tensor([20.0]) * (10.0 / (20.0 + 1e-6)))
-
-
-def test_a_legacy_named_key_the_optimizer_owns_is_left_alone() -> None:
+def test_a_max_norm_key_the_optimizer_owns_is_left_alone() -> None:
     class OwnsMaxNorm(torch.optim.SGD):
         def __init__(self, params: Any) -> None:
             super().__init__(params, lr=0.1)
@@ -94,11 +74,9 @@ def test_a_legacy_named_key_the_optimizer_owns_is_left_alone() -> None:
                 group["max_norm"] = "mine"
 
     w = nn.Parameter(torch.zeros(2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        opt = clipopt.ClippedOptimizer(OwnsMaxNorm([w]), max_norm=1.0)
-        w.grad = torch.tensor([3.0, 4.0])
-        opt.step()
+    opt = clipopt.ClippedOptimizer(OwnsMaxNorm([w]), max_norm=1.0)
+    w.grad = torch.tensor([3.0, 4.0])
+    opt.step()
     assert opt.param_groups[0]["max_norm"] == "mine" and opt.defaults["max_norm"] == "mine"
     torch.testing.assert_close(w.grad, torch.tensor([0.6, 0.8]))
 

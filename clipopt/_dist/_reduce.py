@@ -19,10 +19,8 @@ dtype (gloo aborts otherwise), and ``norm**p`` of a float32 norm overflows float
 Names: :func:`clipopt._kernels._norms.total_norm` is a local norm; :func:`global_norms` /
 :func:`global_norm` and :meth:`NormScope.global_norms` are the norms across ranks.
 
-Its length (about 390 lines, a third of them docstrings) is one job: a norm across ranks
-and the checks that must refuse a wrong ``process_group`` or ``replicated`` set before
-any collective starts, since a rank that raises after its peers entered a collective
-leaves them waiting.
+A wrong ``process_group`` or ``replicated`` set is refused before any collective
+starts: a rank that raises after its peers entered a collective leaves them waiting.
 """
 
 from __future__ import annotations

@@ -23,10 +23,6 @@ The extension is optional: an install without a working C compiler leaves it out
 ``CLIPOPT_DISABLE_NATIVE=1`` in the environment (read once, at import) leaves it unused.
 Either way :func:`available` is False, :func:`supports` and :func:`scales` say no to
 every case, and every CPU grad takes the torch-ops path of :mod:`clipopt._kernels._norms`.
-
-Its length (about 350 lines, a third of them docstrings) is one job: every entry into
-the C extension, eager and as custom ops with their fake (meta) implementations, so
-that no other module needs to know the extension exists.
 """
 
 from __future__ import annotations

@@ -24,9 +24,6 @@ double.
 Other devices (CUDA): one torch's foreach norm per (device, dtype) group (one
 ``vector_norm`` per grad with ``foreach=False``), accumulating in :func:`range_dtype`:
 float32 for half types, float64 for float32 and bfloat16 powers on CUDA.
-
-Its length (about 300 lines) is the dispatch above: one place chooses the path of each
-(device, dtype, layout) group, as torch's ``clip_grad.py`` chooses foreach in one place.
 """
 
 from __future__ import annotations

@@ -22,10 +22,6 @@ kernel does not compute, and for every CPU grad when it is not in use (not built
 
 Each group is read last to first: the pass that usually follows (the scale, a fused
 optimizer step) runs first to last and so starts on grads still in cache.
-
-Its length (about 350 lines) is one job: the four layouts above (rows, packed runs,
-widened half types, double scratch) share the scratch buffers and the partial-norm
-layout their results are combined in, which splitting them would have to pass around.
 """
 
 from __future__ import annotations

@@ -5,23 +5,18 @@ naming the value and leaves the live optimizer as it was.
 
 Per-group settings live in the inner optimizer's param groups (and its defaults) under
 names no optimizer uses, ``"clip_max_norm"`` and ``"clip_norm_type"``, so that they are
-saved, loaded and edited like ``lr``. clipopt 0.1.0 called them ``"max_norm"`` and
-``"norm_type"``, which optimizers may own (pytorch_optimizer's SCION has a
-``"norm_type"``); :func:`migrate_legacy_keys` renames those where the inner optimizer
-does not own the old name. The ``"clip"`` entry of the state dict, which holds the
+saved, loaded and edited like ``lr``. The ``"clip"`` entry of the state dict, which holds the
 wrapper-wide settings, is :mod:`clipopt._step._saved`'s.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
 from torch import Tensor
 
-from clipopt._errors import user_stacklevel
 from clipopt._validation import check_norm_type, check_positive
 
 __all__ = [
@@ -37,9 +32,6 @@ __all__ = [
     "check_groups",
     "check_one_norm_type",
     "group_max_norm",
-    "migrate_legacy_keys",
-    "migrated",
-    "rename_legacy_keys",
     "validated_settings",
 ]
 
@@ -55,8 +47,6 @@ MAX_NORM_KEY = "clip_max_norm"
 
 NORM_TYPE_KEY = "clip_norm_type"
 """The param-group (and defaults) key of a group's norm order."""
-
-_LEGACY_KEYS = {"max_norm": MAX_NORM_KEY, "norm_type": NORM_TYPE_KEY}
 
 SETTINGS_KEYS = ("max_norm", "norm_type", "per_group", "nonfinite", "max_consecutive_skips")
 
@@ -114,43 +104,6 @@ def validated_settings(
     return Settings(
         float(max_norm), p, per_group, cast(NonFinite, nonfinite), max_consecutive_skips
     )
-
-
-def migrate_legacy_keys(group: dict[str, Any], owned: Container[str]) -> list[str]:
-    """Rename a group's 0.1.0 clip keys to the namespaced ones, in place.
-
-    A legacy name is renamed only where the inner optimizer does not own it (it is not
-    among ``owned``, the inner optimizer's defaults); its value replaces the namespaced
-    key's, since it was written later (by code that sets ``group["max_norm"]``).
-
-    Returns:
-      The legacy names renamed.
-    """
-    renamed = [old for old in _LEGACY_KEYS if old in group and old not in owned]
-    for old in renamed:
-        group[_LEGACY_KEYS[old]] = group.pop(old)
-    return renamed
-
-
-def migrated(group: Mapping[str, Any], owned: Container[str]) -> dict[str, Any]:
-    """A copy of ``group`` with 0.1.0's clip keys renamed, to validate before renaming."""
-    copy = dict(group)
-    migrate_legacy_keys(copy, owned)
-    return copy
-
-
-def rename_legacy_keys(
-    groups: Iterable[dict[str, Any]], owned: Container[str], warn: bool = True
-) -> None:
-    """Rename 0.1.0's clip keys in the live ``groups``; a user who wrote them is told."""
-    renamed = sorted({key for group in groups for key in migrate_legacy_keys(group, owned)})
-    if renamed and warn:
-        warnings.warn(
-            f"param group keys {renamed} are read as {[f'clip_{k}' for k in renamed]} and "
-            "renamed so: an optimizer may own the old names. Write the clip_ names",
-            FutureWarning,
-            stacklevel=user_stacklevel(),
-        )
 
 
 def group_max_norm(index: int, value: Any) -> Threshold:

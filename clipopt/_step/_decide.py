@@ -15,11 +15,6 @@ settings; the inner optimizer and the step record are passed as they are.
 What a decision could not work with is refused before any step: the constructor's
 arguments by :func:`check_config`, a group's own threshold beside a rule by
 :func:`check_rule_groups` (also at each step, since a group may be given one later).
-
-Its length (about 360 lines) is :func:`decide_and_scale` (30 lines) on top of the 306
-of :func:`decide` and its checks: it must sit beside :func:`decide`, since
-``torch.compile`` traces each call on the way to the inner step's graph break as a graph
-of its own, and :mod:`clipopt._step._apply`, below this module, cannot call it.
 """
 
 from __future__ import annotations
@@ -42,7 +37,6 @@ from clipopt._step._clip_state import (
     NORM_TYPE_KEY,
     NonFinite,
     Settings,
-    rename_legacy_keys,
 )
 from clipopt._step._nonfinite import (
     StepRecord,
@@ -154,7 +148,6 @@ def decide(
     Raises:
       NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
     """
-    rename_legacy_keys(optimizer.param_groups, optimizer.defaults)  # "max_norm" set on a group
     settings = _parts.read_group_settings(
         optimizer.param_groups, optimizer.defaults, config.per_group
     )

@@ -10,10 +10,6 @@ group), or a tuple with one entry per grad of the group, each a tensor broadcast
 its grad or None to leave that grad alone (per-tensor or unit-wise rules). A clip
 rule's coefficients are made in :func:`threshold_coefficients`' place, by
 :mod:`clipopt._step._rule_step`.
-
-Its length (about 320 lines) is :class:`ClipDecision`, one documented field for each
-way a decision is applied and kept (a skip on the host or the device, a compiled
-step's flag and fused ``grad_scale``, DeepSpeed's calls per group), beside the parts.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
-"""A ``ClippedOptimizer``'s side of its checkpoints: what it saves, and what it accepts
-from a checkpoint or from clipopt 0.1.0.
+"""A ``ClippedOptimizer``'s side of its checkpoints: what it saves, and what it accepts.
 
 :func:`clip_entry` writes the ``"clip"`` entry of the state dict, and
 :func:`prepare_load` checks a loaded one completely, with the saved param groups' clip
 settings, before anything is loaded. Its layout::
 
-  {"settings": {"max_norm": float, "norm_type": float, "per_group": bool,
+  {"format": 1,
+   "settings": {"max_norm": float, "norm_type": float, "per_group": bool,
                 "nonfinite": str, "max_consecutive_skips": int | None},
    "last_norm": 0-dim Tensor | None,
    "last_group_norms": 1-D Tensor | None,   # per_group=True only
    "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...,
-   # only when max_norm is a rule / skip_spikes is set (absent in 0.1.0's files):
+   # only when max_norm is a rule / skip_spikes is set:
    "rule": {"type": str, "config": dict, "state": dict, "last_threshold": Tensor | None,
             "clipped_count": 0-dim int64 Tensor},
    "skip_spikes": {"type": "SpikeSkip", "config": dict, "state": dict,
@@ -21,18 +21,19 @@ optional entries are checked here only for being dicts: the rule objects check t
 entries (:meth:`clipopt.ClipRule.load_state_dict`) before anything loads.
 
 Tensors and plain Python values only, so ``torch.load(..., weights_only=True)`` reads it.
+``"format"`` is the layout's version, :data:`FORMAT`; an entry of another version, or
+without one, is refused.
 
 :func:`check_saved_rules` checks what only the wrapper knows: that the saved rule and
 spike skip are the ones it was constructed with, and that their own state loads (into
 copies), before anything is loaded; :func:`load_clip_state` then installs them and the
-record. A pickle written by 0.1.0 holds the wrapper's attributes in that version's
-layout: :func:`upgrade_0_1_0_pickle` puts them in today's before they are restored.
+record.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,22 +44,25 @@ from clipopt._step._clip_state import (
     ClipState,
     Settings,
     check_groups,
-    migrate_legacy_keys,
     validated_settings,
 )
-from clipopt._step._nonfinite import COUNTER_NAMES, StepRecord
+from clipopt._step._nonfinite import StepRecord
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
 
 __all__ = [
+    "FORMAT",
     "check_saved_rules",
     "clip_entry",
     "load_clip_state",
     "prepare_load",
-    "upgrade_0_1_0_pickle",
 ]
 
+FORMAT = 1
+"""The version of the ``"clip"`` entry's layout, saved in it as ``"format"``."""
+
 _CLIP_STATE_KEYS = (
+    "format",
     "settings",
     "last_norm",
     "last_group_norms",
@@ -79,6 +83,7 @@ def clip_entry(
         return None if t is None else t.detach().clone()
 
     entry = {
+        "format": FORMAT,
         "settings": settings.as_dict(),
         "last_norm": copy(record.last_norm),
         "last_group_norms": copy(record.last_group_norms),
@@ -144,22 +149,6 @@ def load_clip_state(
     record.load(counters, here(clip_state.last_norm), here(clip_state.last_group_norms))
 
 
-def upgrade_0_1_0_pickle(state: dict[str, Any]) -> None:
-    """A 0.1.0 pickle's attributes in today's layout, in place: its norms, counters and
-    lagged count become one record, and its group keys get today's names."""
-    record = StepRecord()
-    counters = {name: state.pop(f"_{name}") for name in COUNTER_NAMES}
-    record.load(counters, state.pop("_last_norm"), state.pop("_last_group_norms"))
-    lagged = state.pop("_lagged_consecutive_skips", None)
-    if lagged is not None:
-        record.lagged = lagged
-    state["_record"] = record
-    inner = state["optimizer"]
-    migrate_legacy_keys(inner.defaults, owned=())  # 0.1.0 wrote them there: they are ours
-    for group in inner.param_groups:
-        migrate_legacy_keys(group, inner.defaults)
-
-
 def readable_groups(state_dict: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """The saved param groups when they are a list of dicts, else None (a custom layout,
     left to the inner optimizer's own ``load_state_dict``)."""
@@ -174,13 +163,12 @@ def prepare_load(
     inner_state: Mapping[str, Any],
     num_groups: int,
     current: Settings,
-    owned: Container[str],
 ) -> tuple[dict[str, Any], ClipState | None]:
     """Validate what the wrapper reads from a load, before anything is loaded.
 
     The one check of both loaders (``ClippedOptimizer.load_state_dict`` and the DCP
     one): the ``"clip"`` entry completely and, where the saved param groups are a list of
-    dicts, their clip settings (0.1.0's names migrated on a copy). Everything else is
+    dicts, their clip settings. Everything else is
     the inner optimizer's to judge: its own ``load_state_dict`` gets it as it is.
 
     Args:
@@ -188,7 +176,6 @@ def prepare_load(
       inner_state: the rest of the dict, for the inner optimizer.
       num_groups: how many param groups the optimizer has now.
       current: the settings that stay when the dict has no ``"clip"`` entry.
-      owned: the inner optimizer's own keys, which are never renamed.
 
     Returns:
       The dict to hand to the inner optimizer, and the validated clip state (or None).
@@ -200,10 +187,6 @@ def prepare_load(
     inner_state = dict(inner_state)
     groups = readable_groups(inner_state)
     if groups is not None:
-        groups = [dict(g) for g in groups]
-        for group in groups:
-            migrate_legacy_keys(group, owned)
-        inner_state["param_groups"] = groups
         check_groups(groups, current if clip_state is None else clip_state.settings)
     return inner_state, clip_state
 
@@ -214,6 +197,12 @@ def parse_clip_state(raw: Any, num_groups: int) -> ClipState | None:
         return None
     if not isinstance(raw, Mapping):
         raise TypeError(f"state_dict['clip'] must be a dict, got {type(raw).__name__}")
+    version = raw.get("format")
+    if type(version) is not int or version != FORMAT:
+        raise ValueError(
+            f"state_dict['clip']['format'] is {version!r}; this clipopt reads only "
+            f"format {FORMAT}, which it writes"
+        )
     if not set(_CLIP_STATE_KEYS) <= set(raw) <= {*_CLIP_STATE_KEYS, *_OPTIONAL_KEYS}:
         raise ValueError(
             f"state_dict['clip'] must have the keys {sorted(_CLIP_STATE_KEYS)} (and "
