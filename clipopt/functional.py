@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _torch_internals
 from clipopt._dist import _mesh, _reduce, _stages
 from clipopt._errors import NonFiniteNormError, user_stacklevel
-from clipopt._kernels import _cpu, _norms, _scale
+from clipopt._kernels import _norms, _scale
 from clipopt._validation import (
     MaxNorm,
     NormType,
@@ -80,7 +79,8 @@ def _present(tensors: MaybeTensors) -> list[Tensor]:
 
 
 def _grads(parameters: list[Tensor]) -> list[Tensor]:
-    return _cpu.grads_of(parameters)  # read once each: a read costs a Python call
+    every = [p.grad for p in parameters]  # read once each: a read costs a Python call
+    return [g for g in every if g is not None]
 
 
 def _replicated_grads(
@@ -452,7 +452,8 @@ def clip_grad_value_(
             for g in group:
                 g.clamp_(-value, value)
         else:
-            _torch_internals.foreach_clamp_(group, value)
+            torch._foreach_clamp_min_(group, -value)
+            torch._foreach_clamp_max_(group, value)
     for g in grads:
         if g.is_sparse:
             g.values().clamp_(-value, value)

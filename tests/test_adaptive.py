@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from autoclip.torch import QuantileClip
-from helpers import assert_same, needs_torch_internal
+from helpers import assert_same
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
@@ -648,36 +648,20 @@ def test_a_per_tensor_rule_needs_the_same_grads_every_step() -> None:
 # ---------------------------------------------------------------- kernels and fold
 
 
-@needs_torch_internal("_foreach_norm/_mul_/_clamp_min_/_clamp_max_")
 @pytest.mark.parametrize("p", [2.0, 3.0])
 def test_per_tensor_norms_take_one_batched_call(monkeypatch: pytest.MonkeyPatch, p: float) -> None:
-    """One ``_foreach_norm`` over the group; on the CPU, where the C reduction has the
-    order, one call into it for the group instead (torch's CPU foreach is a loop)."""
-    from clipopt._kernels import _cpu
-
+    """One ``_foreach_norm`` over the group."""
     calls: list[tuple[str, int]] = []
-    original, original_partial = torch._foreach_norm, _cpu.norm_partial
-    original_each = _cpu.tensor_norms
+    original = torch._foreach_norm
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(("foreach", len(args[0])))
         return original(*args, **kwargs)
 
-    def counting_partial(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Tensor:
-        calls.append(("C", len(tensors)))
-        return original_partial(tensors, *args, **kwargs)
-
-    def counting_each(run: _cpu.Run, p: float) -> Tensor:
-        calls.append(("C each", len(run.tensors)))
-        return original_each(run, p)
-
     monkeypatch.setattr(torch, "_foreach_norm", counting)
-    monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
-    monkeypatch.setattr(_cpu, "tensor_norms", counting_each)
     tensors = [torch.randn(s) for s in [(5,), (3, 3), (7,), (2, 2, 2)]]
     norms = _norms.per_tensor_norms(tensors, p)
-    expected = [("C each", 4)] if _cpu.supports(p, torch.float32) else [("foreach", 4)]
-    assert calls == expected
+    assert calls == [("foreach", 4)]
     torch.testing.assert_close(norms, torch.stack([t.norm(p) for t in tensors]))
 
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 import clipopt
 from clipopt._dist._unit_rows import unit_shape
-from clipopt._kernels import _cpu, _norms
+from clipopt._kernels import _norms
 from clipopt._step import _fold, _monitor
 
 STEPS = 200
@@ -325,7 +325,6 @@ def norm_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     for owner, name in (
         (torch.linalg, "vector_norm"),
         (torch, "_foreach_norm"),
-        (_cpu, "norm_partial"),
         (_norms, "grouped_total_norm"),
         (_norms, "per_tensor_norms"),
         (_norms, "total_norm"),

@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import needs_torch_internal
 from torch import Tensor
 
 import clipopt
-from clipopt._kernels import _cpu, _norms
+from clipopt._kernels import _norms
 
 
 def model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -147,31 +146,20 @@ def test_groups_with_their_own_norm_types() -> None:
 
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
-    """The ids of the grads each norm-kernel call reads (``_foreach_norm``, or on the CPU
-    the C reduction, one call per group of tensors), gathered per step by the test; the
-    global norm's own pass over the grads fails the test."""
+    """The ids of the grads each norm-kernel call (``_foreach_norm``, one call per group of
+    tensors) reads, gathered per step by the test; the global norm's own pass over the
+    grads fails the test."""
     calls: list[list[int]] = []
-    original_foreach, original_partial = torch._foreach_norm, _cpu.norm_partial
-    original_each = _cpu.tensor_norms
+    original_foreach = torch._foreach_norm
 
     def counting(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Any:
         calls.append([id(t) for t in tensors])
         return original_foreach(tensors, *args, **kwargs)
 
-    def counting_partial(tensors: list[Tensor], *args: Any, **kwargs: Any) -> Tensor:
-        calls.append([id(t) for t in tensors])
-        return original_partial(tensors, *args, **kwargs)
-
-    def counting_each(run: _cpu.Run, p: float) -> Tensor:
-        calls.append([id(t) for t in run.tensors])
-        return original_each(run, p)
-
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a second pass over the grads")
 
     monkeypatch.setattr(torch, "_foreach_norm", counting)
-    monkeypatch.setattr(_cpu, "norm_partial", counting_partial)
-    monkeypatch.setattr(_cpu, "tensor_norms", counting_each)
     monkeypatch.setattr(_norms, "grouped_total_norm", forbidden)
     yield calls
 
@@ -185,7 +173,6 @@ RULES: dict[str, Callable[[], float | clipopt.ClipRule]] = {
 }
 
 
-@needs_torch_internal("_foreach_norm/_mul_/_clamp_min_/_clamp_max_")
 @pytest.mark.parametrize("name", sorted(RULES))
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_every_grad_is_read_once_per_step(
@@ -210,7 +197,6 @@ def test_every_grad_is_read_once_per_step(
         assert tracked is not None and len(tracked) == len(grads)
 
 
-@needs_torch_internal("_foreach_norm/_mul_/_clamp_min_/_clamp_max_")
 def test_a_per_tensor_rule_reuses_its_norms_without_tracking(reads: list[list[int]]) -> None:
     net = model()
     rule = clipopt.AutoClip(50.0, 5, per_tensor=True)
