@@ -34,13 +34,12 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The compat subset on the oldest torch clipopt supports, as installed, in a venv of its
-# own under .cache/ (the pinned torch, the newest, runs the whole suite above, and the
-# public paths); `make matrix` runs it on every supported release, as installed and on
-# the public paths.
+# The compat subset on the oldest torch clipopt supports, in a venv of its own under
+# .cache/ (the pinned torch, the newest, runs the whole suite above); `make matrix` runs
+# it on every supported release.
 OLDEST_TORCH := 2.6.0
 compat-oldest:
-	MATRIX_PUBLIC=no scripts/torch_matrix.sh $(OLDEST_TORCH)
+	scripts/torch_matrix.sh $(OLDEST_TORCH)
 
 matrix:
 	scripts/torch_matrix.sh

@@ -447,7 +447,7 @@ def clip_grad_value_(
             q.grad = q.grad.coalesce()  # clamping duplicates separately would be wrong
     grads = _grads(params)
     dense = [g for g in grads if not g.is_sparse]
-    for group in _norms.group_by_device_and_dtype(dense).values():
+    for group in _norms.group(dense).dense.values():
         if foreach is False:
             for g in group:
                 g.clamp_(-value, value)

@@ -39,7 +39,6 @@ __all__ = [
     "accumulate_dtype",
     "combine_dtype",
     "group",
-    "group_by_device_and_dtype",
     "grouped_total_norm",
     "per_tensor_norms",
     "result_dtype",
@@ -73,14 +72,6 @@ def group(tensors: Sequence[Tensor]) -> Groups:
         elif t._nnz() > 0:
             sparse.setdefault((t.device, t.dtype), []).append(t)
     return Groups(dense, sparse)
-
-
-def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
-    """Split ``tensors`` into lists that share a device and a dtype, keeping order."""
-    groups: dict[GroupKey, list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups
 
 
 def result_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -152,6 +143,15 @@ def _rows(t: Tensor, p: float) -> list[Tensor]:
     return parts
 
 
+def _each_norm(
+    tensors: list[Tensor], p: float, acc: torch.dtype | None, foreach: bool | None
+) -> list[Tensor]:
+    """One ``_foreach_norm`` (a ``vector_norm`` per tensor with ``foreach=False``)."""
+    if foreach is False:
+        return [torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors]
+    return list(torch._foreach_norm(tensors, p, dtype=acc))
+
+
 def _group_partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
     """1-D partial norms of one dense (device, dtype) group."""
     tensors = [t for t in tensors if t.numel() > 0]
@@ -168,13 +168,7 @@ def _group_partials(tensors: list[Tensor], p: float, foreach: bool | None) -> li
                 small.append(t)
         tensors = small
         foreach = foreach is not False
-    if not tensors:
-        return parts
-    if foreach is False:
-        norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors]
-    else:
-        norms = list(torch._foreach_norm(tensors, p, dtype=acc))
-    return [*parts, torch.stack(norms)]
+    return [*parts, torch.stack(_each_norm(tensors, p, acc, foreach))] if tensors else parts
 
 
 def _combine(partials: Tensor, p: float) -> Tensor:
@@ -251,11 +245,7 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
             grouped.setdefault((t.device, t.dtype), []).append(index)
     for indices in grouped.values():
         members = [tensors[i] for i in indices]
-        acc = _order_dtype(members[0], p)
-        if foreach is False:
-            found = [torch.linalg.vector_norm(t, p, dtype=acc) for t in members]
-        else:
-            found = list(torch._foreach_norm(members, p, dtype=acc))
+        found = _each_norm(members, p, _order_dtype(members[0], p), foreach)
         for i, norm in zip(indices, found, strict=True):
             norms[i] = norm
     return torch.stack([n.to(device=out_device, dtype=out_dtype) for n in norms])
