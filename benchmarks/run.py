@@ -96,6 +96,7 @@ from benchmarks.targets import (
     check_targets,
     cuda_targets,
 )
+from clipopt._kernels._norms import CHUNK
 
 # ---------------------------------------------------------------- layouts
 
@@ -117,7 +118,8 @@ def torch_foreach(device: torch.device) -> bool | None:
 
 
 def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
-    """torch's clip, clipopt's clip, and the floor over one buffer of the same bytes."""
+    """torch's clip, clipopt's clip, and the floor over one buffer of the same bytes; for
+    bfloat16's 2-norm on the CPU, also what limits clipopt there (``WIDENING``)."""
     grads, flat = _grads_and_flat_copy(params)
     shrink = torch.tensor(SHRINK, device=flat.device)
     max_norm = ShrinkingMaxNorm.below_norm_of(grads, norm_type)
@@ -133,7 +135,30 @@ def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
         ),
         "clipopt": lambda: clipopt.clip_grad_norm_(params, max_norm(), norm_type),
         "floor": floor,
+        **(widening(grads) if norm_type == 2 and flat.dtype == torch.bfloat16 else {}),
     }
+
+
+WIDENING = "widening to float32 alone"
+
+
+def widening(grads: list[Tensor]) -> Contenders:
+    """Every bfloat16 grad copied into a float32 scratch, ``CHUNK`` elements at a time:
+    the part of clipopt's exact (float32) bfloat16 2-norm that torch's, rounded to
+    bfloat16, skips. torch ops have no bfloat16 norm with a float32 result that does not
+    copy (``vector_norm(dtype=float32)`` copies the whole grad first)."""
+    if grads[0].device.type != "cpu":
+        return {}
+    scratch = torch.empty(CHUNK)
+
+    def run() -> None:
+        for grad in grads:
+            flat = grad.view(-1)
+            for start in range(0, flat.numel(), CHUNK):
+                piece = flat[start : start + CHUNK]
+                scratch[: piece.numel()].copy_(piece)
+
+    return {WIDENING: run}
 
 
 def unclipped_contenders(params: list[Tensor]) -> Contenders:

@@ -44,7 +44,8 @@ def test_every_section_and_contender_is_reported(
                 case = ("clip", f"{layout} {dtype} p={p}")
                 assert case in cases
                 contenders = {r["contender"] for r in rows if (r["section"], r["case"]) == case}
-                assert contenders == {"torch", "clipopt", "floor"}
+                limit = {run.WIDENING} if (dtype, p) == ("bfloat16", "2") else set()
+                assert contenders == {"torch", "clipopt", "floor", *limit}
     step_contenders = {r["contender"] for r in rows if r["section"] == "step"}
     for optimizer in ("fused AdamW", "foreach SGD"):
         for kind in ("bare", "torch clip + step", "ClippedOptimizer"):
@@ -103,7 +104,10 @@ def test_accuracy_memory_and_targets_are_reported(
     names = [t["name"] for t in results["targets"]]
     recipe = [n for n in names if n.startswith("compiled ")]
     assert len(recipe) == len(recipes.KINDS) * len(recipes.CLIPPED) * 3
-    assert len(names) - len(recipe) in (12, 13)
+    clip_cases = {r["case"] for r in results["rows"] if r["section"] == "clip"}
+    # one per clip case; the inf-norm's lead, the step, two folded steps, end to end,
+    # three of host cost; and memory where measured
+    assert len(names) - len(recipe) - len(clip_cases) in (8, 9)
     assert all(isinstance(t["held"], bool) for t in results["targets"])
 
 

@@ -8,15 +8,16 @@ vector of partials, combined in :func:`combine_dtype` by one cascade ``sum``.
 
 - Off the CPU: one ``torch._foreach_norm`` per group (one ``vector_norm`` per grad with
   ``foreach=False``), half types accumulated and returned in float32.
-- CPU: grads of at least ``ROWS_FROM`` elements are reduced in place as rows of ``ROW``
-  elements (float32 error then grows with the row, not the grad: about 1e-8 relative at
-  40M elements, where one flat ``vector_norm`` is off by 3e-3), their inf-norm by one
-  ``aminmax``; the rest by one ``_foreach_norm`` (a C++ loop, where torch's clip loops in
-  Python). Half types are accumulated and returned in float32 (their norms pass 65504
-  and carry float32's precision): a large grad is widened ``CHUNK`` elements at a time
-  into a float32 scratch, since ``vector_norm(dtype=float32)`` first copies the whole
-  grad; that widening is what bfloat16's 2-norm costs over torch's, which rounds each
-  grad's norm to bfloat16.
+- CPU: the inf-norm by one ``aminmax`` per grad (torch's ``vector_norm(inf)`` reads 5
+  to 10 times slower). The 1- and 2-norm by one ``_foreach_norm`` per group (a C++ loop,
+  where torch's clip loops in Python), grads past ``SPLIT`` elements split into views of
+  that many, each read by torch's fast flat kernel: float32 error grows with the view,
+  not the grad (2e-7 relative at 40M elements, where one flat ``vector_norm`` is off by
+  3e-3). Half types are accumulated and returned in float32 (past 65504, and with
+  float32's precision); since ``vector_norm(dtype=float32)`` first copies the whole grad,
+  a large one is widened ``CHUNK`` elements at a time into a float32 scratch and its
+  rows of ``ROW`` reduced there, a copy that torch's clip (which rounds each grad's norm
+  to bfloat16) does not make. Large non-contiguous grads are copied and reduced by rows.
 - Orders other than 1, 2 and inf, and the CPU's 1-norm, accumulate float32 in float64
   (their sums lose float32's precision; for p > 2, its range).
 
@@ -50,6 +51,7 @@ GroupKey = tuple[torch.device, torch.dtype]
 ROW = 1024
 ROWS_FROM = 1 << 12
 CHUNK = 1 << 18
+SPLIT = 1 << 16
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -102,9 +104,11 @@ def _order_dtype(t: Tensor, p: float) -> torch.dtype | None:
     return torch.complex128 if t.is_complex() else torch.float64
 
 
-def _abs_max(t: Tensor) -> Tensor:
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(hi, -lo).reshape(1)
+def _abs_maxes(tensors: list[Tensor]) -> Tensor:
+    """Each real CPU tensor's largest magnitude, by one ``aminmax`` a tensor (no ``abs``
+    copy; NaN propagates): torch's CPU inf-norm kernel reads 5 to 10 times slower."""
+    lows, highs = zip(*(torch.aminmax(t) for t in tensors), strict=True)
+    return torch.maximum(torch.stack(highs), -torch.stack(lows))
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -126,10 +130,9 @@ def _row_norms(flat: Tensor, p: float) -> list[Tensor]:
 
 
 def _rows(t: Tensor, p: float) -> list[Tensor]:
-    """Partial norms of a large CPU tensor (p in 1, 2, inf): one ``aminmax`` for the real
-    inf-norm, else its row norms, a half type's widened ``CHUNK`` elements at a time."""
-    if p == math.inf and not t.is_complex():
-        return [_abs_max(t)]
+    """Partial 1- or 2-norms of a large CPU tensor that is not contiguous or of a half
+    type: rows of ``ROW`` elements, a half type's widened ``CHUNK`` elements at a time
+    into a float32 scratch."""
     flat = _flat(t)
     if t.dtype not in _HALF:
         return _row_norms(flat, p)
@@ -143,6 +146,10 @@ def _rows(t: Tensor, p: float) -> list[Tensor]:
     return parts
 
 
+def _by_aminmax(t: Tensor, p: float) -> bool:
+    return p == math.inf and t.device.type == "cpu" and not t.is_complex()
+
+
 def _each_norm(
     tensors: list[Tensor], p: float, acc: torch.dtype | None, foreach: bool | None
 ) -> list[Tensor]:
@@ -152,23 +159,35 @@ def _each_norm(
     return list(torch._foreach_norm(tensors, p, dtype=acc))
 
 
+def _cpu_partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
+    """1-D partial 1- or 2-norms of CPU tensors with values, of one dtype: large half
+    type or non-contiguous ones by :func:`_rows`, the rest (large ones split into
+    ``SPLIT``-element views, each read by torch's fast flat kernel) by one
+    ``_foreach_norm``."""
+    views: list[Tensor] = []
+    parts: list[Tensor] = []
+    for t in tensors:
+        if t.numel() >= ROWS_FROM and (t.dtype in _HALF or not t.is_contiguous()):
+            parts += _rows(t, p)
+        elif t.numel() > SPLIT:
+            views += _flat(t).split(SPLIT)  # type: ignore[no-untyped-call]
+        else:
+            views.append(t)
+    if views:
+        parts.append(torch.stack(_each_norm(views, p, _order_dtype(views[0], p), foreach)))
+    return parts
+
+
 def _group_partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
     """1-D partial norms of one dense (device, dtype) group."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
-    acc = _order_dtype(tensors[0], p)
-    parts: list[Tensor] = []
-    if tensors[0].device.type == "cpu" and p in (1.0, 2.0, math.inf):
-        small = []
-        for t in tensors:
-            if t.numel() >= ROWS_FROM:
-                parts += _rows(t, p)
-            else:
-                small.append(t)
-        tensors = small
-        foreach = foreach is not False
-    return [*parts, torch.stack(_each_norm(tensors, p, acc, foreach))] if tensors else parts
+    if _by_aminmax(tensors[0], p):
+        return [_abs_maxes(tensors)]
+    if tensors[0].device.type == "cpu" and p in (1.0, 2.0):
+        return _cpu_partials(tensors, p, foreach)
+    return [torch.stack(_each_norm(tensors, p, _order_dtype(tensors[0], p), foreach))]
 
 
 def _combine(partials: Tensor, p: float) -> Tensor:
@@ -239,13 +258,16 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
             values = t.coalesce().values()
             if values.numel():
                 norms[index] = torch.linalg.vector_norm(values, p, dtype=_order_dtype(t, p))
-        elif t.device.type == "cpu" and t.numel() >= ROWS_FROM and p in (1.0, 2.0, math.inf):
-            norms[index] = _combine(torch.cat(_rows(t, p)).double(), p)
+        elif t.device.type == "cpu" and t.numel() > min(SPLIT, ROWS_FROM) and p in (1.0, 2.0):
+            norms[index] = _combine(torch.cat(_cpu_partials([t], p, foreach)).double(), p)
         elif t.numel() > 0:
             grouped.setdefault((t.device, t.dtype), []).append(index)
     for indices in grouped.values():
         members = [tensors[i] for i in indices]
-        found = _each_norm(members, p, _order_dtype(members[0], p), foreach)
+        if _by_aminmax(members[0], p):
+            found = list(_abs_maxes(members).unbind())
+        else:
+            found = _each_norm(members, p, _order_dtype(members[0], p), foreach)
         for i, norm in zip(indices, found, strict=True):
             norms[i] = norm
     return torch.stack([n.to(device=out_device, dtype=out_dtype) for n in norms])
