@@ -5,19 +5,19 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --no-cache-dir --constraint constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest pytest-fallback compat-oldest matrix dist docs bench clean olmo-core-check
+.PHONY: demo test lint typecheck pytest compat-oldest matrix dist docs bench clean olmo-core-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_kernels/_native.c $(wildcard clipopt/_kernels/csrc/*.h)
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) -e '.[test,dev,integrations,docs,examples,plot]'
 	touch $(STAMP)
 
 # The demo needs only torch, clipopt, the progress bar and the plot: not the test,
 # framework and docs extras `make test` installs.
 DEMO_STAMP := $(VENV)/.installed-demo
-$(DEMO_STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt clipopt/_kernels/_native.c $(wildcard clipopt/_kernels/csrc/*.h)
+$(DEMO_STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) -e '.[examples,plot]'
 	touch $(DEMO_STAMP)
 
@@ -25,8 +25,8 @@ demo: $(DEMO_STAMP)
 	$(BIN)/python examples/quickstart.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check clipopt tests examples benchmarks scripts setup.py
-	$(BIN)/ruff format --check clipopt tests examples benchmarks scripts setup.py
+	$(BIN)/ruff check clipopt tests examples benchmarks scripts
+	$(BIN)/ruff format --check clipopt tests examples benchmarks scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy clipopt
@@ -34,35 +34,18 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The suite again with the C kernel and every private torch API left unused, so that the
-# torch-ops path every install without a compiler takes, and the public path of each torch
-# internal (clipopt/_torch_internals.py), cannot rot; tests of what they replace skip,
-# saying why. Run
-# once, above, and not here: the framework integrations (they test the frameworks), the
-# benchmark's smoke tests, the examples, the docs site and the long-run memory tests (they test no
-# norm), and torch.compile's (a minute of tracing; without the C kernel a compiled step
-# is plain torch ops, which dynamo traces as any; the custom ops are what they check).
-FALLBACK_SKIPS := --ignore=tests/test_benchmark_smoke.py --ignore=tests/test_examples.py \
-	--ignore=tests/test_site.py \
-	--ignore=tests/test_example_adaptive.py --ignore=tests/test_rule_memory.py \
-	--ignore=tests/test_compile.py --ignore=tests/test_compile_inductor.py
-pytest-fallback: $(STAMP)
-	CLIPOPT_DISABLE_NATIVE=1 CLIPOPT_DISABLE_TORCH_INTERNALS=1 \
-		$(BIN)/python -m pytest tests -q -m "not integrations" $(FALLBACK_SKIPS)
-
-# The compat subset on the oldest torch clipopt supports, as installed, in a venv of its
-# own under .cache/ (the pinned torch, the newest, runs the whole suite above, and the
-# public paths); `make matrix` runs it on every supported release, as installed and on
-# the public paths.
+# The compat subset on the oldest torch clipopt supports, in a venv of its own under
+# .cache/ (the pinned torch, the newest, runs the whole suite above); `make matrix` runs
+# it on every supported release.
 OLDEST_TORCH := 2.6.0
 compat-oldest:
-	MATRIX_PUBLIC=no scripts/torch_matrix.sh $(OLDEST_TORCH)
+	scripts/torch_matrix.sh $(OLDEST_TORCH)
 
 matrix:
 	scripts/torch_matrix.sh
 
-# An sdist and a wheel, each installed into a fresh venv and checked there; the sdist
-# with CC=/bin/false, as on a machine without a C compiler.
+# An sdist and a pure-Python wheel (py3-none-any), each installed into a fresh venv and
+# checked there.
 dist: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
@@ -73,7 +56,7 @@ dist: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-test: lint typecheck pytest pytest-fallback compat-oldest docs dist
+test: lint typecheck pytest compat-oldest docs dist
 
 # The frameworks page's OLMo-core recipe inside OLMo-core 3.0.0, which needs torch<2.14
 # and so cannot join .venv (torch 2.14.1): a venv of its own under .cache/, torch 2.13.0.
@@ -88,7 +71,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) .cache site quickstart-out .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist clipopt/_kernels/*.so
+	rm -rf $(VENV) .cache site quickstart-out .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist
 
 # On a CUDA machine: every CUDA test, the host-sync tests and the CUDA benchmark, in
 # under 8 minutes, writing to $(OUT) if set (else benchmarks/results/). Installs nothing:

@@ -37,9 +37,6 @@ FOLDED_FLOOR = "fused AdamW: floor (sum, step with grad_scale)"
 SCALED_STEP = "fused AdamW: step with grad_scale alone"
 
 
-TORCH_OPS = "clipopt (torch ops)"
-
-
 Shape = tuple[int, ...]
 
 

@@ -6,10 +6,7 @@
   ``ClippedOptimizer.step()`` (its inner optimizer's step a no-op) against the memory
   floor, and against the floor of any exact clip of separate grads through torch's
   Python API (the flat floor, plus what such a clip cannot skip per tensor: reading
-  ``p.grad``, and telling autograd of the in-place change, as ``mul_`` does); then both
-  again with the kernels stubbed out (the C norm returns a tensor made
-  beforehand, or 1.0 where the clip takes its float; the C scale does nothing), so that
-  only the wrapper's own Python is timed, against one ``.grad`` read per tensor.
+  ``p.grad``, and telling autograd of the in-place change, as ``mul_`` does).
 - ``compiled step``: PyTorch's compiled-optimizer recipe, ``torch.compile(opt.step)``,
   against the eager step, bare AdamW and ``ClippedOptimizer(AdamW)``: compiled vs eager,
   wrapper vs bare. The first calls compile (tens of seconds on the CPU) and are not
@@ -19,9 +16,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,23 +33,18 @@ from benchmarks.common import (
     summarize,
     time_interleaved,
 )
-from clipopt._kernels import _cpu
 
 __all__ = [
     "HOST_CASE",
     "PER_TENSOR_FLOOR",
-    "STUBBED_CASE",
     "bench_compiled",
     "bench_host_cost",
     "host_contenders",
     "per_tensor_floor",
-    "stubbed_contenders",
 ]
 
 HOST_CASE = "many_small float32 p=2"
-STUBBED_CASE = "many_small float32, kernels stubbed"
 WRAPPER_CLIP = "ClippedOptimizer: step, inner step a no-op"
-ONE_READ = "one .grad read per tensor"
 PER_TENSOR_FLOOR = "floor + .grad + increment_version"
 
 
@@ -104,42 +95,6 @@ def host_contenders(params: list[Tensor], floor: Callable[[], object]) -> dict[s
     }
 
 
-@contextlib.contextmanager
-def stubbed_kernels() -> Iterator[None]:
-    """The C norm and scale replaced by no-ops: the norm returns a tensor made here (or,
-    as the float a one-run clip reads, 1.0)."""
-    made = torch.ones(1, dtype=torch.float64)
-    saved = _cpu._reduce, _cpu.norm_value, _cpu._scale
-
-    def reduce(run: _cpu.Run, p: float, threads: int) -> Tensor:
-        return made
-
-    def value(run: _cpu.Run, p: float, threads: int = 0) -> float:
-        return 1.0
-
-    def scale(run: _cpu.Run, coef: Tensor) -> None:
-        return None
-
-    _cpu._reduce, _cpu.norm_value, _cpu._scale = reduce, value, scale  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _cpu._reduce, _cpu.norm_value, _cpu._scale = saved  # type: ignore[assignment]
-
-
-def stubbed_contenders(params: list[Tensor]) -> dict[str, Any]:
-    """Only Python runs: the clip, the wrapper's step, and one ``.grad`` read a tensor."""
-
-    def max_norm() -> float:
-        return 0.5
-
-    return {
-        ONE_READ: lambda: [p.grad for p in params],
-        "clipopt.clip_grad_norm_": lambda: clipopt.clip_grad_norm_(params, 0.5),
-        "ClippedOptimizer.step()": _wrapped_clip(params, max_norm),
-    }
-
-
 def bench_host_cost(config: Any) -> list[Any]:
 
     params = make_params(many_small_shapes(config.quick), torch.float32, config.device)
@@ -153,19 +108,7 @@ def bench_host_cost(config: Any) -> list[Any]:
     rows = summarize(
         "host cost", HOST_CASE, time_interleaved(host_contenders(params, floor), config), "floor"
     )
-    if config.device.type == "cpu" and _cpu.available():
-        with stubbed_kernels():
-            samples = time_interleaved(stubbed_contenders(params), config)
-        rows += summarize("host cost", STUBBED_CASE, samples, ONE_READ)
     return rows
-
-
-def per_tensor_us(rows: list[Any], contender: str, tensors: int) -> float:
-    """Microseconds per tensor of a stubbed row."""
-    for row in rows:
-        if (row.section, row.case, row.contender) == ("host cost", STUBBED_CASE, contender):
-            return float(1e3 * row.median_ms / tensors)
-    raise KeyError(contender)
 
 
 def compiled_contenders(params: list[Tensor], backend: str = "inductor") -> dict[str, Any]:

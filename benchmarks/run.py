@@ -10,9 +10,8 @@ less.
 
 Sections:
 
-- ``clip``: ``torch.nn.utils.clip_grad_norm_`` vs ``clipopt.clip_grad_norm_`` (and the
-  same with its C kernel left unused, ``clipopt (torch ops)``: what an install without a
-  C compiler, or ``CLIPOPT_DISABLE_NATIVE=1``, runs) vs the memory floor (``torch.sum``
+- ``clip``: ``torch.nn.utils.clip_grad_norm_`` vs ``clipopt.clip_grad_norm_`` vs the
+  memory floor (``torch.sum``
   + in-place ``mul_`` over one buffer of the same bytes), on three layouts
   (transformer-like, many small tensors, a few large ones), float32 and bfloat16, norm
   types 2 and inf. Every timed call clips (see ``ShrinkingMaxNorm``);
@@ -78,7 +77,6 @@ from benchmarks.common import (
     RESULTS_DIR,
     SCALED_STEP,
     SHRINK,
-    TORCH_OPS,
     Config,
     Contenders,
     Row,
@@ -98,7 +96,7 @@ from benchmarks.targets import (
     check_targets,
     cuda_targets,
 )
-from clipopt._kernels import _cpu
+from clipopt._kernels._norms import CHUNK
 
 # ---------------------------------------------------------------- layouts
 
@@ -120,8 +118,8 @@ def torch_foreach(device: torch.device) -> bool | None:
 
 
 def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
-    """torch's clip, clipopt's clip with and without its C kernel, and the floor over one
-    buffer of the same bytes."""
+    """torch's clip, clipopt's clip, and the floor over one buffer of the same bytes; for
+    bfloat16's 2-norm on the CPU, also what limits clipopt there (``WIDENING``)."""
     grads, flat = _grads_and_flat_copy(params)
     shrink = torch.tensor(SHRINK, device=flat.device)
     max_norm = ShrinkingMaxNorm.below_norm_of(grads, norm_type)
@@ -131,18 +129,36 @@ def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
         total = flat.sum()
         return flat.mul_(shrink), total
 
-    def torch_ops() -> object:
-        with _cpu.disabled():
-            return clipopt.clip_grad_norm_(params, max_norm(), norm_type)
-
     return {
         "torch": lambda: torch.nn.utils.clip_grad_norm_(
             params, max_norm(), norm_type, foreach=foreach
         ),
         "clipopt": lambda: clipopt.clip_grad_norm_(params, max_norm(), norm_type),
-        TORCH_OPS: torch_ops,
         "floor": floor,
+        **(widening(grads) if norm_type == 2 and flat.dtype == torch.bfloat16 else {}),
     }
+
+
+WIDENING = "widening to float32 alone"
+
+
+def widening(grads: list[Tensor]) -> Contenders:
+    """Every bfloat16 grad copied into a float32 scratch, ``CHUNK`` elements at a time:
+    the part of clipopt's exact (float32) bfloat16 2-norm that torch's, rounded to
+    bfloat16, skips. torch ops have no bfloat16 norm with a float32 result that does not
+    copy (``vector_norm(dtype=float32)`` copies the whole grad first)."""
+    if grads[0].device.type != "cpu":
+        return {}
+    scratch = torch.empty(CHUNK)
+
+    def run() -> None:
+        for grad in grads:
+            flat = grad.view(-1)
+            for start in range(0, flat.numel(), CHUNK):
+                piece = flat[start : start + CHUNK]
+                scratch[: piece.numel()].copy_(piece)
+
+    return {WIDENING: run}
 
 
 def unclipped_contenders(params: list[Tensor]) -> Contenders:

@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from torch import Tensor
 
-from clipopt import _torch_internals
 from clipopt._dist import _mesh, _reduce, _stages
 from clipopt._errors import NonFiniteNormError, user_stacklevel
-from clipopt._kernels import _cpu, _norms, _scale
+from clipopt._kernels import _norms, _scale
 from clipopt._validation import (
     MaxNorm,
     NormType,
@@ -75,7 +74,8 @@ def _present(tensors: MaybeTensors) -> list[Tensor]:
 
 
 def _grads(parameters: list[Tensor]) -> list[Tensor]:
-    return _cpu.grads_of(parameters)  # read once each: a read costs a Python call
+    every = [p.grad for p in parameters]  # read once each: a read costs a Python call
+    return [g for g in every if g is not None]
 
 
 def _replicated_grads(
@@ -442,12 +442,13 @@ def clip_grad_value_(
             q.grad = q.grad.coalesce()  # clamping duplicates separately would be wrong
     grads = _grads(params)
     dense = [g for g in grads if not g.is_sparse]
-    for group in _norms.group_by_device_and_dtype(dense).values():
+    for group in _norms.group(dense).dense.values():
         if foreach is False:
             for g in group:
                 g.clamp_(-value, value)
         else:
-            _torch_internals.foreach_clamp_(group, value)
+            torch._foreach_clamp_min_(group, -value)
+            torch._foreach_clamp_max_(group, value)
     for g in grads:
         if g.is_sparse:
             g.values().clamp_(-value, value)

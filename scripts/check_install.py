@@ -1,5 +1,5 @@
-"""Checks an installed clipopt: it imports, reports its C kernel as expected, and clips
-like ``torch.nn.utils`` on grads that take every CPU path. Run by check_dist.sh."""
+"""Checks an installed clipopt: it imports from the venv, as pure Python, and clips like
+``torch.nn.utils`` on grads that take every CPU path. Run by check_dist.sh."""
 
 from __future__ import annotations
 
@@ -12,27 +12,26 @@ from pathlib import Path
 import torch
 
 import clipopt
-from clipopt._kernels import _cpu
 
 
 def grads() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return [
         torch.randn(70_000, generator=generator),
+        torch.randn(300_000, generator=generator).bfloat16(),
         torch.randn(300, 40, generator=generator)[:, ::2],
         torch.randn(500, generator=generator).bfloat16(),
     ]
 
 
-def check(expect_native: bool, license_file: bool) -> None:
+def check(license_file: bool) -> None:
     """Raises AssertionError where the installed package does not behave."""
     location = Path(clipopt.__file__).parent
     venv = Path(sys.prefix).resolve()
     assert venv in location.resolve().parents, f"clipopt imported from {location}, not {venv}"
     assert importlib.metadata.version("clipopt") == clipopt.__version__
-    assert _cpu.available() is expect_native, (_cpu.available(), expect_native)
-    built = sorted(p.name for p in (location / "_kernels").glob("_native*"))
-    assert any(name.endswith((".so", ".pyd")) for name in built) is expect_native, built
+    compiled = [p.name for p in location.rglob("*") if p.suffix in (".so", ".pyd", ".c")]
+    assert not compiled, compiled
     if license_file:
         files = importlib.metadata.files("clipopt") or []
         assert any(f.name == "LICENSE" for f in files), "LICENSE is not in the installed package"
@@ -50,17 +49,14 @@ def check(expect_native: bool, license_file: bool) -> None:
         for a, b in zip(ours, theirs, strict=True):
             assert a.grad is not None and b.grad is not None
             assert torch.equal(a.grad, b.grad)
-    huge = clipopt.get_total_norm([torch.full((4000,), 1e20)[::2]])
-    assert math.isclose(float(huge), 2000**0.5 * 1e20, rel_tol=1e-5), huge
-    print(f"check_install: clipopt {clipopt.__version__}, C kernel in use: {_cpu.available()}")
+    print(f"check_install: clipopt {clipopt.__version__}, pure Python, from {location}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--expect-native", choices=["yes", "no"], required=True)
     parser.add_argument("--license", action="store_true", help="check LICENSE is installed")
     args = parser.parse_args()
-    check(args.expect_native == "yes", args.license)
+    check(args.license)
 
 
 if __name__ == "__main__":

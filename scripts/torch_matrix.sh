@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
 # The suite on each torch release: one venv per release under .cache/ (made once, reused
-# while constraints.txt is unchanged), clipopt installed into it, then the tests run twice:
-# as installed, and with every private torch API and the C kernel left unused
-# (CLIPOPT_DISABLE_TORCH_INTERNALS=1 CLIPOPT_DISABLE_NATIVE=1), the public paths every
-# release must also get right. Prints a table of release x passed/failed/skipped, and
-# exits non-zero if any release fails to import clipopt or fails a test.
+# while constraints.txt is unchanged), clipopt installed into it, then the tests run.
+# Prints a table of release x passed/failed/skipped, and exits non-zero if any release
+# fails to import clipopt or fails a test.
 #
 #   scripts/torch_matrix.sh                  every supported release, the compat subset
 #   scripts/torch_matrix.sh 2.6.0 2.14.1     only those
 #   MATRIX_SELECT="" scripts/torch_matrix.sh the whole suite (tests/), not only compat
-#   MATRIX_PUBLIC=no scripts/torch_matrix.sh 2.6.0   only the run as installed
 #
 # Each venv takes the registry's default torch build for Linux (a CUDA build, 3-5 GB with
 # its NVIDIA libraries; it runs on a CPU-only machine) and the test extras at the versions
@@ -21,7 +18,6 @@ SUPPORTED=(2.6.0 2.7.1 2.8.0 2.9.1 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1)
 PYTHON=${PYTHON:-python3}
 CACHE=${MATRIX_CACHE:-.cache}
 SELECT=${MATRIX_SELECT-compat}
-PUBLIC=${MATRIX_PUBLIC:-yes}
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=("${SUPPORTED[@]}")
 
@@ -57,12 +53,11 @@ summary() {  # "passed failed skipped" from pytest's closing line in file $1
     echo "$(count passed) $(count 'failed|errors?') $(count skipped)"
 }
 
-run_suite() {  # python, log, extra env...: run the selected tests, print the summary
+run_suite() {  # python, log: run the selected tests, print the summary
     local python=$1 log=$2
-    shift 2
     local marker=()
     [ -z "$SELECT" ] || marker=(-m "$SELECT")
-    env "$@" "$python" -m pytest tests -q -p no:cacheprovider "${marker[@]}" >"$log" 2>&1 || true
+    "$python" -m pytest tests -q -p no:cacheprovider "${marker[@]}" >"$log" 2>&1 || true
     summary "$log"
 }
 
@@ -74,7 +69,7 @@ for version in "${versions[@]}"; do
     echo "== torch $version" >&2
     start=$SECONDS
     if ! python=$(venv_for "$version"); then
-        rows+=("| $version | install failed | - | - | $((SECONDS - start)) s |")
+        rows+=("| $version | install failed | - | $((SECONDS - start)) s |")
         status=1
         continue
     fi
@@ -86,21 +81,14 @@ for version in "${versions[@]}"; do
     fi
     read -r p1 f1 s1 <<<"$(run_suite "$python" "$logs/$version.log")"
     if [ "$f1" != 0 ] || [ "$p1" = 0 ]; then status=1; fi
-    public="not run"
-    if [ "$PUBLIC" = yes ]; then
-        read -r p2 f2 s2 <<<"$(run_suite "$python" "$logs/$version-public.log" \
-            CLIPOPT_DISABLE_TORCH_INTERNALS=1 CLIPOPT_DISABLE_NATIVE=1)"
-        if [ "$f2" != 0 ] || [ "$p2" = 0 ]; then status=1; fi
-        public="$p2 / $f2 / $s2"
-    fi
-    rows+=("| $version | $imported | $p1 / $f1 / $s1 | $public | $((SECONDS - start)) s |")
+    rows+=("| $version | $imported | $p1 / $f1 / $s1 | $((SECONDS - start)) s |")
 done
 
 echo
 echo "torch matrix, $(date -u +%Y-%m-%d), tests: ${SELECT:-all} (passed / failed / skipped)"
 echo
-echo "| torch | import | as installed | public paths only | time |"
-echo "|---|---|---|---|---|"
+echo "| torch | import | passed / failed / skipped | time |"
+echo "|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
 [ "$status" = 0 ] || echo "FAILED: see $logs/" >&2
 exit "$status"

@@ -96,7 +96,6 @@ def no_host_sync() -> Callable[[], contextlib.AbstractContextManager[None]]:
 COMPAT_MODULES = frozenset(
     {
         "test_smoke.py",
-        "test_torch_internals.py",
         "test_functional.py",
         "test_optimizer.py",
         "test_wrapping.py",
@@ -108,7 +107,6 @@ COMPAT_MODULES = frozenset(
         "test_agc.py",
         "test_compile.py",
         "test_distributed.py",
-        "test_plan.py",
         "test_kernels.py",
     }
 )

@@ -13,8 +13,6 @@ import torch
 from torch import Tensor
 from torch.torch_version import TorchVersion
 
-from clipopt import _torch_internals
-
 FSDP2_ON_CPU = TorchVersion(torch.__version__) >= (2, 9)
 """Whether torch's FSDP2 (``fully_shard``) trains correctly on CPU with gloo, as the
 distributed tests run it: from 2.9. In 2.6 it records CUDA-style stream events that CPU
@@ -38,19 +36,6 @@ def forbid_fsdp2_where_it_cannot_run() -> None:
     fsdp.fully_shard = unavailable  # type: ignore[assignment]
 
 
-PUBLIC_PATHS_REFUSE = f"({_torch_internals.DISABLE_ENV} is set)"
-"""What clipopt's refusal says where a layout needs a torch internal left unused."""
-
-
-def needs_torch_internal(name: str) -> pytest.MarkDecorator:
-    """Skip a test of what torch internal ``name`` (a key of
-    ``clipopt._torch_internals.available()``) does, where this run takes its public path."""
-    return pytest.mark.skipif(
-        not _torch_internals.available()[name],
-        reason=f"tests what torch's {name} gives; this run takes its public path",
-    )
-
-
 def assert_all_ok(outcomes: list[str]) -> None:
     """Every rank's outcome is "ok". A case skips where every rank failed only because
     FSDP2 cannot run here, or because clipopt refused a layout whose torch internal this
@@ -58,8 +43,6 @@ def assert_all_ok(outcomes: list[str]) -> None:
     failures = [f"rank {r}:\n{o}" for r, o in enumerate(outcomes) if o != "ok"]
     if failures and all(FSDP2_UNAVAILABLE in o for o in outcomes):
         pytest.skip(FSDP2_UNAVAILABLE)
-    if failures and all(PUBLIC_PATHS_REFUSE in o for o in outcomes):
-        pytest.skip(f"a layout clipopt refuses with {PUBLIC_PATHS_REFUSE}")
     assert not failures, "\n".join(failures)
 
 

@@ -44,7 +44,8 @@ def test_every_section_and_contender_is_reported(
                 case = ("clip", f"{layout} {dtype} p={p}")
                 assert case in cases
                 contenders = {r["contender"] for r in rows if (r["section"], r["case"]) == case}
-                assert contenders == {"torch", "clipopt", common.TORCH_OPS, "floor"}
+                limit = {run.WIDENING} if (dtype, p) == ("bfloat16", "2") else set()
+                assert contenders == {"torch", "clipopt", "floor", *limit}
     step_contenders = {r["contender"] for r in rows if r["section"] == "step"}
     for optimizer in ("fused AdamW", "foreach SGD"):
         for kind in ("bare", "torch clip + step", "ClippedOptimizer"):
@@ -57,7 +58,7 @@ def test_every_section_and_contender_is_reported(
     e2e = {r["contender"] for r in rows if r["section"] == "end_to_end"}
     assert e2e == {"unclipped", "ClippedOptimizer", "torch clip + step"}
     host_cases = {r["case"] for r in rows if r["section"] == "host cost"}
-    assert host_cases == {host.HOST_CASE, host.STUBBED_CASE}
+    assert host_cases == {host.HOST_CASE}
     compiled = {(r["case"], r["contender"]) for r in rows if r["section"] == "compiled step"}
     for layout in ("transformer", "many_small"):
         for kind in ("eager", "compiled"):
@@ -103,7 +104,10 @@ def test_accuracy_memory_and_targets_are_reported(
     names = [t["name"] for t in results["targets"]]
     recipe = [n for n in names if n.startswith("compiled ")]
     assert len(recipe) == len(recipes.KINDS) * len(recipes.CLIPPED) * 3
-    assert len(names) - len(recipe) in (12, 13)
+    clip_cases = {r["case"] for r in results["rows"] if r["section"] == "clip"}
+    # one per clip case; the inf-norm's lead, the step, two folded steps, end to end,
+    # three of host cost; and memory where measured
+    assert len(names) - len(recipe) - len(clip_cases) in (8, 9)
     assert all(isinstance(t["held"], bool) for t in results["targets"])
 
 
@@ -244,22 +248,6 @@ def test_only_runs_the_sections_named(tmp_path: Path) -> None:
     assert {r["section"] for r in results["rows"]} == {"host cost"}
     assert all(t["name"].startswith("many_small") for t in results["targets"])
     assert json.loads(path.read_text())["rows"] == results["rows"]
-
-
-def test_stubbed_kernels_run_nothing_and_come_back() -> None:
-    """Inside, the C norm and scale do nothing (the grads keep their values); after, they
-    are the real ones again."""
-    from clipopt._kernels import _cpu
-
-    params = common.make_params([(50,), (4, 5)], torch.float32, torch.device("cpu"))
-    before = [p.grad.clone() for p in params if p.grad is not None]
-    real = _cpu._reduce, _cpu.norm_value, _cpu._scale
-    with host.stubbed_kernels():
-        clipopt_norm = host.stubbed_contenders(params)["clipopt.clip_grad_norm_"]
-        clipopt_norm()
-    assert (_cpu._reduce, _cpu.norm_value, _cpu._scale) == real
-    if _cpu.available():
-        assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True))
 
 
 def test_per_tensor_floor_runs_the_floor_and_bumps_every_grad_once() -> None:

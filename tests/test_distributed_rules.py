@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_all_ok, assert_identical, needs_torch_internal, sync_is_an_error
+from helpers import assert_all_ok, assert_identical, sync_is_an_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_agc import timm_agc
@@ -956,7 +956,6 @@ def test_unit_norms_refuse_partial_and_mixed_tensors(mesh_of_one: Any) -> None:
         _units.whole_unit_norms([shard], [torch.ones(3, 2)], torch.float32)
 
 
-@needs_torch_internal("_StridedShard")
 def test_unit_norms_refuse_a_grad_shard_unlike_its_weights_and_unrelated_meshes(
     mesh_of_one: Any,
 ) -> None:
@@ -980,7 +979,6 @@ def test_unit_norms_refuse_a_grad_shard_unlike_its_weights_and_unrelated_meshes(
     torch.testing.assert_close(found.grads, expected, rtol=0, atol=0)
 
 
-@needs_torch_internal("_StridedShard")
 def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
     """On a (2, 2) mesh, _StridedShard on dp then Shard on tp (FSDP2 over TP) gives each
     rank a range of rows; the other order, or a _StridedShard alone, strides them."""
@@ -1027,7 +1025,6 @@ def placement_kinds() -> Any:
     return st.sampled_from([Replicate(), Shard(0), Shard(1), *strided])
 
 
-@needs_torch_internal("_StridedShard")
 @settings(max_examples=200, deadline=None)
 @given(
     rows=st.integers(0, 12),

@@ -1,10 +1,11 @@
 """Each path of :mod:`clipopt._kernels._norms` against a float64 reference.
 
-The CPU norm picks a path per tensor (rows of ``_ROW`` for large dense tensors, a
-permuted view for channels-last or transposed ones, an in-place row split for tensors
-with gaps, ``torch.cat`` packing for small ones, a float32 scratch for half types,
-``aminmax`` for the inf-norm), so the cases below sit on each side of every threshold.
-The reference is built from ``abs``, ``pow``, ``sum`` and ``max`` in float64.
+The CPU norm picks a path per tensor (rows of ``ROW`` for tensors of ``ROWS_FROM``
+elements or more, read through a permuted view where they are channels-last or
+transposed, copied where they have gaps, a half type's widened ``CHUNK`` elements at a
+time; ``aminmax`` for their inf-norm; ``_foreach_norm`` for smaller ones), so the cases
+below sit on each side of every threshold. The reference is built from ``abs``, ``pow``,
+``sum`` and ``max`` in float64.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from clipopt._kernels import _cpu, _norms, _scale
-from clipopt._kernels._torch_norms import CHUNK as _CHUNK
-from clipopt._kernels._torch_norms import PACK_BELOW as _PACK_BELOW
-from clipopt._kernels._torch_norms import PACK_RUN as _PACK_RUN
-from clipopt._kernels._torch_norms import ROW as _ROW
+from clipopt._kernels import _norms, _scale
+from clipopt._kernels._norms import CHUNK as _CHUNK
+from clipopt._kernels._norms import ROW as _ROW
+from clipopt._kernels._norms import ROWS_FROM as _PACK_BELOW
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf]
 HALF = [torch.float16, torch.bfloat16]
@@ -88,15 +88,14 @@ def test_half_precision_scratch_across_its_chunk_boundary(p: float) -> None:
 
 
 @pytest.mark.parametrize("p", NORM_TYPES)
-def test_many_small_tensors_fill_several_packed_runs(p: float) -> None:
-    """Packed runs close at ``_PACK_RUN`` elements; shapes past dim 0 decide which run."""
+def test_many_small_tensors_of_every_shape(p: float) -> None:
+    """1600 small tensors of 0 to 3 dims, by one ``_foreach_norm``."""
     generator = torch.Generator().manual_seed(0)
     shapes: list[tuple[int, ...]] = []
     for i in range(1600):
         n = int(torch.randint(1, 1200, (1,), generator=generator))
         shapes.append([(n,), (n, 3), (), (2, n % 7 + 1, 2)][i % 4])
     tensors = [torch.randn(s, generator=generator) for s in shapes]
-    assert sum(t.numel() for t in tensors) > 8 * _PACK_RUN
     assert_norm_close(_norms.total_norm(tensors, p), tensors, p)
 
 
@@ -104,6 +103,24 @@ def test_many_small_tensors_fill_several_packed_runs(p: float) -> None:
 def test_tails_of_large_tensors_join_the_small_ones(p: float) -> None:
     tensors = [randn(_PACK_BELOW + k, seed=k) for k in (1, 100, _ROW - 1)] + [randn(5)]
     assert_norm_close(_norms.total_norm(tensors, p), tensors, p)
+
+
+@pytest.mark.parametrize("foreach", [True, False, None])
+@pytest.mark.parametrize("p", NORM_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_per_tensor_norms_match_each_tensors_reference(
+    dtype: torch.dtype, p: float, foreach: bool | None
+) -> None:
+    """Empty, small, row-reduced, widened and permuted tensors, and another dtype beside."""
+    generator = torch.Generator().manual_seed(4)
+    sizes = [0, 1, 3, 500, _PACK_BELOW - 1, _PACK_BELOW + 1, _CHUNK + 3]
+    tensors = [(torch.randn(n, generator=generator) * 10).to(dtype) for n in sizes]
+    tensors.append(torch.randn(400, 300, generator=generator).to(dtype).t())
+    tensors.append(torch.randn(7, dtype=torch.float64))
+    got = _norms.per_tensor_norms(tensors, p, foreach)
+    assert got.dtype == torch.float64
+    expected = torch.stack([reference_norm([t], p) for t in tensors])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0)
 
 
 # ---------------------------------------------------------------- memory layouts
@@ -133,9 +150,8 @@ def test_non_contiguous_large_tensors(name: str, p: float, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("p", NORM_TYPES)
-def test_non_contiguous_small_tensors_are_packed(p: float) -> None:
-    """Below ``_PACK_BELOW`` a tensor is packed by ``torch.cat``, which keeps a lone
-    channels-last input channels-last: the packed run must still be read flat."""
+def test_non_contiguous_small_tensors(p: float) -> None:
+    """Below ``ROWS_FROM`` a channels-last or transposed tensor goes to ``_foreach_norm``."""
     conv = randn(8 * 3 * 5 * 5, seed=9).view(8, 3, 5, 5)
     for t in (
         conv.contiguous(memory_format=torch.channels_last),
@@ -291,12 +307,11 @@ def test_random_layouts_match_the_reference(
     magnitude=st.sampled_from([1e-30, 1.0, 1e30]),
     seed=st.integers(0, 2**16),
 )
-def test_one_run_gives_the_bits_of_the_general_path(
+def test_an_empty_group_beside_changes_no_bit(
     shapes: list[tuple[int, ...]], dtype: torch.dtype, p: float, magnitude: float, seed: int
 ) -> None:
-    """A list the C kernel reads in one call takes a shortcut from its float to the norm;
-    an empty tensor of another dtype beside it (a second group, a zero partial, the same
-    result dtype) sends the same grads down the general path of torch ops."""
+    """An empty tensor of another dtype beside the grads (a second group with nothing to
+    measure, the same result dtype) leaves the norm's bits alone."""
     generator = torch.Generator().manual_seed(seed)
     tensors = [(torch.randn(s, generator=generator) * magnitude).to(dtype) for s in shapes]
     if all(t.numel() == 0 for t in tensors):
@@ -306,31 +321,6 @@ def test_one_run_gives_the_bits_of_the_general_path(
     beside = _norms.total_norm([*tensors, torch.empty(0, dtype=other)], p)
     assert alone.dtype == beside.dtype and alone.shape == beside.shape == ()
     assert torch.equal(alone.view(-1), beside.view(-1)) or (alone.isnan() & beside.isnan())
-
-
-def _one_call_each(tensors: Sequence[Tensor], p: float) -> Tensor:
-    """Each tensor's norm by a call of the C reduction for it alone."""
-    dtype = _norms.result_dtype([t.dtype for t in tensors])
-    return torch.stack([_cpu.norm_partial([t], p, threads=1)[0].to(dtype) for t in tensors])
-
-
-@pytest.mark.skipif(not _cpu.available(), reason="the C kernel is not in use")
-@pytest.mark.parametrize("p", [1.0, 2.0, math.inf])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_per_tensor_norms_have_the_bits_of_one_call_per_tensor(
-    dtype: torch.dtype, p: float
-) -> None:
-    """One pass over every tensor (chunks of many tensors shared out among threads) gives
-    each the value of a pass over it alone; empty, multi-chunk and permuted ones too, and
-    beside another dtype's group."""
-    generator = torch.Generator().manual_seed(4)
-    sizes = [0, 1, 3, 500, 65536, 65537, 200_000, *range(5, 300)]
-    tensors = [(torch.randn(n, generator=generator) * 10).to(dtype) for n in sizes]
-    tensors.append(torch.randn(40, 30, generator=generator).to(dtype).t())
-    got = _norms.per_tensor_norms(tensors, p)
-    assert torch.equal(got, _one_call_each(tensors, p))
-    mixed = [*tensors, torch.randn(7, dtype=torch.float64)]
-    assert torch.equal(_norms.per_tensor_norms(mixed, p), _one_call_each(mixed, p))
 
 
 # ---------------------------------------------------------------- memory
@@ -405,31 +395,6 @@ def test_clip_coefficient_is_one_below_the_threshold_and_exact_above() -> None:
     torch.testing.assert_close(coefficients[3], torch.tensor(1.0 / (4.0 + _scale.EPS)))
 
 
-SPECIAL_NORMS = [0.0, 1e-45, 1e-38, 1e-7, 1e-6, 0.5, 1.0, 3.0, 1e19, 1e30, 3e38, 1e300]
-
-
-@pytest.mark.skipif(not _cpu.available(), reason="the C kernel is not in use")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_clip_coefficient_by_c_has_the_torch_ops_bits(dtype: torch.dtype) -> None:
-    """A number max_norm and a CPU norm take one C call: the bits of the torch ops (run
-    with the kernel left unused), for random norms and thresholds over 80 decades and at
-    the edges (0, subnormal, huge, inf, NaN: a coefficient past the smallest normal and
-    a NaN norm are NaN, an inf norm 0)."""
-    generator = torch.Generator().manual_seed(8)
-    exponents = torch.rand(4000, generator=generator, dtype=torch.float64) * 80 - 40
-    norms = [*SPECIAL_NORMS, math.inf, math.nan, *(10**exponents).tolist()]
-    thresholds = [1e-30, 1e-6, 0.5, 1.0, 2.5, 1e30, 1e300]
-    for i, value in enumerate(norms):
-        norm = torch.tensor(value, dtype=dtype)
-        for max_norm in thresholds if i < len(SPECIAL_NORMS) + 2 else thresholds[i % 7 : i % 7 + 1]:
-            got = _scale.clip_coefficient(max_norm, norm)
-            with _cpu.disabled():
-                expected = _scale.clip_coefficient(max_norm, norm)
-            assert got.dtype == expected.dtype and got.shape == expected.shape == ()
-            same = torch.equal(got, expected) or bool(got.isnan() and expected.isnan())
-            assert same, (value, max_norm, got, expected)
-
-
 # ---------------------------------------------------------------- CUDA
 
 
@@ -467,7 +432,7 @@ def test_cpu_and_cuda_tensors_together() -> None:
 def test_groups_come_in_order_of_first_appearance_and_keep_tensor_order() -> None:
     dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float64, torch.float32]
     tensors = [torch.ones(i + 1, dtype=dtype) for i, dtype in enumerate(dtypes)]
-    for _ in range(3):  # unplanned, planned with a guard, then the kept plan
+    for _ in range(2):
         groups = _norms.group(tensors)
         assert not groups.sparse
         assert [dtype for _, dtype in groups.dense] == [

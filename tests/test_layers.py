@@ -31,8 +31,8 @@ UNIT_LAYERS: list[set[str]] = [
     {"__init__"},
 ]
 WING_FLOORS: dict[str, list[set[str]]] = {
-    # the C kernel, its Python side, the torch-ops path and the plans, the norms and scales
-    "_kernels": [{"_native"}, {"_cpu"}, {"_plan", "_torch_norms"}, {"_norms", "_scale"}],
+    # the norms, then the scales that use them
+    "_kernels": [{"_norms"}, {"_scale"}],
     # collectives and meshes; the pipeline stages; where AGC's units lie, and the
     # reductions; units' norms, and where a step under DeepSpeed's ZeRO optimizer is reduced
     "_dist": [
@@ -54,8 +54,6 @@ WING_FLOORS: dict[str, list[set[str]]] = {
 }
 RULES_FLOOR = 2  # where a module of rules/ that WING_FLOORS does not name sits
 LAYER_OF = {unit: index for index, units in enumerate(UNIT_LAYERS) for unit in units}
-NATIVE = "_kernels._native"  # the C extension: a .so, no source to parse
-NATIVE_READER = "_kernels._cpu"  # the one module that imports it
 
 
 def _modules() -> list[str]:
@@ -93,7 +91,7 @@ def _imported(tree: ast.Module, package: str = "") -> set[str]:
                 continue
             for alias in node.names:  # a name may be a module (from clipopt._step import _fold)
                 candidate = f"{module}.{alias.name}" if module else alias.name
-                if candidate == NATIVE or _source(candidate).exists():
+                if _source(candidate).exists():
                     found.add(candidate)
                 else:
                     found.add(module or "__init__")
@@ -137,12 +135,6 @@ def test_imports_point_only_downward(module: str) -> None:
     assert not upward, f"clipopt.{module} imports {upward}"
 
 
-@pytest.mark.parametrize("module", _modules())
-def test_only_the_kernel_wing_reads_the_c_extension(module: str) -> None:
-    tree = ast.parse(_source(module).read_text(encoding="utf-8"), filename=str(module))
-    package = module if _source(module).name == "__init__.py" else module.rpartition(".")[0]
-    if module != NATIVE_READER:
-        assert NATIVE not in _imported(tree, package), module
 
 
 BENCHMARKS = PACKAGE.parent / "benchmarks"

@@ -96,8 +96,8 @@ def test_a_bad_group_tensor_threshold_is_skipped_or_raised_by_the_policy(
 def _absurd_run(fused: bool, nonfinite: str) -> tuple[nn.Parameter, clipopt.ClippedOptimizer]:
     w = nn.Parameter(torch.ones(4))
     inner = torch.optim.AdamW([w], lr=0.1, fused=fused, foreach=not fused)
-    opt = clipopt.ClippedOptimizer(inner, max_norm=1e-3, nonfinite=nonfinite)  # type: ignore[arg-type]
-    w.grad = torch.full((4,), 1e36)  # norm / max_norm = 2e39: 1 / coefficient overflows
+    opt = clipopt.ClippedOptimizer(inner, max_norm=1e-20, nonfinite=nonfinite)  # type: ignore[arg-type]
+    w.grad = torch.full((4,), 1e18)  # norm / max_norm = 2e38: 1 / coefficient overflows
     opt.step()
     return w, opt
 

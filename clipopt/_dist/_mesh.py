@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from clipopt import _torch_internals
-from clipopt._kernels import _cpu
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,7 +63,7 @@ def all_plain(tensors: Sequence[Tensor]) -> bool:
     if torch.compiler.is_compiling():
         return not any(isinstance(t, dtensor) for t in tensors)
     # By type, each distinct one once: thousands of grads share one or two types.
-    return not _cpu.any_of_type(tensors, dtensor)
+    return not any(issubclass(kind, dtensor) for kind in set(map(type, tensors)))
 
 
 def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str = "grads") -> None:
@@ -175,11 +174,10 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
         return enclosing
     root: DeviceMesh | None = _torch_internals.root_mesh(meshes[0])
     if root is None:
-        why = f" ({_torch_internals.DISABLE_ENV} is set)" if _torch_internals.disabled() else ""
         raise ValueError(
             f"DTensor grads live on {meshes}, none of which holds the others' ranks: "
             f"reducing them together needs torch's lookup of their root mesh, which torch "
-            f"{torch.__version__} does not offer here{why}; compute one norm per mesh instead"
+            f"{torch.__version__} does not offer here; compute one norm per mesh instead"
         )
     root_names = root.mesh_dim_names or ()
     for mesh in meshes:

@@ -102,8 +102,6 @@ def _check_placements(t: DTensor) -> None:
                     "a strided shard (FSDP2 over TP) needs torch's own layout rule, which "
                     f"torch {torch.__version__} does not offer here"
                 )
-                if _torch_internals.disabled():
-                    why += f" ({_torch_internals.DISABLE_ENV} is set)"
             raise ValueError(_layout_error(t, why))
 
 

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from clipopt import _torch_internals
 from clipopt._dist import _mesh
 from clipopt._dist._collective import (
     REDUCE_DTYPE,
@@ -39,7 +38,7 @@ from clipopt._dist._collective import (
 )
 from clipopt._dist._unit_rows import Rows, check_pairs, local_rows, plain_rows
 from clipopt._kernels import _norms
-from clipopt._kernels._torch_norms import accumulate_dtype, combine_dtype
+from clipopt._kernels._norms import accumulate_dtype, combine_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -89,7 +88,7 @@ def unit_norms(
             parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
     for (_, kind), indices in batched.items():
         group = [every[i] for i in indices]
-        found = _torch_internals.foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
+        found = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
         for i, norm in zip(indices, found, strict=True):
             parts[i] = norm
     ready = [cast(Tensor, part).reshape(-1).to(device=device, dtype=dtype) for part in parts]

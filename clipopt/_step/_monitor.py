@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt import _torch_internals
 from clipopt._dist import _mesh, _per_tensor, _stages
 from clipopt._kernels import _norms
 from clipopt._step._parts import Measurement, flatten
@@ -158,7 +157,7 @@ def measure_from_squares(
     norms = None
     if tensor_norms and squares:
         # squares: their 1-norm is their sum
-        sums = _torch_internals.foreach_norm(list(squares), 1.0)
+        sums = torch._foreach_norm(list(squares), 1.0)
         norms = _per_tensor.root(torch.stack(sums), 2.0).to(dtype)
     elif tensor_norms:
         norms = like.new_zeros(0, dtype=dtype)

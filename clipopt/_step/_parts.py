@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from clipopt._dist import _mesh, _reduce, _stages
-from clipopt._kernels import _cpu, _norms, _scale
+from clipopt._kernels import _norms, _scale
 from clipopt._step._clip_state import (
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
@@ -142,7 +142,7 @@ def read_group_settings(
 
 def collect_grads(groups: Sequence[Mapping[str, Any]]) -> list[list[Tensor]]:
     """Each group's grads, parameters without one left out."""
-    return [_cpu.grads_of(group["params"]) for group in groups]  # one read each
+    return [[g for g in [p.grad for p in group["params"]] if g is not None] for group in groups]
 
 
 def grad_dtypes(grads: list[list[Tensor]], measured: Measurement) -> set[torch.dtype]:
