@@ -270,8 +270,10 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
             found = _torch_internals.foreach_norm(group, p, dtype=acc)
         for i, norm in zip(indices, found, strict=True):
             norms[i] = norm
-    ready = [cast(Tensor, n).to(device=out_device, dtype=out_dtype) for n in norms]
-    return torch.stack(ready)
+    found = [cast(Tensor, n) for n in norms]
+    if len({(n.device, n.dtype) for n in found}) == 1:  # one stack, one cast: not one a tensor
+        return torch.stack(found).to(device=out_device, dtype=out_dtype)
+    return torch.stack([n.to(device=out_device, dtype=out_dtype) for n in found])
 
 
 def _one_readable_group(tensors: Sequence[Tensor], p: float) -> _cpu.Run | None:
