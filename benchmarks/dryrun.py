@@ -3,18 +3,19 @@
 Under ``FakeTensorMode`` tensors made with ``device="cuda"`` are fake CUDA tensors, so a
 step on a CPU-only machine takes the path it takes on a GPU. A ``TorchDispatchMode`` on
 top sees every op: an op of the ``aten`` namespace on a CUDA tensor that is not a view,
-an alias or an allocation is one launch; a launch that reads a grad's storage is one
-pass over the grads; a read of a CUDA tensor's value on the host (``.item()``,
-``.tolist()``, a copy to the CPU) is recorded by name and answered with zeros, so that
-a step whose documented read decides "finite" runs on. The CUDA runtime objects of the
-lagged skip count (an event and a pinned buffer) come from
-:func:`clipopt._step._nonfinite.host_copy`, which the dry run stands in for.
+an alias or an allocation is one launch (a foreach op whose lists ATen would run tensor
+by tensor, one a tensor); the reads of the most read grad are the passes over the
+grads; a read of a CUDA value on the host (``.item()``, ``.tolist()``, a blocking copy
+to the CPU) is recorded by name and answered with 0, so that a step whose documented
+read decides "finite" runs on. The CUDA runtime objects of the lagged skip count (an
+event and a pinned buffer) come from :func:`clipopt._step._nonfinite.host_copy`, which
+the dry run stands in for.
 
 What it does not prove: kernel time, memory bandwidth, how streams overlap. One launch
 is one ``aten`` op; a fused or foreach op counts once whatever it does inside.
 
 ``python -m benchmarks.dryrun`` prints the table (third step, 64 tensors, with the
-growth to 512 tensors).
+growth to 512 tensors) that ``docs/benchmarks.md`` leads with.
 """
 
 from __future__ import annotations
@@ -93,9 +94,8 @@ class Counter(TorchDispatchMode):
 
     def __init__(self, grads: list[Tensor]) -> None:
         super().__init__()
-        self.grads = {StorageWeakRef(g.untyped_storage()) for g in grads}
+        self.grads = dict.fromkeys((StorageWeakRef(g.untyped_storage()) for g in grads), 0)
         self.launches: list[str] = []
-        self.passes = 0
         self.host_reads: list[str] = []
         self.lagged_copies = 0
 
@@ -127,9 +127,16 @@ class Counter(TorchDispatchMode):
                 self.lagged_copies += 1
         name = str(func).removeprefix("aten.")
         self.launches.extend([name] * _foreach_launches(func, args))
-        if any(StorageWeakRef(t.untyped_storage()) in self.grads for t in inputs):
-            self.passes += 1
+        read = {StorageWeakRef(t.untyped_storage()) for t in inputs} & self.grads.keys()
+        for grad in read:
+            self.grads[grad] += 1
         return out
+
+    @property
+    def passes(self) -> int:
+        """The reads of the most read grad: one pass over the grads is one read of each,
+        whether by one foreach op or by one op a grad."""
+        return max(self.grads.values(), default=0)
 
 
 def _nothing() -> None:

@@ -153,7 +153,7 @@ class StepRecord:
             self.lagged.set(streak + 1)
         else:
             self.step_count.add_(1)
-            if self._streak_may_be_set or torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or self._streak_may_be_set:  # no guard on it
                 self.consecutive_skips.zero_()
             self._streak_may_be_set = False
             self.lagged.set(0)
