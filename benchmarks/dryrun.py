@@ -52,6 +52,7 @@ _NO_LAUNCH = {
     aten._has_compatible_shallow_copy_type.default,
 }
 _HOST_READS = {aten._local_scalar_dense.default}
+_LAUNCHING = ("aten", "c10d", "_c10d_functional")  # ops, and collectives
 
 
 def _tensors(tree: Any) -> list[Tensor]:
@@ -113,7 +114,7 @@ class Counter(TorchDispatchMode):
                 value = 0
             return float(value) if inputs[0].dtype.is_floating_point else value
         out = func(*args, **kwargs)
-        if func.namespace != "aten" or func.is_view or func in _NO_LAUNCH:
+        if func.namespace not in _LAUNCHING or func.is_view or func in _NO_LAUNCH:
             return out
         if not _on_cuda(inputs + _tensors(out)):
             return out
@@ -177,8 +178,10 @@ class Count:
 def count_step(
     make: MakeStep, tensors: int, steps: int = 3, shape: tuple[int, ...] = (8, 8)
 ) -> Count:
-    """The last of ``steps`` steps of ``make(params)`` over ``tensors`` fake CUDA params."""
-    with fake_cuda():
+    """The last of ``steps`` steps of ``make(params)`` over ``tensors`` fake CUDA params
+    (as one of two pipeline stages where ``make`` is a :func:`_staged` one)."""
+    stages = fake_stages() if getattr(make, "stages", False) else contextlib.nullcontext()
+    with stages, fake_cuda():
         params = [nn.Parameter(torch.randn(shape, device="cuda")) for _ in range(tensors)]
         step = make(params)
         counter = Counter([])
@@ -252,6 +255,32 @@ def _rules() -> dict[str, Callable[[], Any]]:
     }
 
 
+@contextlib.contextmanager
+def fake_stages() -> Iterator[Any]:
+    """A group joining two pipeline stages in this one process: torch's fake process
+    group (its collectives return at once), torn down after."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the dry run's pipeline stages need no process group initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _staged(inner: Inner, **kwargs: Any) -> MakeStep:
+    """A wrapper's step as one of two pipeline stages (``pp_mesh``), under
+    :func:`fake_stages`."""
+    import torch.distributed as dist
+
+    make = _clipped(inner, pp_mesh=lambda: dist.group.WORLD, **kwargs)
+    make.stages = True  # type: ignore[attr-defined]
+    return make
+
+
 def settings(inner: Inner) -> dict[str, tuple[MakeStep, tuple[str, ...]]]:
     """Every setting over ``inner``: its step, and the host reads its docs name."""
     rows: dict[str, tuple[MakeStep, tuple[str, ...]]] = {
@@ -268,6 +297,8 @@ def settings(inner: Inner) -> dict[str, tuple[MakeStep, tuple[str, ...]]]:
     }
     for name, rule in _rules().items():
         rows[name] = (_clipped(inner, max_norm=rule), ())
+    rows["pp_mesh (2 stages)"] = (_staged(inner, max_norm=1.0), ())
+    rows["pp_mesh, AutoClip()"] = (_staged(inner, max_norm=_rules()["AutoClip()"]), ())
     return rows
 
 

@@ -2,7 +2,8 @@
 
 Under ``FakeTensorMode`` parameters made with ``device="cuda"`` are fake CUDA tensors: a
 step takes the path it takes on a GPU, every op it launches is counted, and every read
-of a CUDA tensor's value on the host is caught and named. For every setting and inner
+of a CUDA tensor's value on the host is caught and named (pipeline stages: one of two,
+over torch's fake process group). For every setting and inner
 optimizer the third step runs; it reads no CUDA value on the host beyond what the same
 inner step under torch's ``clip_grad_norm_(foreach=True)`` reads, except where the docs
 say it reads (``nonfinite="raise"``, and ``"skip"`` or ``skip_spikes`` where the skip is
