@@ -48,8 +48,10 @@ def expected_reads(inner: str, setting: str, torch_reads: int) -> int:
 def test_every_setting_runs_and_reads_only_what_the_docs_say(inner: str) -> None:
     make = dryrun.INNERS[inner]
     baseline = dryrun.count_step(dryrun._torch_clip(make), tensors=4)
+    print(f"\n{inner}: torch's clip + step {baseline.launches} launches, {baseline.passes} passes")
     for setting, (step, _) in dryrun.settings(make).items():
         counted = dryrun.count_step(step, tensors=4)
+        print(f"  {setting}: {counted.launches} launches, {counted.passes} passes")
         want = expected_reads(inner, setting, len(baseline.host_reads))
         assert len(counted.host_reads) == want, (setting, counted.host_reads)
         assert counted.launches > 0
