@@ -270,10 +270,10 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
             found = _torch_internals.foreach_norm(group, p, dtype=acc)
         for i, norm in zip(indices, found, strict=True):
             norms[i] = norm
-    found = [cast(Tensor, n) for n in norms]
-    if len({(n.device, n.dtype) for n in found}) == 1:  # one stack, one cast: not one a tensor
-        return torch.stack(found).to(device=out_device, dtype=out_dtype)
-    return torch.stack([n.to(device=out_device, dtype=out_dtype) for n in found])
+    ready = [cast(Tensor, n) for n in norms]
+    if len({(n.device, n.dtype) for n in ready}) == 1:  # one stack, one cast: not one a tensor
+        return torch.stack(ready).to(device=out_device, dtype=out_dtype)
+    return torch.stack([n.to(device=out_device, dtype=out_dtype) for n in ready])
 
 
 def _one_readable_group(tensors: Sequence[Tensor], p: float) -> _cpu.Run | None:
