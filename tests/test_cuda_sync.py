@@ -18,6 +18,10 @@ debug mode does not see: the test shows it raises at the documented step, not th
 event had completed.
 
 Only the public API is used. Skipped where no GPU is present; ``make gpu-check`` runs it.
+Without a GPU, ``tests/test_cuda_dryrun.py`` runs every setting's CUDA path on fake CUDA
+tensors and catches each read of a CUDA value on the host; what it cannot see (a
+blocking copy from pageable host memory, an event's real completion) and the values
+are checked here.
 """
 
 from __future__ import annotations

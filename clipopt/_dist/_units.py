@@ -91,8 +91,10 @@ def unit_norms(
         found = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
         for i, norm in zip(indices, found, strict=True):
             parts[i] = norm
-    ready = [cast(Tensor, part).reshape(-1).to(device=device, dtype=dtype) for part in parts]
-    return torch.cat(ready)
+    found = [cast(Tensor, part).reshape(-1) for part in parts]
+    if len({(part.device, part.dtype) for part in found}) == 1:  # one cast, not one a tensor
+        return torch.cat(found).to(device=device, dtype=dtype)
+    return torch.cat([part.to(device=device, dtype=dtype) for part in found])
 
 
 def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:

@@ -270,4 +270,6 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
             found = _each_norm(members, p, _order_dtype(members[0], p), foreach)
         for i, norm in zip(indices, found, strict=True):
             norms[i] = norm
+    if len({(n.device, n.dtype) for n in norms}) == 1:  # one stack, one cast: not one a tensor
+        return torch.stack(norms).to(device=out_device, dtype=out_dtype)
     return torch.stack([n.to(device=out_device, dtype=out_dtype) for n in norms])

@@ -42,6 +42,18 @@ __all__ = [
 COUNTER_NAMES = ("step_count", "skip_count", "consecutive_skips")
 
 
+def host_copy(like: Tensor) -> tuple[Tensor, Callable[[], None], Callable[[], None]]:
+    """A pinned host buffer for copies of the 0-dim CUDA tensor ``like``, a function
+    that marks a copy just queued (an event recorded on the current stream of ``like``'s
+    device, which runs the copy even where it is not the current device) and one that
+    waits for the mark: the CUDA runtime objects of :class:`LaggedCount` in one place,
+    which the CUDA dry run (``benchmarks/dryrun.py``) stands in for."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    device = like.device
+    buffer = torch.empty((), dtype=like.dtype, pin_memory=True)
+    return buffer, lambda: event.record(torch.cuda.current_stream(device)), event.synchronize
+
+
 class LaggedCount:
     """A device counter read one step late, from a copy made without waiting.
 
@@ -55,32 +67,29 @@ class LaggedCount:
 
     def __init__(self) -> None:
         self._host: Tensor | None = None
-        self._event: torch.cuda.Event | None = None
+        self._marks: tuple[Callable[[], None], Callable[[], None]] | None = None
         self._host_device: torch.device | None = None
 
     def publish(self, count: Tensor) -> None:
         if count.device.type != "cuda":
-            self._host, self._event = count.detach().to("cpu", copy=True), None
+            self._host, self._marks = count.detach().to("cpu", copy=True), None
             return
-        if self._event is None or self._host is None or self._host_device != count.device:
-            self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._host_device = count.device
-        # The copy runs on the current stream of count's device, which need not be the
-        # current device: the event must be recorded on that same stream.
+        if self._marks is None or self._host is None or self._host_device != count.device:
+            self._host, *marks = host_copy(count)
+            self._marks, self._host_device = (marks[0], marks[1]), count.device
         self._host.copy_(count, non_blocking=True)
-        self._event.record(torch.cuda.current_stream(count.device))
+        self._marks[0]()
 
     def set(self, value: int) -> None:
         """Hold ``value``, a count already known on the host."""
         self._host = torch.tensor(value, dtype=torch.int64)
-        self._event, self._host_device = None, None
+        self._marks, self._host_device = None, None
 
     def read(self) -> int:
         if self._host is None:
             return 0
-        if self._event is not None:
-            self._event.synchronize()
+        if self._marks is not None:
+            self._marks[1]()
         return int(self._host.item())  # the user asked for the limit; a copy: no wait
 
     def __getstate__(self) -> dict[str, Any]:
@@ -110,6 +119,9 @@ class StepRecord:
         self.skip_count = _new_counter()
         self.consecutive_skips = _new_counter()
         self.lagged = LaggedCount()
+        # False while consecutive_skips is known to be 0 without reading it, so that a
+        # step that is not skipped need not zero it (one launch fewer a step).
+        self._streak_may_be_set = False
 
     def record(
         self, norm: Tensor, group_norms: Tensor | None, skipped: bool | Tensor, streak: int = 0
@@ -141,8 +153,12 @@ class StepRecord:
             self.lagged.set(streak + 1)
         else:
             self.step_count.add_(1)
-            self.consecutive_skips.zero_()
+            if torch.compiler.is_compiling() or self._streak_may_be_set:  # no guard on it
+                self.consecutive_skips.zero_()
+            self._streak_may_be_set = False
             self.lagged.set(0)
+            return
+        self._streak_may_be_set = True
 
     def state(self) -> dict[str, Tensor]:
         """Copies of the three counters, by name."""
@@ -159,13 +175,14 @@ class StepRecord:
         self.step_count = counters["step_count"]
         self.skip_count = counters["skip_count"]
         self.consecutive_skips = counters["consecutive_skips"]
+        self._streak_may_be_set = True
         self.lagged.set(int(self.consecutive_skips))  # a load, not a step: this read may wait
 
 
 def _nonfinite(norms: Tensor, coefficients: Tensor) -> Tensor:
     """1 (int64) if any norm or clip coefficient is NaN or infinite, else 0, on the device."""
     finite = torch.isfinite(norms).all() & torch.isfinite(coefficients).all()
-    return (~finite).to(torch.int64)
+    return torch.logical_not(finite).to(torch.int64)
 
 
 def _what(norms: Tensor) -> str:

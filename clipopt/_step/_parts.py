@@ -284,15 +284,35 @@ def scale(
     # Shared coefficients found by identity, not id(): torch.compile guards on an id,
     # and a step's new coefficient would then recompile this function every step.
     by_coefficient: list[tuple[Tensor, list[Tensor]]] = []
+    each: list[tuple[Tensor, Tensor]] = []
     for group_grads, coefficient in zip(grads, coefficients, strict=True):
         if isinstance(coefficient, tuple):
-            for grad, own in zip(group_grads, coefficient, strict=True):
-                if own is not None:
-                    _mesh.local_tensors([grad])[0].mul_(own.to(grad.device))
+            pairs = zip(group_grads, coefficient, strict=True)
+            each.extend((grad, own) for grad, own in pairs if own is not None)
         elif coefficient is not None and group_grads:
             _bucket(by_coefficient, coefficient).extend(group_grads)
     for coefficient, tensors in by_coefficient:
         _scale.scale_(_mesh.local_tensors(tensors), coefficient, foreach)
+    if each:
+        _scale_each_(_mesh.local_tensors([g for g, _ in each]), [c for _, c in each], foreach)
+
+
+def _scale_each_(grads: list[Tensor], coefficients: list[Tensor], foreach: bool | None) -> None:
+    """Multiply each grad in place by its own coefficient (broadcastable to it): one
+    ``_foreach_mul_`` per device and dtype unless ``foreach=False``, sparse grads one by
+    one. (On CUDA a coefficient of another shape than its grad still takes ATen's slow
+    route, a kernel per grad: torch has no foreach op scaling each tensor by its own
+    device scalar.)"""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, grad in enumerate(grads):
+        if grad.is_sparse or foreach is False:
+            grad.mul_(coefficients[i].to(grad.device))
+        else:
+            groups.setdefault((grad.device, grad.dtype), []).append(i)
+    for (device, _), indices in groups.items():
+        torch._foreach_mul_(
+            [grads[i] for i in indices], [coefficients[i].to(device) for i in indices]
+        )
 
 
 def _bucket(buckets: list[tuple[Tensor, list[Tensor]]], coefficient: Tensor) -> list[Tensor]:

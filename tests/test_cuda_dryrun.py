@@ -1,0 +1,96 @@
+"""The CUDA step path, run without a GPU (``benchmarks/dryrun.py``).
+
+Under ``FakeTensorMode`` parameters made with ``device="cuda"`` are fake CUDA tensors: a
+step takes the path it takes on a GPU, every op it launches is counted, and every read
+of a CUDA tensor's value on the host is caught and named (pipeline stages: one of two,
+over torch's fake process group). For every setting and inner
+optimizer the third step runs; it reads no CUDA value on the host beyond what the same
+inner step under torch's ``clip_grad_norm_(foreach=True)`` reads, except where the docs
+say it reads (``nonfinite="raise"``, and ``"skip"`` or ``skip_spikes`` where the skip is
+decided on the host: one ``tolist`` of three flags); its launches do not grow with the
+number of tensors beyond the bounds below; the clip folded into fused AdamW makes one
+pass over the grads fewer than torch's clip + the same step.
+
+What it does not show: kernel time, memory traffic, stream behaviour (``make gpu-check``
+runs the step on a GPU, ``tests/test_cuda_sync.py`` under the sync detector).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import dryrun
+
+INNERS = list(dryrun.INNERS)
+SETTINGS = list(dryrun.settings(dryrun.INNERS["fused AdamW"]))
+# Three flags read in one tolist: nonfinite="raise" always, and a skip judged on the
+# host (any inner optimizer but a fused one, which takes found_inf on the device).
+HOST_FLAGS = 3
+ON_THE_HOST = {'nonfinite="raise"', 'nonfinite="skip"', "skip_spikes=SpikeSkip()"}
+FUSED = {"fused AdamW", "fused Adam"}
+# Per-tensor scaling by a coefficient on the device: torch has no foreach op that scales
+# each tensor by its own device scalar, so ATen runs _foreach_mul_ tensor by tensor.
+# AGC also takes each grad's and weight's norms along dim 0: two reductions a tensor.
+PER_TENSOR = {"AutoClip(per_tensor=True)": 1, "AdaGC()": 1, "AGC()": 3}
+# The folded step's launches over torch's clip + fused AdamW (10): the norm combined in
+# float64 (cat, square, sum, sqrt, cast: 5 where torch's vector_norm is 1) and the
+# coefficient's guards (a NaN coefficient for a tensor max_norm that is not > 0, or
+# below float32's smallest normal, so that grad_scale = 1 / c cannot overflow: 5).
+LAUNCHES_OVER_TORCH = 10
+
+
+def expected_reads(inner: str, setting: str, torch_reads: int) -> int:
+    documented = setting == 'nonfinite="raise"' or (setting in ON_THE_HOST and inner not in FUSED)
+    return torch_reads + (HOST_FLAGS if documented else 0)
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_every_setting_runs_and_reads_only_what_the_docs_say(inner: str) -> None:
+    make = dryrun.INNERS[inner]
+    baseline = dryrun.count_step(dryrun._torch_clip(make), tensors=4)
+    print(f"\n{inner}: torch's clip + step {baseline.launches} launches, {baseline.passes} passes")
+    for setting, (step, _) in dryrun.settings(make).items():
+        counted = dryrun.count_step(step, tensors=4)
+        print(f"  {setting}: {counted.launches} launches, {counted.passes} passes")
+        want = expected_reads(inner, setting, len(baseline.host_reads))
+        assert len(counted.host_reads) == want, (setting, counted.host_reads)
+        assert counted.launches > 0
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_launches_do_not_grow_with_the_tensors(setting: str) -> None:
+    step, _ = dryrun.settings(dryrun.INNERS["fused AdamW"])[setting]
+    small = dryrun.count_step(step, tensors=64, steps=2, shape=(2, 2))
+    large = dryrun.count_step(step, tensors=512, steps=2, shape=(2, 2))
+    per_tensor = PER_TENSOR.get(setting, 0)
+    assert large.launches - small.launches <= 8 + per_tensor * (512 - 64), setting
+    if per_tensor:  # the bound is tight: the scale is the one part that grows
+        assert large.launches - small.launches >= 512 - 64
+
+
+def test_the_folded_step_makes_one_pass_fewer_than_torch() -> None:
+    make = dryrun.INNERS["fused AdamW"]
+    torch_step = dryrun.count_step(dryrun._torch_clip(make), tensors=64)
+    folded = dryrun.count_step(dryrun.settings(make)["max_norm=1.0"][0], tensors=64)
+    assert torch_step.passes == 3
+    assert folded.passes == torch_step.passes - 1
+    assert folded.launches <= torch_step.launches + LAUNCHES_OVER_TORCH, folded.ops
+
+
+def test_the_counter_sees_a_host_read_and_a_slow_foreach() -> None:
+    """The counter is live: an ``.item()`` is caught, a foreach op over unlike lists
+    counts one launch a tensor."""
+    import torch
+
+    def make(params: list[torch.nn.Parameter]) -> dryrun.Step:
+        def step() -> None:
+            grads = [p.grad for p in params if p.grad is not None]
+            torch._foreach_mul_(grads, [torch.ones((), device="cuda") for _ in grads])
+            grads[0].sum().item()
+
+        return step
+
+    counted = dryrun.count_step(make, tensors=5)
+    assert counted.host_reads == ["_local_scalar_dense.default"]
+    assert counted.ops.count("_foreach_mul_.List") == 5
+    assert counted.passes == 2  # the foreach op reads them all once, the sum one of them
