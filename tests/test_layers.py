@@ -135,8 +135,6 @@ def test_imports_point_only_downward(module: str) -> None:
     assert not upward, f"clipopt.{module} imports {upward}"
 
 
-
-
 BENCHMARKS = PACKAGE.parent / "benchmarks"
 BENCHMARK_LAYERS: list[set[str]] = [
     {"__init__", "common", "markdown"},  # the harness: layouts, timing, results; JSON to md

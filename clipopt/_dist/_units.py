@@ -88,8 +88,8 @@ def unit_norms(
             parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
     for (_, kind), indices in batched.items():
         group = [every[i] for i in indices]
-        found = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
-        for i, norm in zip(indices, found, strict=True):
+        norms = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
+        for i, norm in zip(indices, norms, strict=True):
             parts[i] = norm
     found = [cast(Tensor, part).reshape(-1) for part in parts]
     if len({(part.device, part.dtype) for part in found}) == 1:  # one cast, not one a tensor
