@@ -219,17 +219,13 @@ def _bf16_loss(model: nn.Module, data: torch.Generator) -> Tensor:
     return nn.functional.mse_loss(out.float(), y)
 
 
-def _ulp(t: Tensor) -> Tensor:
-    """The gap from ``t`` to the next float32 away from zero."""
-    return (torch.nextafter(t, torch.tensor(math.inf)) - t).double()
-
-
 @pytest.mark.parametrize("width", [64, 1024])
 def test_amp_norm_against_float64(width: int) -> None:
     """Under bf16 autocast and a scaler, with a BatchNorm, the grads the wrapper clips
-    measured three ways: the wrapper's ``last_norm`` is within one float32 ulp of the
-    float64 norm of the same unscaled grads at every step, and nearer to it overall
-    than torch's ``clip_grad_norm_`` norm, which differs from it in some bits."""
+    measured three ways: at every step the wrapper's ``last_norm`` is no farther from
+    the float64 norm of the same unscaled grads than torch's ``clip_grad_norm_`` norm;
+    where a grad has more than 64K elements (width 1024) the two differ, and the
+    wrapper's is nearer over the run."""
     model = _mlp(width, batch_norm=True)
     opt = clipopt.ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), MAX_NORM)
     scaler = torch.amp.GradScaler("cpu")
@@ -247,23 +243,28 @@ def test_amp_norm_against_float64(width: int) -> None:
         opt.zero_grad()
         assert opt.last_norm is not None
         ours = opt.last_norm
-        assert (ours.double() - truth).abs() <= _ulp(ours), (ours, truth)
-        ours_error += float((ours.double() - truth).abs())
-        theirs_error += float((theirs.double() - truth).abs())
+        ours_step = float((ours.double() - truth).abs())
+        theirs_step = float((theirs.double() - truth).abs())
+        assert ours_step <= theirs_step, (ours, theirs, truth)
+        ours_error += ours_step
+        theirs_error += theirs_step
         differ += not torch.equal(ours, theirs)
-    assert ours_error < theirs_error, (ours_error, theirs_error)
-    assert differ > 0
+    if width * width > 65_536:  # a weight of more than 64K elements
+        assert ours_error < theirs_error, (ours_error, theirs_error)
+        assert differ > 0
 
 
-def test_amp_runs_against_torch_clip_separate() -> None:
+@pytest.mark.parametrize("width", [64, 1024])
+def test_amp_runs_against_torch_clip_separate(width: int) -> None:
     """torch's recipe (``unscale_``, ``torch.nn.utils.clip_grad_norm_``, ``step``) and the
     wrapper, from the same start under bf16 autocast with AdamW, clipping every step:
-    the norms differ in their last bits, so the two runs' losses part, though by
-    less than 1e-3 in 30 steps."""
+    64 wide the norms are torch's and the runs bit-identical; 1024 wide (a weight past
+    64K elements) the norms differ in their last bits, so the two runs' losses part,
+    though by less than 1e-3 in 30 steps."""
     steps = 30
     losses: dict[bool, list[Tensor]] = {}
     for wrapped in (False, True):
-        model = _mlp(64, batch_norm=False)
+        model = _mlp(width, batch_norm=False)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
         opt = clipopt.ClippedOptimizer(inner, MAX_NORM) if wrapped else inner
         scaler = torch.amp.GradScaler("cpu")
@@ -281,4 +282,7 @@ def test_amp_runs_against_torch_clip_separate() -> None:
             scaler.update()
             opt.zero_grad()
     gap = (torch.stack(losses[True]) - torch.stack(losses[False])).abs().max()
-    assert 0 < gap < 1e-3, gap
+    if width * width > 65_536:
+        assert 0 < gap < 1e-3, gap
+    else:
+        assert gap == 0, gap
