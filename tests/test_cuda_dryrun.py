@@ -33,10 +33,10 @@ FUSED = {"fused AdamW", "fused Adam"}
 # AGC also takes each grad's and weight's norms along dim 0: two reductions a tensor.
 PER_TENSOR = {"AutoClip(per_tensor=True)": 1, "AdaGC()": 1, "AGC()": 3}
 # The folded step's launches over torch's clip + fused AdamW (10): the norm combined in
-# float64 (cat, square, sum, sqrt, cast: 5 where torch's vector_norm is 1) and the
-# coefficient's guards (a NaN coefficient for a tensor max_norm that is not > 0, or
+# float64 (cast, cat, square, sum, sqrt, cast back: 6 where torch's vector_norm is 1) and
+# the coefficient's guards (a NaN coefficient for a tensor max_norm that is not > 0, or
 # below float32's smallest normal, so that grad_scale = 1 / c cannot overflow: 5).
-LAUNCHES_OVER_TORCH = 10
+LAUNCHES_OVER_TORCH = 11
 
 
 def expected_reads(inner: str, setting: str, torch_reads: int) -> int:
@@ -94,3 +94,16 @@ def test_the_counter_sees_a_host_read_and_a_slow_foreach() -> None:
     assert counted.host_reads == ["_local_scalar_dense.default"]
     assert counted.ops.count("_foreach_mul_.List") == 5
     assert counted.passes == 2  # the foreach op reads them all once, the sum one of them
+
+
+@pytest.mark.parametrize(
+    "setting", ["max_norm=1.0", "track_tensor_norms=True", "AutoClip(per_tensor=True)", "AGC()"]
+)
+def test_per_tensor_and_unit_norms_are_no_extra_pass(setting: str) -> None:
+    """With foreach AdamW, measuring each grad's norm (tracked, a per-tensor rule, AGC's
+    units) reads the grads no more often than torch's clip + the same step: the global
+    norm is derived from those norms, not measured again."""
+    make = dryrun.INNERS["foreach AdamW"]
+    baseline = dryrun.count_step(dryrun._torch_clip(make), tensors=8)
+    counted = dryrun.count_step(dryrun.settings(make)[setting][0], tensors=8)
+    assert counted.passes == baseline.passes, (counted.passes, baseline.passes)
