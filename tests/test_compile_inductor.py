@@ -298,11 +298,7 @@ DEFAULT_CASES = [
     ("autoclip-per-tensor", "adamw-foreach"),
     ("zclip", "adamw-fused"),
     ("grad-scaler", "adamw-for-loop"),
-    pytest.param(
-        "fixed",
-        "pytorch_optimizer-lion",
-        marks=pytest.mark.xfail(reason=LION_RECOMPILES, strict=True, raises=AssertionError),
-    ),
+    ("fixed", "pytorch_optimizer-lion"),
 ]
 DEFAULT_PAIRS = {
     (case.values[0], case.values[1]) if hasattr(case, "values") else case for case in DEFAULT_CASES

@@ -138,7 +138,7 @@ def test_imports_point_only_downward(module: str) -> None:
 BENCHMARKS = PACKAGE.parent / "benchmarks"
 BENCHMARK_LAYERS: list[set[str]] = [
     {"__init__", "common", "markdown"},  # the harness: layouts, timing, results; JSON to md
-    {"host", "rules", "compiled", "gpu_compile"},  # sections on the harness
+    {"host", "rules", "compiled", "gpu_compile", "dryrun"},  # sections on the harness
     {"targets"},  # the goals, over the harness's rows and host's
     {"run"},  # every section, and main
 ]
