@@ -410,16 +410,21 @@ def case_untold_zero_is_refused_at_step() -> None:
     assert int(opt.step_count) == 0 and opt.last_norm is None
 
 
-def case_bf16_start_up_step_is_not_a_step() -> None:
-    """DeepSpeed's bf16 optimizer at stage 0 steps the wrapper on zero grads inside
+def _start_up_step_is_not_a_step(**precision: Any) -> Callable[[], None]:
+    """DeepSpeed's bf16 or fp16 optimizer at stage 0 steps the wrapper on zero grads inside
     deepspeed.initialize: AutoClip's threshold is the median of the real steps' norms."""
-    engine, opt = _engine(0, False, clipopt.AutoClip(percentile=50.0), bf16={"enabled": True})
-    assert int(opt.step_count) == 0 and opt.last_norm is None
-    norms = _train(engine, opt)
-    assert int(opt.step_count) == STEPS and opt.rule is not None
-    assert opt.rule.last_threshold is not None
-    earlier = torch.stack(norms[:-1]).double()
-    _close(opt.rule.last_threshold, torch.quantile(earlier, 0.5), "threshold")
+
+    def case() -> None:
+        engine, opt = _engine(0, False, clipopt.AutoClip(percentile=50.0), **precision)
+        assert opt.optimizer.state, "DeepSpeed's start-up step made the AdamW's state"
+        assert int(opt.step_count) == 0 and opt.last_norm is None
+        norms = _train(engine, opt)
+        assert int(opt.step_count) == STEPS and opt.rule is not None
+        assert opt.rule.last_threshold is not None
+        earlier = torch.stack(norms[:-1]).double()
+        _close(opt.rule.last_threshold, torch.quantile(earlier, 0.5), "threshold")
+
+    return case
 
 
 COMPILED = functools.partial(torch.compile, backend="aot_eager")
@@ -445,7 +450,10 @@ CASES: dict[str, Callable[[], None]] = {
     "zero2_gradient_clipping_refused": _refused_at_attach(2, CLIPPING, gradient_clipping=1.0),
     "zero0_fp16_dynamic_refused": _refused_at_attach(0, LOSS_SCALE, **FP16),
     "zero2_fp16_dynamic_refused": _refused_at_attach(2, LOSS_SCALE, **FP16),
-    "zero0_bf16_start_up_step": case_bf16_start_up_step_is_not_a_step,
+    "zero0_bf16_start_up_step": _start_up_step_is_not_a_step(bf16={"enabled": True}),
+    "zero0_fp16_start_up_step": _start_up_step_is_not_a_step(
+        fp16={"enabled": True, "loss_scale": 1024}
+    ),
 }
 
 
