@@ -201,6 +201,15 @@ def test_what_cannot_be_right_under_zero_is_refused_touching_nothing(
     with pytest.raises(ValueError, match="remove pp_mesh"):
         _deepspeed.zero_source(call, staged, [2.0], False, False)
 
+    groups = _flat_groups(1)
+    opt = clipopt.ClippedOptimizer(
+        torch.optim.SGD(groups, lr=0.1),
+        1.0,
+        process_group=world_of_one,
+        replicated_params=groups[0]["params"],
+    )
+    _refused(opt, _attached(opt, world_of_one), "remove replicated_params")
+
     opt = wrapper(process_group=world_of_one)
     # A world of one cannot hold another group of ranks: DeepSpeed's is said to be [0, 1].
     real = _deepspeed._ranks
