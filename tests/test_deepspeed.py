@@ -444,6 +444,7 @@ float64 (1.1e-5 relative). A partition's norm is off by tens of percent."""
 CLIPPING = r"'gradient_clipping': 0"
 LOSS_SCALE = r"static 'fp16': \{'loss_scale'"
 FP16 = {"fp16": {"enabled": True, "loss_scale": 0}}
+UNTESTED = r"which clipopt has not tested: use ZeRO-0, -1 or -2 without offload"
 CASES: dict[str, Callable[[], None]] = {
     "zero0_two_groups": _case(0, True),  # DeepSpeed averages whole grads: nothing to do
     "zero1_one_group": _case(1, False),
@@ -459,6 +460,13 @@ CASES: dict[str, Callable[[], None]] = {
     "zero2_gradient_clipping_refused": _refused_at_attach(2, CLIPPING, gradient_clipping=1.0),
     "zero0_fp16_dynamic_refused": _refused_at_attach(0, LOSS_SCALE, **FP16),
     "zero2_fp16_dynamic_refused": _refused_at_attach(2, LOSS_SCALE, **FP16),
+    "zero3_refused": _refused_at_attach(3, UNTESTED),
+    "zero2_offload_refused": _refused_at_attach(
+        2,
+        UNTESTED,
+        zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        zero_force_ds_cpu_optimizer=False,  # DeepSpeed refuses a client optimizer otherwise
+    ),
     "zero0_bf16_start_up_step": _start_up_step_is_not_a_step(bf16={"enabled": True}),
     "zero0_fp16_start_up_step": _start_up_step_is_not_a_step(
         fp16={"enabled": True, "loss_scale": 1024}
