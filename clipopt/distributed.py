@@ -49,6 +49,7 @@ and the optimizer, saves the ``"clip"`` entry under a key of its pipeline stage.
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from clipopt._errors import user_stacklevel
 from clipopt.optimizer import ClippedOptimizer
 
 __all__ = ["ClippedOptimizerState"]
@@ -111,6 +113,10 @@ class ClippedOptimizerState:
     one), so pipeline stages saved into one checkpoint each load their own entry; the
     ranks of one stage write the same bytes.
 
+    A partial ``dcp.load`` (``allow_partial_load=True``) of a checkpoint saved without
+    this entry hands back the bytes its ``state_dict`` gave as the template: that load
+    warns and keeps the clip state as it is (a strict load raises on the missing key).
+
     Making it tells the wrapper that its clip state travels here: its
     ``load_state_dict`` then takes a dict without ``"clip"`` (one from torch's DCP
     functions) without a warning.
@@ -129,13 +135,17 @@ class ClippedOptimizerState:
             )
         optimizer._saved_apart()
         self.optimizer = optimizer
+        self._template: bytes | None = None
 
     def _key(self) -> str:
         group = self.optimizer._norm_scope.pp_group
         return f"stage{0 if group is None else dist.get_rank(group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key(): _encode(self.optimizer._extra_state())}
+        # Kept to recognise it handed back: a partial dcp.load of a checkpoint without
+        # this entry leaves the template's own bytes in place.
+        self._template = _encode(self.optimizer._extra_state())
+        return {self._key(): self._template}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         key = self._key()
@@ -145,4 +155,13 @@ class ClippedOptimizerState:
                 f"ClippedOptimizerState's state dict has no {key!r} (this rank's pipeline "
                 f"stage), got {shown!r}; nothing was loaded"
             )
+        if state_dict[key] is self._template:
+            warnings.warn(
+                f"the checkpoint has no {key!r} ClippedOptimizerState entry (a partial "
+                "dcp.load got back the template's own bytes): the clip state is kept as it "
+                "is; save ClippedOptimizerState(optimizer) beside the model and optimizer",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return
         self.optimizer._load_extra(_decode(state_dict[key], key))

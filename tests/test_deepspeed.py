@@ -201,6 +201,15 @@ def test_what_cannot_be_right_under_zero_is_refused_touching_nothing(
     with pytest.raises(ValueError, match="remove pp_mesh"):
         _deepspeed.zero_source(call, staged, [2.0], False, False)
 
+    groups = _flat_groups(1)
+    opt = clipopt.ClippedOptimizer(
+        torch.optim.SGD(groups, lr=0.1),
+        1.0,
+        process_group=world_of_one,
+        replicated_params=groups[0]["params"],
+    )
+    _refused(opt, _attached(opt, world_of_one), "remove replicated_params")
+
     opt = wrapper(process_group=world_of_one)
     # A world of one cannot hold another group of ranks: DeepSpeed's is said to be [0, 1].
     real = _deepspeed._ranks
@@ -410,16 +419,21 @@ def case_untold_zero_is_refused_at_step() -> None:
     assert int(opt.step_count) == 0 and opt.last_norm is None
 
 
-def case_bf16_start_up_step_is_not_a_step() -> None:
-    """DeepSpeed's bf16 optimizer at stage 0 steps the wrapper on zero grads inside
+def _start_up_step_is_not_a_step(**precision: Any) -> Callable[[], None]:
+    """DeepSpeed's bf16 or fp16 optimizer at stage 0 steps the wrapper on zero grads inside
     deepspeed.initialize: AutoClip's threshold is the median of the real steps' norms."""
-    engine, opt = _engine(0, False, clipopt.AutoClip(percentile=50.0), bf16={"enabled": True})
-    assert int(opt.step_count) == 0 and opt.last_norm is None
-    norms = _train(engine, opt)
-    assert int(opt.step_count) == STEPS and opt.rule is not None
-    assert opt.rule.last_threshold is not None
-    earlier = torch.stack(norms[:-1]).double()
-    _close(opt.rule.last_threshold, torch.quantile(earlier, 0.5), "threshold")
+
+    def case() -> None:
+        engine, opt = _engine(0, False, clipopt.AutoClip(percentile=50.0), **precision)
+        assert opt.optimizer.state, "DeepSpeed's start-up step made the AdamW's state"
+        assert int(opt.step_count) == 0 and opt.last_norm is None
+        norms = _train(engine, opt)
+        assert int(opt.step_count) == STEPS and opt.rule is not None
+        assert opt.rule.last_threshold is not None
+        earlier = torch.stack(norms[:-1]).double()
+        _close(opt.rule.last_threshold, torch.quantile(earlier, 0.5), "threshold")
+
+    return case
 
 
 COMPILED = functools.partial(torch.compile, backend="aot_eager")
@@ -430,6 +444,7 @@ float64 (1.1e-5 relative). A partition's norm is off by tens of percent."""
 CLIPPING = r"'gradient_clipping': 0"
 LOSS_SCALE = r"static 'fp16': \{'loss_scale'"
 FP16 = {"fp16": {"enabled": True, "loss_scale": 0}}
+UNTESTED = r"which clipopt has not tested: use ZeRO-0, -1 or -2 without offload"
 CASES: dict[str, Callable[[], None]] = {
     "zero0_two_groups": _case(0, True),  # DeepSpeed averages whole grads: nothing to do
     "zero1_one_group": _case(1, False),
@@ -445,7 +460,17 @@ CASES: dict[str, Callable[[], None]] = {
     "zero2_gradient_clipping_refused": _refused_at_attach(2, CLIPPING, gradient_clipping=1.0),
     "zero0_fp16_dynamic_refused": _refused_at_attach(0, LOSS_SCALE, **FP16),
     "zero2_fp16_dynamic_refused": _refused_at_attach(2, LOSS_SCALE, **FP16),
-    "zero0_bf16_start_up_step": case_bf16_start_up_step_is_not_a_step,
+    "zero3_refused": _refused_at_attach(3, UNTESTED),
+    "zero2_offload_refused": _refused_at_attach(
+        2,
+        UNTESTED,
+        zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        zero_force_ds_cpu_optimizer=False,  # DeepSpeed refuses a client optimizer otherwise
+    ),
+    "zero0_bf16_start_up_step": _start_up_step_is_not_a_step(bf16={"enabled": True}),
+    "zero0_fp16_start_up_step": _start_up_step_is_not_a_step(
+        fp16={"enabled": True, "loss_scale": 1024}
+    ),
 }
 
 

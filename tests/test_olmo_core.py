@@ -326,6 +326,31 @@ def test_a_load_without_the_clip_entry_warns_once_naming_the_fix(world_of_one: A
         dcp_sd.set_optimizer_state_dict(fresh_model, fresh, saved)
 
 
+def test_a_partial_load_of_a_checkpoint_without_the_clip_entry_warns(
+    world_of_one: Any, tmp_path: Path
+) -> None:
+    """A strict ``dcp.load`` of a checkpoint saved without the clip entry raises (a missing
+    key); a partial one hands ``ClippedOptimizerState`` back the bytes it gave as the
+    template. Not a silent reset: it warns, naming the stage's key, and keeps the clip
+    state as it is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    model, opt = _run(2)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path)
+    before = copy.deepcopy(opt.state_dict()["clip"])
+    loaded = {"model": model.state_dict(), "clip": ClippedOptimizerState(opt)}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match=r"Missing key .*: clip\.stage0"):
+        dcp.load(loaded, checkpoint_id=tmp_path)
+    with pytest.warns(UserWarning, match=r"no 'stage0'.*kept as it is"):
+        dcp.load(
+            loaded, checkpoint_id=tmp_path, planner=DefaultLoadPlanner(allow_partial_load=True)
+        )
+    assert_identical(opt.state_dict()["clip"], before)
+
+
 def test_torchs_initialisation_step_is_a_step_of_a_wrapper_handed_to_it(world_of_one: Any) -> None:
     """torch's functions step an optimizer that has no state and no grads (zero grads,
     lr 0) to create its state. Handed the wrapper, that is one of its steps, as any other;

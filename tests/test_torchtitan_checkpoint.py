@@ -6,6 +6,7 @@ parameters and an ``AutoClip(per_tensor=True)`` wrapper over ``pp_mesh``, built 
 torchtitan's ``CheckpointManager`` saves every stage into one DCP checkpoint, with
 ``ClippedOptimizerState`` in its ``states``; a fresh set of objects loads it and must
 continue bit for bit as the uninterrupted run, each stage with its own rule state.
+With the entry under one key for every stage, the resumed norms differ.
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ def _titan() -> Any:
     )
 
 
+class OneKeyForEveryStage:
+    """The clip entry under one key whatever the stage: what the per-stage key prevents."""
+
+    def __init__(self, state: ClippedOptimizerState, own_key: str) -> None:
+        self.state, self.own_key = state, own_key
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.state.state_dict()[self.own_key]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state.load_state_dict({self.own_key: state_dict["stage"]})
+
+
 def case_checkpoint_manager_resumes_each_stage(folder: str) -> None:
     titan_dims, CheckpointManager, Schedulers, OptimizersContainer, ParamGroupConfig = _titan()
 
@@ -84,10 +98,13 @@ def case_checkpoint_manager_resumes_each_stage(folder: str) -> None:
         implementation="for-loop",
     )
 
-    def build() -> tuple[nn.Module, Any, Any]:
+    def build(one_key: bool = False, where: str = folder) -> tuple[nn.Module, Any, Any]:
         torch.manual_seed(stage)  # each stage its own layers, named apart
         part = nn.ModuleDict({f"stage{stage}": nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))})
         optimizers = ClippedOptimizersContainer(config, model_parts=[part], pp_mesh=pp_mesh)
+        clip: Any = ClippedOptimizerState(optimizers.clipped[0])
+        if one_key:
+            clip = OneKeyForEveryStage(clip, f"stage{stage}")
         manager = CheckpointManager(
             CheckpointManager.Config(
                 enable=True,
@@ -100,9 +117,9 @@ def case_checkpoint_manager_resumes_each_stage(folder: str) -> None:
             model_parts=[part],
             optimizers=optimizers,
             lr_schedulers=Schedulers(optimizers, lambda step: 1.0 / (1 + step)),
-            states={"clip": ClippedOptimizerState(optimizers.clipped[0])},
+            states={"clip": clip},
             sd_adapter=None,
-            base_folder=folder,
+            base_folder=where,
         )
         return part, optimizers, manager
 
@@ -135,7 +152,17 @@ def case_checkpoint_manager_resumes_each_stage(folder: str) -> None:
     assert_identical(ours, theirs, "the wrapper's state dict")
     rule_state = ours["clip"]["rule"]["state"]
     assert len(str(rule_state)) > 0 and int(ours["clip"]["step_count"]) == STEPS
-    for manager_ in (manager, resumed_manager):
+    # The control: with one key for every stage, DCP keeps one stage's entry and the
+    # other stage resumes with a rule state not its own; the norm is the stages' global
+    # one, so every stage's norms part from the uninterrupted run's.
+    shared = os.path.join(folder, "one_key")
+    one_part, one_optimizers, one_manager = build(one_key=True, where=shared)
+    train(one_part, one_optimizers, one_manager, range(SAVED_AT))
+    again_part, again, again_manager = build(one_key=True, where=shared)
+    assert again_manager.load(step=SAVED_AT)
+    again_norms = train(again_part, again, again_manager, range(SAVED_AT, STEPS))
+    assert not all(torch.equal(a, b) for a, b in zip(again_norms, norms[SAVED_AT:], strict=True))
+    for manager_ in (manager, resumed_manager, one_manager, again_manager):
         manager_.close()
 
 
