@@ -67,7 +67,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_gloo(rank: int, world_size: int, port: int) -> None:
+def init_gloo(
+    rank: int, world_size: int, port: int, timeout: datetime.timedelta = PG_TIMEOUT
+) -> None:
     torch.set_num_threads(1)
     forbid_fsdp2_where_it_cannot_run()
     dist.init_process_group(
@@ -75,7 +77,7 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=PG_TIMEOUT,
+        timeout=timeout,
     )
 
 
@@ -642,8 +644,10 @@ def run_cases(
     out_dir: str,
     cases: dict[str, Callable[..., None]],
     call: Callable[[str, Callable[..., None]], None] = lambda name, case: case(),
+    timeout: datetime.timedelta = PG_TIMEOUT,
 ) -> None:
-    """Run every case in order on this rank, recording each outcome in its JSON file.
+    """Run every case in order on this rank, recording each outcome in its JSON file
+    (a ``pytest.raises`` that did not raise too); collectives time out after ``timeout``.
 
     After each case the ranks agree over a separate control group on who failed: when
     every rank failed the collectives are still in step and the next case runs; when
@@ -651,13 +655,13 @@ def run_cases(
     """
     results: dict[str, str] = {}
     try:
-        init_gloo(rank, WORLD_SIZE, port)
+        init_gloo(rank, WORLD_SIZE, port, timeout)
         control = dist.new_group(list(range(WORLD_SIZE)))
         for name, case in cases.items():
             try:
                 call(name, case)
                 results[name] = "ok"
-            except Exception:
+            except (Exception, pytest.fail.Exception):
                 results[name] = traceback.format_exc()
             some, every = all_ranks_failed(control, results[name] != "ok")
             if some and not every:
@@ -707,11 +711,14 @@ def run_workers(
 
 
 def rank_outcomes(
-    worker: Callable[..., None], out_dir: Path, cases: Iterable[str]
+    worker: Callable[..., None],
+    out_dir: Path,
+    cases: Iterable[str],
+    timeout_s: float = JOIN_TIMEOUT_S,
 ) -> dict[str, list[str]]:
     """Run ``worker`` on every rank; each case's outcome per rank ("ok" or what failed),
     from the ``rank{r}.json`` files the workers write (a failed setup or start fails all)."""
-    failure = run_workers(worker, str(out_dir))
+    failure = run_workers(worker, str(out_dir), timeout_s)
     results: dict[str, list[str]] = {name: [] for name in cases}
     for rank in range(WORLD_SIZE):
         path = out_dir / f"rank{rank}.json"

@@ -10,19 +10,15 @@ timeout is short, so a rank left waiting in a collective fails its case in
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import os
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_all_ok
-from test_distributed import WORLD_SIZE, CountAllReduce, all_ranks_failed, run_workers
+from test_distributed import WORLD_SIZE, CountAllReduce, rank_outcomes, run_cases
 from torch import Tensor, nn
 
 import clipopt
@@ -166,47 +162,13 @@ CASES: dict[str, Callable[[], None]] = {
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:
-    results: dict[str, str] = {}
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=PG_TIMEOUT,
-        )
-        control = dist.new_group(list(range(WORLD_SIZE)))
-        for name, case in CASES.items():
-            try:
-                case()
-                results[name] = "ok"
-            except (Exception, pytest.fail.Exception):  # pytest.raises' "DID NOT RAISE" too
-                results[name] = traceback.format_exc()
-            some, every = all_ranks_failed(control, results[name] != "ok")
-            if some and not every:
-                break
-    except Exception:
-        results["<setup>"] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_cases(rank, port, out_dir, CASES, timeout=PG_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def case_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     out_dir = tmp_path_factory.mktemp("stages_agree")
-    failure = run_workers(worker, str(out_dir), timeout_s=JOIN_TIMEOUT_S)
-    results: dict[str, list[str]] = {name: [] for name in CASES}
-    for rank in range(WORLD_SIZE):
-        path = Path(out_dir) / f"rank{rank}.json"
-        recorded = json.loads(path.read_text()) if path.exists() else {}
-        for name in CASES:
-            default = recorded.get("<setup>") or failure or "not run: an earlier case failed"
-            results[name].append(recorded.get(name, default))
-    return results
+    return rank_outcomes(worker, out_dir, CASES, timeout_s=JOIN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", list(CASES))
