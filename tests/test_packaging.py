@@ -28,4 +28,3 @@ def test_licence_and_changelog() -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert "## Unreleased" in changelog
     assert f"## {clipopt.__version__}" in changelog
-    assert "CLIPOPT_DISABLE_NATIVE" in changelog
