@@ -1,29 +1,68 @@
-"""Argument checks shared by the functional API and ClippedOptimizer.
+"""Settings and argument checks, run when a setting is set, never on a step's tensors.
 
-Each raises a ``TypeError``/``ValueError`` naming the argument and the value, and reads
-no tensor's value (that would wait on its device).
+Each check raises a ``TypeError``/``ValueError`` naming the argument and the value, and
+reads no tensor's value (that would wait on its device). A wrapper's settings live in the
+inner optimizer's param groups and defaults under names no optimizer uses
+(``"clip_max_norm"``, ``"clip_norm_type"``), so they are saved, loaded and edited like
+``lr``; the wrapper-wide ones are a :class:`Settings`.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import TypeAlias
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "CLIP_KEY",
+    "MAX_NORM_KEY",
+    "NORM_TYPE_KEY",
     "MaxNorm",
+    "NonFinite",
     "NormType",
+    "Settings",
     "check_foreach",
+    "check_groups",
     "check_norm_type",
     "check_not_skip_step",
     "check_positive",
+    "validated_settings",
 ]
 
 NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
+NonFinite: TypeAlias = Literal["propagate", "skip", "raise"]
+Threshold: TypeAlias = float | Tensor
+
+NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise")
+CLIP_KEY = "clip"
+"""The top-level key of ``ClippedOptimizer.state_dict()`` that holds the clip state."""
+MAX_NORM_KEY = "clip_max_norm"
+"""The param-group (and defaults) key of a group's threshold."""
+NORM_TYPE_KEY = "clip_norm_type"
+"""The param-group (and defaults) key of a group's norm order."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated wrapper-wide settings; ``max_norm``/``norm_type`` are group defaults."""
+
+    max_norm: float
+    norm_type: float
+    per_group: bool
+    nonfinite: NonFinite
+    max_consecutive_skips: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SETTINGS_KEYS = tuple(Settings.__dataclass_fields__)
 
 
 def check_norm_type(norm_type: NormType) -> float:
@@ -62,14 +101,65 @@ def check_foreach(foreach: object) -> None:
         raise TypeError(f"foreach must be a bool or None, got {foreach!r}")
 
 
-def check_not_skip_step(optimizer: object) -> None:
-    """Refuse an OLMo-core ``SkipStepOptimizer`` (``SkipStepAdamW``, ``SkipStepLion``).
+def validated_settings(
+    max_norm: Any, norm_type: Any, per_group: Any, nonfinite: Any, max_consecutive_skips: Any
+) -> Settings:
+    """Check every wrapper-wide setting; raise naming the first bad one."""
+    check_positive("max_norm", max_norm, allow_tensor=False)
+    p = check_norm_type(norm_type)
+    if not isinstance(per_group, bool):
+        raise TypeError(f"per_group must be a bool, got {per_group!r}")
+    if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    limit = max_consecutive_skips
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise TypeError(f"max_consecutive_skips must be a positive int or None, got {limit!r}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"max_consecutive_skips must be >= 1 or None, got {limit!r}")
+    return Settings(float(max_norm), p, per_group, cast(NonFinite, nonfinite), limit)
 
-    It skips a spike only from the loss and grad norm that OLMo-core's train module
-    hands it before each step, and only when ``isinstance(optim, SkipStepOptimizer)``
-    holds for the train module's optimizer, which a wrapper is not: wrapped, it would
-    silently never skip. Recognised by its classes' names and modules, so without
-    importing olmo_core.
+
+def _group_norm_type(index: int, value: Any) -> float:
+    """A param group's ``clip_norm_type`` as a float; errors name the group."""
+    try:
+        return check_norm_type(value)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"param_groups[{index}][{NORM_TYPE_KEY!r}]: {error}") from None
+
+
+def check_groups(
+    groups: Sequence[Mapping[str, Any]], max_norm: Any, norm_type: Any, per_group: bool
+) -> tuple[list[Threshold], list[float]]:
+    """Each group's threshold and norm order (``max_norm``, ``norm_type`` where it has
+    none), validated.
+
+    Returns:
+      The thresholds (a number > 0, inf allowed, or a 0-dim tensor) and the orders.
+
+    Raises:
+      TypeError, ValueError: a bad setting, or without ``per_group`` two orders (one
+        global norm needs one).
+    """
+    thresholds: list[Threshold] = []
+    norm_types = []
+    for index, group in enumerate(groups):
+        value = group.get(MAX_NORM_KEY, max_norm)
+        check_positive(f"param_groups[{index}][{MAX_NORM_KEY!r}]", value)
+        thresholds.append(value if isinstance(value, Tensor) else float(value))
+        norm_types.append(_group_norm_type(index, group.get(NORM_TYPE_KEY, norm_type)))
+    if not per_group and len(set(norm_types)) > 1:
+        raise ValueError(
+            f"param groups use different norm_type values {norm_types}; one global norm "
+            "needs one order (pass per_group=True to clip each group by its own norm)"
+        )
+    return thresholds, norm_types
+
+
+def check_not_skip_step(optimizer: object) -> None:
+    """Refuse an OLMo-core ``SkipStepOptimizer`` (``SkipStepAdamW``, ``SkipStepLion``):
+    it skips a spike only when it is OLMo-core's train module's optimizer itself, which
+    a wrapper is not, so wrapped it would silently never skip. Recognised by name, so
+    without importing olmo_core.
 
     Raises:
       TypeError: naming the optimizer and what to use instead.

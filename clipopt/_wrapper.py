@@ -1,36 +1,100 @@
-"""A transparent ``torch.optim.Optimizer`` wrapper that knows nothing of clipping.
+"""A transparent ``torch.optim.Optimizer`` wrapper that knows nothing of clipping, and
+the step hooks in torch's order when one optimizer's step runs another's.
 
 :class:`OptimizerWrapper` is an ``Optimizer`` for the ``isinstance`` checks of LR
 schedulers, ``GradScaler`` and the training frameworks, but it does not call
 ``Optimizer.__init__`` (as torchao's ``CPUOffloadOptimizer`` does not): its
-``param_groups``, ``state`` and ``defaults`` are the inner optimizer's very objects, so
-schedulers and code that edits ``group["lr"]`` act on the inner optimizer directly.
+``param_groups``, ``state`` and ``defaults`` are the inner optimizer's very objects. It
+saves and loads the inner optimizer's state dict with one extra entry of its own,
+validated whole before the inner optimizer loads anything. A subclass supplies ``step``
+(firing the hooks with :func:`pre_hooks` / :func:`post_hooks`), :meth:`_extra_state`,
+:meth:`_check_load`, :meth:`_finish_load` and :meth:`_warn_extra_missing`.
 
-It owns the hook registries and fires them; it saves and loads the inner optimizer's
-state dict with one extra entry of its own (a load without it warns, unless the entry
-travels apart: :meth:`_saved_apart`). A subclass supplies:
-
-- :meth:`_wrapped_step`: the step itself (the inner step included);
-- :meth:`_extra_state`, :meth:`_check_load`, :meth:`_finish_load`: its entry of the state
-  dict, validated completely before the inner optimizer loads anything;
-- :meth:`_warn_extra_missing`: what a load without that entry says.
+torch fires, around ``opt.step()``: the global pre-hooks, ``opt``'s own, the step,
+``opt``'s own post-hooks, the global ones. A wrapper fires that around its whole step;
+the inner step inside it fires only the inner optimizer's own hooks
+(:func:`inner_step`). This is the one module that reads ``torch.optim``'s private hook
+state (``_global_optimizer_pre_hooks``/``_post_hooks``, ``_optimizer_step_code`` and
+the ``hooked`` mark on a wrapped ``step``), present in torch 2.6 to 2.14; where one is
+missing the globals read as none and the inner step runs as ``opt.step()``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, TypeAlias, overload
+from typing import Any, ClassVar, TypeAlias
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
+from torch.optim import Optimizer, optimizer
 
-from clipopt import _hooks
-
-__all__ = ["Closure", "OptimizerWrapper", "check_state_shapes"]
+__all__ = ["Closure", "OptimizerWrapper", "inner_step", "post_hooks", "pre_hooks"]
 
 Closure: TypeAlias = Callable[[], Any]
+Hook = Callable[..., Any]
+
+
+def _run_pre_hooks(
+    hooks: list[Hook], opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Call each pre-hook in order; one may replace ``(args, kwargs)``, as in torch."""
+    for hook in hooks:
+        result = hook(opt, args, kwargs)
+        if result is None:
+            continue
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise RuntimeError(
+                f"a step pre-hook must return None or (args, kwargs), got {result!r}"
+            )
+        args, kwargs = result
+    return args, kwargs
+
+
+def pre_hooks(
+    opt: Any, closure: Closure | None
+) -> tuple[tuple[Any, ...], dict[str, Any], Closure | None]:
+    """Fire the global step pre-hooks, then ``opt``'s own; return the (possibly replaced)
+    arguments and the closure they hold."""
+    hooks = [
+        *getattr(optimizer, "_global_optimizer_pre_hooks", {}).values(),
+        *opt._optimizer_step_pre_hooks.values(),
+    ]
+    args: tuple[Any, ...] = () if closure is None else (closure,)
+    args, kwargs = _run_pre_hooks(hooks, opt, args, {})
+    return args, kwargs, kwargs.get("closure", args[0] if args else None)
+
+
+def post_hooks(opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Fire ``opt``'s own step post-hooks, then the global ones."""
+    hooks = [
+        *opt._optimizer_step_post_hooks.values(),
+        *getattr(optimizer, "_global_optimizer_post_hooks", {}).values(),
+    ]
+    for hook in hooks:
+        hook(opt, args, kwargs)
+
+
+def inner_step(opt: Optimizer, closure: Closure | None) -> Any:
+    """``opt.step(closure)`` with ``opt``'s own hooks but not the global ones.
+
+    Where ``opt``'s class step is torch's hook wrapper, its wrapped function is called
+    between ``opt``'s own hooks; anything else (a step patched on the instance, a class
+    torch never wrapped) is called as it is.
+    """
+    step = type(opt).step
+    unwrapped = getattr(step, "__wrapped__", None)
+    if unwrapped is None or not getattr(step, "hooked", False) or "step" in opt.__dict__:
+        return opt.step() if closure is None else opt.step(closure)
+    args: tuple[Any, ...] = () if closure is None else (closure,)
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
+        hooks = list(opt._optimizer_step_pre_hooks.values())
+        args, kwargs = _run_pre_hooks(hooks, opt, args, {})
+        result = unwrapped(opt, *args, **kwargs)
+        opt._optimizer_step_code()
+        for hook in list(opt._optimizer_step_post_hooks.values()):
+            hook(opt, args, kwargs)
+    return result
 
 
 class OptimizerWrapper(Optimizer):
@@ -56,8 +120,6 @@ class OptimizerWrapper(Optimizer):
         self._optimizer_state_dict_post_hooks = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
-
-    # ------------------------------------------------------------------ delegation
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -103,37 +165,6 @@ class OptimizerWrapper(Optimizer):
         self.__dict__.update(state)
         self._init_hooks()
 
-    # ------------------------------------------------------------------ the step
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    def step(self, closure: Closure | None = None) -> Any:
-        """Run :meth:`_wrapped_step` between the step hooks, in torch's order.
-
-        Global pre-hooks, the wrapper's own pre-hooks, the wrapped step, the wrapper's own
-        post-hooks, global post-hooks: as around a bare optimizer's step. The inner
-        optimizer's own hooks fire around the inner step inside it, the global ones do not
-        fire again there (:func:`clipopt._hooks.inner_step`).
-        """
-        args: tuple[Any, ...] = () if closure is None else (closure,)
-        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            pre_hooks = [*_hooks.global_pre_hooks(), *self._optimizer_step_pre_hooks.values()]
-            args, kwargs = _hooks.run_pre_hooks(pre_hooks, self, args, {})
-            result = self._wrapped_step(kwargs.get("closure", args[0] if args else None))
-            post_hooks = [*self._optimizer_step_post_hooks.values(), *_hooks.global_post_hooks()]
-            for hook in post_hooks:
-                hook(self, args, kwargs)
-        return result
-
-    def _wrapped_step(self, closure: Closure | None) -> Any:
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ checkpoints
-
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus this wrapper's state under ``EXTRA_KEY``.
 
@@ -154,9 +185,8 @@ class OptimizerWrapper(Optimizer):
 
         Everything the wrapper reads is validated before anything is changed, and if the
         inner optimizer's own load raises, it is put back as it was. A dict without
-        ``EXTRA_KEY`` (a plain state dict, or one from torch's DCP functions, which keep
-        only ``"state"`` and ``"param_groups"``) leaves the wrapper's own state as it is
-        and warns, unless that state travels apart (:meth:`_saved_apart`).
+        ``EXTRA_KEY`` leaves the wrapper's own state as it is and warns, unless that
+        state travels apart (:meth:`_saved_apart`).
 
         Raises:
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
@@ -172,8 +202,8 @@ class OptimizerWrapper(Optimizer):
         if self.EXTRA_KEY not in loaded and not self._extra_saved_apart:
             self._warn_extra_missing()
         extra = loaded.pop(self.EXTRA_KEY, None)
-        inner_state, prepared = self._check_load(loaded, extra)
-        self._load_atomically(lambda: self.optimizer.load_state_dict(inner_state), prepared)
+        prepared = self._check_load(loaded, extra)
+        self._load_atomically(lambda: self.optimizer.load_state_dict(loaded), prepared)
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
 
@@ -185,12 +215,7 @@ class OptimizerWrapper(Optimizer):
 
     def _load_extra(self, extra: Any) -> None:
         """Load this wrapper's entry alone, validated first, the inner optimizer untouched."""
-        _, prepared = self._check_load({}, extra)
-        self._load_atomically(lambda: None, prepared)
-
-    def _warn_extra_missing(self) -> None:
-        """Say that a load found no entry of this wrapper's, and how to keep it."""
-        raise NotImplementedError
+        self._load_atomically(lambda: None, self._check_load({}, extra))
 
     def _load_atomically(self, load_inner: Callable[[], object], prepared: Any) -> None:
         """Run ``load_inner``, then :meth:`_finish_load`; if either raises, put the inner
@@ -198,24 +223,24 @@ class OptimizerWrapper(Optimizer):
         snapshot = dict(self.optimizer.__dict__)
         try:
             load_inner()
-            check_state_shapes(self.optimizer)
+            _check_state_shapes(self.optimizer)
             self._finish_load(prepared)
         except BaseException:
             self.optimizer.__dict__.clear()
             self.optimizer.__dict__.update(snapshot)
             raise
 
+    def _warn_extra_missing(self) -> None:
+        """Say that a load found no entry of this wrapper's, and how to keep it."""
+        raise NotImplementedError
+
     def _extra_state(self) -> dict[str, Any]:
         """This wrapper's entry of the state dict: tensors and plain values only."""
         raise NotImplementedError
 
-    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> tuple[dict[str, Any], Any]:
-        """Validate a load (``extra`` is None without an entry) before anything changes.
-
-        Returns:
-          The dict to hand to the inner optimizer's ``load_state_dict``, and what
-          :meth:`_finish_load` applies once it has loaded.
-        """
+    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> Any:
+        """Validate a load (``extra`` is None without an entry) before anything changes;
+        return what :meth:`_finish_load` applies once the inner optimizer has loaded."""
         raise NotImplementedError
 
     def _finish_load(self, prepared: Any) -> None:
@@ -224,14 +249,10 @@ class OptimizerWrapper(Optimizer):
         raise NotImplementedError
 
 
-def check_state_shapes(optimizer: Optimizer) -> None:
-    """Refuse a torch optimizer's state tensor whose shape is not its parameter's.
-
-    Every state tensor of torch's own optimizers but LBFGS (whose state is flat vectors)
-    has its parameter's shape or none; one that loaded with another would make the next
-    step fail half-way, after some parameters were updated. Other optimizers keep
-    state of their own shapes (factored moments, preconditioners), so they are not
-    checked.
+def _check_state_shapes(optimizer: Optimizer) -> None:
+    """Refuse a torch optimizer's state tensor whose shape is not its parameter's (the
+    next step would fail half-way). Every state tensor of torch's own optimizers but
+    LBFGS has its parameter's shape or none; others keep their own shapes, unchecked.
 
     Raises:
       ValueError: naming the parameter and the state entry.
@@ -249,8 +270,3 @@ def check_state_shapes(optimizer: Optimizer) -> None:
                         f"shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
                         "nothing was loaded"
                     )
-
-
-# A subclass that calls ``Optimizer.__init__`` would otherwise have ``step`` wrapped in
-# torch's profiling hook, which fires the global hooks a second time.
-setattr(OptimizerWrapper.step, "hooked", True)  # noqa: B010

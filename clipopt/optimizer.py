@@ -1,63 +1,42 @@
 """``ClippedOptimizer``: clip the gradient norm before every step of any torch optimizer.
 
-Gradient-norm clipping as an optimizer wrapper. The wrapper's plumbing (pass-through
-``param_groups`` / ``state`` / ``defaults``, hooks, pickling, the state-dict templates)
-is :class:`clipopt._wrapper.OptimizerWrapper`, and its read-only properties are
-:class:`clipopt._step._readouts.ClipReadouts`; this module is the clip: its settings, its
-step (measure -> decide -> apply: :func:`clipopt._step._decide.decide_and_scale` makes
-the decision and scales the grads by it, :func:`clipopt._step._apply.apply_decision` runs
-the inner step (or folds the scale into it), and
-:func:`clipopt._step._decide.commit` keeps what the step leaves) and the entry points of
-its ``"clip"`` entry in the state dict (written, checked and installed by
-:mod:`clipopt._step._saved`).
+The clip's settings, its read-only properties and the entry points of its ``"clip"``
+state-dict entry; the step itself, top to bottom, is :mod:`clipopt._step._clip_step`,
+the saved entry :mod:`clipopt._step._saved`, the pass-through plumbing
+:class:`clipopt._wrapper.OptimizerWrapper`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from clipopt._dist._deepspeed import Watch, bind
 from clipopt._dist._reduce import NormScope
 from clipopt._errors import user_stacklevel
-from clipopt._step import _monitor
-from clipopt._step._apply import apply_decision
-from clipopt._step._clip_state import (
+from clipopt._step import _clip_step, _saved
+from clipopt._step._clip_step import ClipConfig, GroupView, StepRecord, check_rule_groups
+from clipopt._validation import (
     CLIP_KEY,
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
-    ClipState,
     NonFinite,
     Settings,
+    check_foreach,
     check_groups,
+    check_not_skip_step,
     validated_settings,
 )
-from clipopt._step._decide import (
-    ClipConfig,
-    check_config,
-    check_rule_groups,
-    commit,
-    decide_and_scale,
-)
-from clipopt._step._nonfinite import StepRecord
-from clipopt._step._parts import ClipDecision
-from clipopt._step._readouts import ClipReadouts
-from clipopt._step._saved import (
-    check_saved_rules,
-    clip_entry,
-    load_clip_state,
-    prepare_load,
-)
-from clipopt._validation import check_foreach, check_not_skip_step
-from clipopt._wrapper import Closure, OptimizerWrapper
+from clipopt._wrapper import OptimizerWrapper
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
+from clipopt.rules._unit import UnitWiseRule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -66,24 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["ClippedOptimizer"]
 
 
-def _check_inner(optimizer: Any) -> None:
-    """Refuse what cannot be wrapped: a wrapper, a non-optimizer, nothing to optimize."""
-    if isinstance(optimizer, ClippedOptimizer):
-        raise TypeError(
-            "optimizer is already a ClippedOptimizer; wrapping it twice would clip twice. "
-            "Change its param groups' 'clip_max_norm' instead"
-        )
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    check_not_skip_step(optimizer)
-    groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(groups, list) or not any(g.get("params") for g in groups):
-        raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
-
-
-class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
+class ClippedOptimizer(OptimizerWrapper):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
     Each :meth:`step` computes the total norm of all grads with grouped kernels (one
@@ -189,49 +151,54 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             nonfinite,
             max_consecutive_skips,
         )
-        check_config(rule, settings, process_group, track_tensor_norms, skip_spikes)
+        _check_config(rule, settings, process_group, track_tensor_norms, skip_spikes)
         check_foreach(foreach)
-        check_groups(optimizer.param_groups, settings)
-        check_rule_groups(optimizer.param_groups, rule)
-        scope = NormScope(
-            process_group,
-            replicated_params,
-            params=[p for group in optimizer.param_groups for p in group["params"]],
-            pp_mesh=pp_mesh,
-        )
+        groups = optimizer.param_groups
+        check_groups(groups, settings.max_norm, settings.norm_type, settings.per_group)
+        check_rule_groups(groups, rule)
+        params = [p for group in groups for p in group["params"]]
+        scope = NormScope(process_group, replicated_params, params=params, pp_mesh=pp_mesh)
         # Nothing has been touched above this line.
         super().__init__(optimizer)
-        self._foreach = foreach
-        self._norm_scope = scope
-        self._rule = rule
-        self._skip_spikes = skip_spikes
-        self._track_tensor_norms = track_tensor_norms
-        self._tensor_norms = _monitor.TensorNorms()
+        self._clip = ClipConfig(
+            rule,
+            skip_spikes,
+            settings.per_group,
+            settings.nonfinite,
+            settings.max_consecutive_skips,
+            foreach,
+            scope,
+            track_tensor_norms,
+            Watch(params),
+        )
         self._apply_settings(settings)
-        self._fill_group_defaults()
         self._record = StepRecord()
-        self._deepspeed = Watch(p for group in optimizer.param_groups for p in group["params"])
+
+    step = _clip_step.step
 
     def _apply_settings(self, settings: Settings) -> None:
-        self.optimizer.defaults[MAX_NORM_KEY] = settings.max_norm
-        self.optimizer.defaults[NORM_TYPE_KEY] = settings.norm_type
-        self._per_group = settings.per_group
-        self._nonfinite: NonFinite = settings.nonfinite
-        self._max_consecutive_skips = settings.max_consecutive_skips
-
-    def _fill_group_defaults(self) -> None:
-        """Give each param group without its own clip settings the defaults."""
+        """Make ``settings`` the wrapper's; groups without their own take the defaults."""
+        self.defaults[MAX_NORM_KEY] = settings.max_norm
+        self.defaults[NORM_TYPE_KEY] = settings.norm_type
         for group in self.param_groups:
-            group.setdefault(MAX_NORM_KEY, self.defaults[MAX_NORM_KEY])
-            group.setdefault(NORM_TYPE_KEY, self.defaults[NORM_TYPE_KEY])
+            group.setdefault(MAX_NORM_KEY, settings.max_norm)
+            group.setdefault(NORM_TYPE_KEY, settings.norm_type)
+        self._clip = dataclasses.replace(
+            self._clip,
+            per_group=settings.per_group,
+            nonfinite=settings.nonfinite,
+            max_consecutive_skips=settings.max_consecutive_skips,
+            view=GroupView(),
+        )
 
     def _settings(self) -> Settings:
+        config = self._clip
         return Settings(
             float(self.defaults[MAX_NORM_KEY]),
             float(self.defaults[NORM_TYPE_KEY]),
-            self._per_group,
-            self._nonfinite,
-            self._max_consecutive_skips,
+            config.per_group,
+            config.nonfinite,
+            config.max_consecutive_skips,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -246,10 +213,11 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             added.
         """
         if isinstance(param_group, dict):
-            check_groups([*self.param_groups, param_group], self._settings())
-            check_rule_groups([param_group], self._rule)
+            s = self._settings()
+            check_groups([*self.param_groups, param_group], s.max_norm, s.norm_type, s.per_group)
+            check_rule_groups([param_group], self._clip.rule)
         self.optimizer.add_param_group(param_group)
-        self._deepspeed.add(self.param_groups[-1]["params"])
+        self._clip.deepspeed.add(self.param_groups[-1]["params"])
 
     def attach_deepspeed(self, engine: Any) -> None:
         """Say that DeepSpeed's ``engine`` steps this wrapper: call it once, right after
@@ -265,87 +233,171 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             scaling, an optimizer clipopt has not tested); the message names the setting.
             Nothing is changed.
         """
-        self._deepspeed.binding = bind(engine, self)
+        self._clip.deepspeed.binding = bind(engine, self)
+
+    @property
+    def _deepspeed(self) -> Watch:
+        return self._clip.deepspeed
+
+    @property
+    def _norm_scope(self) -> NormScope:
+        return self._clip.norm_scope
+
+    @_norm_scope.setter
+    def _norm_scope(self, scope: NormScope) -> None:
+        self._clip = dataclasses.replace(self._clip, norm_scope=scope)
 
     def __repr__(self) -> str:
         shown = self._settings().as_dict()
         shown["max_norm"], shown["norm_type"] = self.max_norm, self.norm_type
-        if self._skip_spikes is not None:
-            shown["skip_spikes"] = self._skip_spikes
+        if self._clip.skip_spikes is not None:
+            shown["skip_spikes"] = self._clip.skip_spikes
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return f"{type(self).__name__}({settings}) wrapping\n{self.optimizer!r}"
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ read-outs
 
-    @overload
-    def step(self, closure: None = None) -> None: ...
+    def _group_setting(self, key: str) -> float | list[float]:
+        """Each param group's ``key``: one number where every group has the same."""
+        values = [float(group[key]) for group in self.optimizer.param_groups]
+        return values[0] if len(set(values)) == 1 else values
 
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
+    @property
+    def max_norm(self) -> float | list[float] | ClipRule:
+        """The threshold the step uses: the rule, else the param groups'
+        ``clip_max_norm`` (one number where every group has the same, else one per group).
 
-    def step(self, closure: Closure | None = None) -> Any:
-        """Clip the grads, then run the inner optimizer's step; return what it returns.
-
-        With a ``closure``, it is evaluated (with grad enabled) before the inner step
-        and its grads are clipped; the inner optimizer gets a closure that returns that
-        first loss once and afterwards re-evaluates and clips, so optimizers that call
-        it many times (LBFGS) always see clipped grads. With ``nonfinite="skip"`` a
-        non-finite norm in those later evaluations cannot skip a step that has already
-        started, so it raises :class:`clipopt.NonFiniteNormError`, as ``"raise"`` does.
-
-        Step hooks fire in torch's order around this whole clipped step (global ones
-        once, with the wrapper as the optimizer); hooks on the inner optimizer fire
-        around the inner step.
+        Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and
+        ``opt.defaults["clip_max_norm"]`` for groups added later) to change it, as an LR
+        scheduler changes ``lr``.
         """
-        return super().step(closure)
+        rule = self._clip.rule
+        return rule if rule is not None else self._group_setting(MAX_NORM_KEY)
 
-    def _wrapped_step(self, closure: Closure | None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        config = self._config()
+    @max_norm.setter
+    def max_norm(self, value: object) -> None:
+        how = (
+            f"(and opt.defaults[{MAX_NORM_KEY!r}] for groups added later), or make a new "
+            "ClippedOptimizer for a rule"
+        )
+        raise AttributeError(
+            _refused("max_norm", value, f"set opt.param_groups[i][{MAX_NORM_KEY!r}] {how}")
+        )
+
+    @property
+    def norm_type(self) -> float | list[float]:
+        """The norm's order the step uses: the param groups' ``clip_norm_type`` (one
+        number where every group has the same). Read-only, as :attr:`max_norm`."""
+        return self._group_setting(NORM_TYPE_KEY)
+
+    @norm_type.setter
+    def norm_type(self, value: object) -> None:
+        how = "in every group (one order for all unless per_group=True)"
+        raise AttributeError(
+            _refused("norm_type", value, f"set opt.param_groups[i][{NORM_TYPE_KEY!r}] {how}")
+        )
+
+    @property
+    def per_group(self) -> bool:
+        """Whether each param group is clipped by its own norm."""
+        return self._clip.per_group
+
+    @property
+    def foreach(self) -> bool | None:
+        """The ``foreach`` choice passed to the norm and scale kernels."""
+        return self._clip.foreach
+
+    @property
+    def nonfinite(self) -> NonFinite:
+        """What a non-finite norm does: ``"propagate"``, ``"skip"`` or ``"raise"``."""
+        return self._clip.nonfinite
+
+    @property
+    def max_consecutive_skips(self) -> int | None:
+        """Skipped steps in a row after which a non-finite norm raises."""
+        return self._clip.max_consecutive_skips
+
+    @property
+    def rule(self) -> ClipRule | None:
+        """The clip rule passed as ``max_norm``, None for a number. Its
+        :attr:`~clipopt.ClipRule.last_threshold` and
+        :attr:`~clipopt.ClipRule.clipped_count` are the rule's monitoring."""
+        return self._clip.rule
+
+    @property
+    def skip_spikes(self) -> SpikeSkip | None:
+        """The :class:`clipopt.SpikeSkip` that skips spikes, or None."""
+        return self._clip.skip_spikes
+
+    @property
+    def track_tensor_norms(self) -> bool:
+        """Whether each step keeps its per-tensor norms in :attr:`last_tensor_norms`."""
+        return self._clip.track_tensor_norms
+
+    @property
+    def last_norm(self) -> Tensor | None:
+        """The pre-clip total norm of the most recent step, None before the first.
+
+        A 0-dim tensor on the grads' device (float32, float64 for double grads). With
+        ``per_group=True`` it is the norm of the per-group norms taken with the default
+        ``norm_type``: the total norm whenever every group uses that order.
+        """
+        return self._record.last_norm
+
+    @property
+    def last_group_norms(self) -> Tensor | None:
+        """With ``per_group=True``, the pre-clip norm of each group (1-D); else None."""
+        return self._record.last_group_norms
+
+    @property
+    def last_tensor_norms(self) -> dict[str, Tensor] | None:
+        """With ``track_tensor_norms=True``, each grad's pre-clip norm in the last step.
+
+        ``{name: 0-dim tensor}`` on the grads' device (float32, float64 for double
+        grads), in the order of the param groups, parameters without a grad left out.
+        A name is the one torch keeps in each group's ``param_names`` when the inner
+        optimizer was given ``model.named_parameters()``, else the parameter's index
+        over all groups as a string (its key in ``state_dict()["state"]``). None before
+        the first step, after a load, and without ``track_tensor_norms``. Not saved in
+        :meth:`state_dict`: nothing in a step reads it.
+        """
         record = self._record
-        decision, fold = decide_and_scale(self.optimizer, config, record, closure is None, True)
+        if record.tensor_norms is None:
+            return None
+        return dict(zip(record.tensor_names, record.tensor_norms.unbind(), strict=True))
 
-        def redecide() -> ClipDecision:  # a closure's later evaluation: no skip, no fold
-            return decide_and_scale(self.optimizer, config, record, False, False)[0]
+    @property
+    def step_count(self) -> Tensor:
+        """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
+        return self._record.step_count
 
-        result, latest = apply_decision(
-            self.optimizer, decision, fold, record, closure, loss, redecide
-        )
-        commit(config, self._record, self._tensor_norms, decision, latest)
-        return result
+    @property
+    def skip_count(self) -> Tensor:
+        """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
+        return self._record.skip_count
 
-    def _config(self) -> ClipConfig:
-        """What a decision reads of this wrapper, made for each step (a load may change it)."""
-        return ClipConfig(
-            self._rule,
-            self._skip_spikes,
-            self._per_group,
-            self._nonfinite,
-            self._max_consecutive_skips,
-            self._foreach,
-            self._norm_scope,
-            self._track_tensor_norms,
-            self._deepspeed,
-        )
+    @property
+    def consecutive_skips(self) -> Tensor:
+        """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
+        return self._record.consecutive_skips
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus the clip state under ``"clip"``.
 
-        The layout of ``"clip"`` is in :mod:`clipopt._step._clip_state`: tensors and plain
+        The layout of ``"clip"`` is in :mod:`clipopt._step._saved`: tensors and plain
         Python values only, so ``torch.load(..., weights_only=True)`` reads it.
         Per-group ``clip_max_norm`` / ``clip_norm_type`` are saved in ``param_groups``
-        like ``lr``.
-        State-dict hooks registered on the wrapper run around the whole dict.
+        like ``lr``. State-dict hooks registered on the wrapper run around the whole dict.
         """
         return super().state_dict()
 
     def _extra_state(self) -> dict[str, Any]:
-        return clip_entry(self._settings(), self._record, self._rule, self._skip_spikes)
+        config = self._clip
+        return _saved.clip_entry(
+            self._settings(), self._record.state(), config.rule, config.skip_spikes
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
@@ -379,28 +431,122 @@ class ClippedOptimizer(ClipReadouts, OptimizerWrapper):
             stacklevel=user_stacklevel(),
         )
 
-    def _check_load(
-        self, inner_state: Mapping[str, Any], extra: Any
-    ) -> tuple[dict[str, Any], ClipState | None]:
-        inner, prepared = prepare_load(extra, inner_state, len(self.param_groups), self._settings())
-        if prepared is not None:
-            check_saved_rules(prepared, self._rule, self._skip_spikes, self.defaults[MAX_NORM_KEY])
-        return inner, prepared
+    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> _saved.ClipState | None:
+        config = self._clip
+        return _saved.check_load(
+            extra,
+            inner_state,
+            len(self.param_groups),
+            self._settings(),
+            config.rule,
+            config.skip_spikes,
+        )
 
-    def _finish_load(self, prepared: ClipState | None) -> None:
+    def _finish_load(self, prepared: _saved.ClipState | None) -> None:
         # An inner optimizer with a layout of its own loads groups that only now can be read.
-        settings = self._settings() if prepared is None else prepared.settings
-        check_groups(self.param_groups, settings)
-        if prepared is not None:
-            self._apply_clip_state(prepared)
-        self._fill_group_defaults()
-
-    def _apply_clip_state(self, clip_state: ClipState) -> None:
-        """Install a validated clip state; tensors are copied onto the params' device."""
+        s = self._settings() if prepared is None else prepared.settings
+        check_groups(self.param_groups, s.max_norm, s.norm_type, s.per_group)
+        if prepared is None:
+            self._apply_settings(s)
+            return
         device = next(p.device for group in self.param_groups for p in group["params"])
-        self._apply_settings(clip_state.settings)
-        self._tensor_norms.clear()
-        load_clip_state(clip_state, device, self._record, self._rule, self._skip_spikes)
+        config = self._clip
+        for mine, saved in (
+            (config.rule, prepared.rule),
+            (config.skip_spikes, prepared.skip_spikes),
+        ):
+            if mine is not None and saved is not None:
+                mine.load_state_dict(saved)
+                mine.to(device)
+        counters = {k: v.to(device=device, copy=True) for k, v in prepared.counters.items()}
+        last = [
+            None if t is None else t.to(device=device, copy=True)
+            for t in (prepared.last_norm, prepared.last_group_norms)
+        ]
+        self._record.load(counters, last[0], last[1])
+        self._apply_settings(s)
 
 
-setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  see clipopt._wrapper
+setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  torch's hook wrapper: see clipopt._wrapper
+
+
+def _refused(name: str, value: object, how: str) -> str:
+    return f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): the step reads {how}"
+
+
+def _fixed(name: str) -> Any:
+    def refuse(self: Any, value: object) -> None:
+        raise AttributeError(
+            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): it is fixed when "
+            "the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
+        )
+
+    return refuse
+
+
+# Settings fixed at construction say so when assigned, rather than "has no setter".
+for _name in (
+    "per_group",
+    "foreach",
+    "nonfinite",
+    "max_consecutive_skips",
+    "rule",
+    "skip_spikes",
+    "track_tensor_norms",
+):
+    setattr(ClippedOptimizer, _name, getattr(ClippedOptimizer, _name).setter(_fixed(_name)))
+
+
+def _check_inner(optimizer: Any) -> None:
+    """Refuse what cannot be wrapped: a wrapper, a non-optimizer, nothing to optimize."""
+    if isinstance(optimizer, ClippedOptimizer):
+        raise TypeError(
+            "optimizer is already a ClippedOptimizer; wrapping it twice would clip twice. "
+            "Change its param groups' 'clip_max_norm' instead"
+        )
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    check_not_skip_step(optimizer)
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not any(g.get("params") for g in groups):
+        raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
+
+
+def _check_config(
+    rule: ClipRule | None,
+    settings: Settings,
+    process_group: ProcessGroup | None,
+    track_tensor_norms: Any,
+    skip_spikes: Any,
+) -> None:
+    """Refuse arguments no step could measure with, or of the wrong type: a rule per
+    group, a per-tensor or unit-wise rule or tracked norms with a ``process_group`` (it
+    splits tensors across ranks), a unit-wise rule's bad order."""
+    if rule is not None and settings.per_group:
+        raise ValueError(
+            f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one "
+            "history of one norm; use per_group=False, or per_tensor=True where the "
+            "rule has it"
+        )
+    local = rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
+    if local and process_group is not None:
+        raise ValueError(
+            f"{rule!r} measures each grad on its own, and with a process_group each rank "
+            "holds other tensors (pipeline stages, model-parallel slices), so its grads "
+            "would differ by rank: per-tensor and unit-wise rules need unsplit parameters "
+            "(DDP), or, per tensor, DTensor grads (FSDP2, tensor parallel) and no "
+            "process_group"
+        )
+    if isinstance(rule, UnitWiseRule):
+        rule.check_norm_type(settings.norm_type)
+    if not isinstance(track_tensor_norms, bool):
+        raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
+    if track_tensor_norms and process_group is not None:
+        raise ValueError(
+            "track_tensor_norms=True measures each grad on its own, which a process_group "
+            "splits across ranks; it needs unsplit parameters"
+        )
+    if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
+        raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 import clipopt
 from clipopt._kernels import _scale
-from clipopt._step import _decide, _fold
+from clipopt._step import _fold, _nonfinite
 
 MAX_NORM = 0.5
 STEPS = 5
@@ -194,8 +194,9 @@ def test_attributes_are_restored_and_never_leak() -> None:
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
     previous = torch.tensor(4.0)
     inner.found_inf = previous  # type: ignore[attr-defined]
-    with _fold._scaled_step(inner, torch.tensor(2.0), torch.tensor(0.0)):
-        assert float(inner.grad_scale) == 2.0  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_fold, "inner_step", lambda o, c: float(o.grad_scale))
+        assert _fold.apply_folded(inner, torch.tensor(2.0), torch.tensor(0.0)) == 2.0
     assert inner.found_inf is previous  # type: ignore[attr-defined]
     assert not hasattr(inner, "grad_scale")
 
@@ -310,7 +311,7 @@ def test_skip_through_found_inf_touches_nothing_and_reads_nothing(
     def no_host_read(*args: Any, **kwargs: Any) -> bool:
         raise AssertionError("the skip must be decided on the device")
 
-    monkeypatch.setattr(_decide, "host_verdict", no_host_read)
+    monkeypatch.setattr(_nonfinite, "host_verdict", no_host_read)
     no_scaling_pass(monkeypatch)
     opt.step()
     assert [int(opt.step_count), int(opt.skip_count), int(opt.consecutive_skips)] == [1, 1, 1]

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from clipopt._kernels._norms import Groups, group
 
-__all__ = ["EPS", "clip_coefficient", "scale_", "scale_groups_"]
+__all__ = ["EPS", "clip_coefficient", "grad_scale_of", "scale_", "scale_groups_"]
 
 EPS = 1e-6
 """Added to the norm before dividing, as torch.nn.utils does."""
@@ -90,3 +90,22 @@ def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> 
     for sparse in groups.sparse.values():
         for t in sparse:
             t.mul_(coef_on.setdefault(t.device, coef.to(t.device)))
+
+
+def grad_scale_of(max_norm: float | Tensor, norm: Tensor) -> Tensor:
+    """A fused optimizer's ``grad_scale``, ``max(1, (norm + EPS) / max_norm)``: the grads
+    divided by it are the grads times :func:`clip_coefficient`, without the coefficient.
+
+    It is ``1 / clip_coefficient(max_norm, norm)``, NaN where that is: a tensor
+    ``max_norm`` that is not > 0, and a finite norm whose coefficient falls below the
+    dtype's smallest normal number (the scale past its reciprocal); an infinite norm
+    gives inf (``1 / 0``). One difference: a non-finite norm with an infinite tensor
+    ``max_norm`` gives NaN (``inf / inf``) where the coefficient is 1.
+    """
+    scale = torch.clamp((norm + EPS) / max_norm, min=1.0)
+    info = torch.finfo(scale.dtype)
+    # Past 1 / tiny: NaN for a finite norm (sqrt of a negative), inf for an infinite one.
+    scale = torch.where(scale > 1 / info.tiny, torch.sqrt(norm - info.max), scale)
+    if isinstance(max_norm, Tensor):
+        scale = torch.where(_beside(max_norm, scale) > 0, scale, math.nan)
+    return scale
