@@ -21,9 +21,9 @@ PACKAGE = Path(clipopt.__file__).parent
 
 UNIT_LAYERS: list[set[str]] = [
     # errors, argument checks, torch's private APIs, torch.optim's step hooks
-    {"_errors", "_validation", "_torch_internals", "_hooks"},
+    {"_errors", "_validation", "_torch_internals"},
     {"_kernels"},  # one rank's norms and scales
-    {"_dist", "_wrapper"},  # norms across ranks; the wrapper's plumbing
+    {"_dist", "_wrapper"},  # norms across ranks; the wrapper's plumbing and step hooks
     {"rules", "functional"},  # the clip rules; torch.nn.utils' names
     {"_step"},  # one clipped step: measure, decide, apply, and its saved entry
     {"optimizer"},  # ClippedOptimizer
@@ -43,13 +43,13 @@ WING_FLOORS: dict[str, list[set[str]]] = {
     ],
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],
-    # settings, skips, the fold; the step's parts, the saved entry; measuring, a rule's
-    # decision, applying a decision; the decision and what a step keeps of it, the read-outs
+    # how a step measures, non-finite verdicts, the fold, the saved entry; re-exports of
+    # moved names; a rule's coefficients; the step top to bottom
     "_step": [
-        {"_clip_state", "_nonfinite", "_fold"},
-        {"_parts", "_saved"},
-        {"_monitor", "_rule_step", "_apply"},
-        {"_decide", "_readouts"},
+        {"_measure", "_nonfinite", "_fold", "_saved"},
+        {"_parts", "_monitor"},
+        {"_rule_step"},
+        {"_clip_step"},
     ],
 }
 RULES_FLOOR = 2  # where a module of rules/ that WING_FLOORS does not name sits
