@@ -45,6 +45,18 @@ if TYPE_CHECKING:
 __all__ = ["ClippedOptimizer"]
 
 
+def _fixed(name: str, doc: str) -> Any:
+    """A read-only property of the wrapper's ``ClipConfig`` that says so when assigned."""
+
+    def refuse(self: Any, value: object) -> None:
+        raise AttributeError(
+            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): it is fixed when "
+            "the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
+        )
+
+    return property(lambda self: getattr(self._clip, name), refuse, doc=doc)
+
+
 class ClippedOptimizer(OptimizerWrapper):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
@@ -257,6 +269,27 @@ class ClippedOptimizer(OptimizerWrapper):
 
     # ------------------------------------------------------------------ read-outs
 
+    per_group = _fixed("per_group", "Whether each param group is clipped by its own norm.")
+    foreach = _fixed("foreach", "The ``foreach`` choice passed to the norm and scale kernels.")
+    nonfinite = _fixed(
+        "nonfinite", 'What a non-finite norm does: ``"propagate"``, ``"skip"`` or ``"raise"``.'
+    )
+    max_consecutive_skips = _fixed(
+        "max_consecutive_skips", "Skipped steps in a row after which a non-finite norm raises."
+    )
+    rule = _fixed(
+        "rule",
+        "The clip rule passed as ``max_norm``, None for a number (its ``last_threshold`` "
+        "and ``clipped_count`` are its monitoring).",
+    )
+    skip_spikes = _fixed(
+        "skip_spikes", "The :class:`clipopt.SpikeSkip` that skips spikes, or None."
+    )
+    track_tensor_norms = _fixed(
+        "track_tensor_norms",
+        "Whether each step keeps its per-tensor norms in ``last_tensor_norms``.",
+    )
+
     def _group_setting(self, key: str) -> float | list[float]:
         """Each param group's ``key``: one number where every group has the same."""
         values = [float(group[key]) for group in self.optimizer.param_groups]
@@ -296,43 +329,6 @@ class ClippedOptimizer(OptimizerWrapper):
         raise AttributeError(
             _refused("norm_type", value, f"set opt.param_groups[i][{NORM_TYPE_KEY!r}] {how}")
         )
-
-    @property
-    def per_group(self) -> bool:
-        """Whether each param group is clipped by its own norm."""
-        return self._clip.per_group
-
-    @property
-    def foreach(self) -> bool | None:
-        """The ``foreach`` choice passed to the norm and scale kernels."""
-        return self._clip.foreach
-
-    @property
-    def nonfinite(self) -> NonFinite:
-        """What a non-finite norm does: ``"propagate"``, ``"skip"`` or ``"raise"``."""
-        return self._clip.nonfinite
-
-    @property
-    def max_consecutive_skips(self) -> int | None:
-        """Skipped steps in a row after which a non-finite norm raises."""
-        return self._clip.max_consecutive_skips
-
-    @property
-    def rule(self) -> ClipRule | None:
-        """The clip rule passed as ``max_norm``, None for a number. Its
-        :attr:`~clipopt.ClipRule.last_threshold` and
-        :attr:`~clipopt.ClipRule.clipped_count` are the rule's monitoring."""
-        return self._clip.rule
-
-    @property
-    def skip_spikes(self) -> SpikeSkip | None:
-        """The :class:`clipopt.SpikeSkip` that skips spikes, or None."""
-        return self._clip.skip_spikes
-
-    @property
-    def track_tensor_norms(self) -> bool:
-        """Whether each step keeps its per-tensor norms in :attr:`last_tensor_norms`."""
-        return self._clip.track_tensor_norms
 
     @property
     def last_norm(self) -> Tensor | None:
@@ -382,16 +378,6 @@ class ClippedOptimizer(OptimizerWrapper):
         return self._record.consecutive_skips
 
     # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict plus the clip state under ``"clip"``.
-
-        The layout of ``"clip"`` is in :mod:`clipopt._step._saved`: tensors and plain
-        Python values only, so ``torch.load(..., weights_only=True)`` reads it.
-        Per-group ``clip_max_norm`` / ``clip_norm_type`` are saved in ``param_groups``
-        like ``lr``. State-dict hooks registered on the wrapper run around the whole dict.
-        """
-        return super().state_dict()
 
     def _extra_state(self) -> dict[str, Any]:
         config = self._clip
@@ -472,29 +458,6 @@ setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  torch's hook wrapp
 
 def _refused(name: str, value: object, how: str) -> str:
     return f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): the step reads {how}"
-
-
-def _fixed(name: str) -> Any:
-    def refuse(self: Any, value: object) -> None:
-        raise AttributeError(
-            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): it is fixed when "
-            "the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
-        )
-
-    return refuse
-
-
-# Settings fixed at construction say so when assigned, rather than "has no setter".
-for _name in (
-    "per_group",
-    "foreach",
-    "nonfinite",
-    "max_consecutive_skips",
-    "rule",
-    "skip_spikes",
-    "track_tensor_norms",
-):
-    setattr(ClippedOptimizer, _name, getattr(ClippedOptimizer, _name).setter(_fixed(_name)))
 
 
 def _check_inner(optimizer: Any) -> None:
