@@ -243,9 +243,14 @@ def measure_from_squares(
     sizes = [len(group) for group in grads] if per_group else [len(squares)]
     ends = [0, *itertools.accumulate(sizes)]
     buckets = [squares[start:end] for start, end in itertools.pairwise(ends)]
-    like = squares[0] if squares else _zero(check)
-    totals = [_checked(_per_tensor.total_root(_joined(b, like), 2.0), check) for b in buckets]
-    totals = [total.to(dtype) for total in totals]
+    like = squares[0] if squares else torch.zeros((), dtype=torch.float64)
+    if check is not None and not squares:
+        like = check.new_zeros(())
+    # check: 0 (adding it changes no bit) or NaN, see its Args
+    totals = [
+        _per_tensor.total_root(torch.cat(list(b)) if b else like.new_zeros(0), 2.0) for b in buckets
+    ]
+    totals = [(t if check is None else t + check).to(dtype) for t in totals]
     norms = None
     if tensor_norms and squares:
         # squares: their 1-norm is their sum
@@ -254,23 +259,6 @@ def measure_from_squares(
     elif tensor_norms:
         norms = like.new_zeros(0, dtype=dtype)
     return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
-
-
-def _zero(check: Tensor | None) -> Tensor:
-    """A float64 zero beside ``check`` (on the CPU without one)."""
-    if check is None:
-        return torch.zeros((), dtype=torch.float64)
-    return check.new_zeros(())
-
-
-def _checked(total: Tensor, check: Tensor | None) -> Tensor:
-    """``total`` plus ``check`` (adding 0 changes no bit), or ``total`` without one."""
-    return total if check is None else total + check
-
-
-def _joined(bucket: Sequence[Tensor], like: Tensor) -> Tensor:
-    """The tensors of ``bucket`` in one 1-D tensor (a group without grads: empty)."""
-    return torch.cat(list(bucket)) if bucket else like.new_zeros(0)
 
 
 def _assembled(
@@ -306,17 +294,11 @@ def across_stages(
     """
     if pp_group is None:
         return measured
-    if not per_group:
-        norm = _stages.combine_stages([measured.norm], norm_types[:1], pp_group)[0]
-        return Measurement(norm, [norm] * len(measured.group_norms), None, *_tensors_of(measured))
-    totals = _stages.combine_stages(measured.group_norms, norm_types, pp_group)
-    stacked = torch.stack(totals)
-    norm = _combined(stacked, default_norm_type, stacked.dtype)
-    return Measurement(norm, totals, stacked, *_tensors_of(measured))
-
-
-def _tensors_of(measured: Measurement) -> tuple[Tensor | None, tuple[str, ...]]:
-    return measured.tensor_norms, measured.tensor_names
+    norms = [measured.norm] if not per_group else measured.group_norms
+    totals = _stages.combine_stages(norms, norm_types[: len(norms)], pp_group)
+    count = len(measured.group_norms)
+    names = measured.tensor_names
+    return _assembled(totals, measured.tensor_norms, count, per_group, default_norm_type, names)
 
 
 def _any_sharded(groups: list[list[Tensor]]) -> bool:
