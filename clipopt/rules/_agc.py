@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -103,19 +103,10 @@ class AGC(UnitWiseRule):
     without a grad have none); ``clipped_count`` counts the steps in which some unit was
     scaled. Only the L2 norm is supported (``norm_type=2``, the paper's).
 
-    DTensor params and grads (FSDP2, HSDP, tensor parallel, FSDP2 over TP) are measured
-    by the whole unit across ranks, every unit's grad and weight shares (and the excluded
-    grads') in one float64 ``all_reduce`` (:mod:`clipopt._dist._units`), the step's only one:
-    its global norm is the root of the sum of the grads' reduced squares. Each rank
-    scales the part of each unit it holds; ``last_threshold`` then still holds every
-    unit of every tensor, the same on every rank and as in one process. A parameter
-    whose rows a rank holds are not one contiguous range is refused with ``ValueError``
-    before any grad changes. The reduction is laid out over the units of every
-    (non-excluded) DTensor parameter of the optimizer, whatever grads a rank holds, so
-    a rank whose grads are all None joins it with zero grad shares; it carries each
-    rank's count of grads, and where the counts differ every norm of the step is NaN on
-    every rank, for ``nonfinite`` to act on (``"raise"`` raises on every rank,
-    ``"skip"`` skips everywhere).
+    DTensor params and grads (FSDP2, HSDP, tensor parallel) are measured by the whole
+    unit across ranks in the step's one float64 ``all_reduce``, which gives its global
+    norm too; each rank scales the part of each unit it holds (see ``docs/adaptive.md``
+    and :mod:`clipopt._dist._units`).
 
     Example:
       >>> import torch, clipopt
@@ -196,13 +187,3 @@ class AGC(UnitWiseRule):
         )
         held = [_held_units(t, rows, present) for t in (norms, coefficients, thresholds)]
         return UnitDecision(per_grad, held[0], held[1], held[2], squares, found.check)
-
-    def update(self, norms: Tensor) -> None:
-        """AGC has no state: its threshold comes from the weights of this step."""
-
-    def rule_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_rule_state(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or state:
-            raise ValueError(f"AGC has no state, got {state!r}")
