@@ -138,6 +138,12 @@ class Stateful:
             self.check_state(state)
         return {k: v.clone() for k, v in state.items()}
 
+    def rule_state(self) -> dict[str, Tensor]:  # compatibility: benchmarks/rules.py
+        return self.saved_state()
+
+    def load_rule_state(self, state: Any) -> None:  # compatibility: benchmarks/rules.py
+        self.install(self.loaded_state(state))
+
     def to(self, device: torch.device) -> None:
         """Move the state and counters to ``device``, after a load."""
         self.state = {k: v.to(device) for k, v in self.state.items()}
