@@ -97,11 +97,18 @@ class AdaGC(ClipRule):
     def check_state(self, state: Mapping[str, Tensor]) -> None:
         checked("gamma", state["gamma"], None, floating=True)
         if state["gamma"].dim() != 1:
-            raise ValueError(f"AdaGC gamma must be 1-D (one value per grad), got {state['gamma']!r}")
+            raise ValueError(
+                f"AdaGC gamma must be 1-D (one value per grad), got {state['gamma']!r}"
+            )
         checked("count", state["count"], (), floating=False)
 
     def evaluate(
-        self, norms: Tensor, state: dict[str, Tensor], *, norm_type: float, total_norm: Tensor | None
+        self,
+        norms: Tensor,
+        state: dict[str, Tensor],
+        *,
+        norm_type: float,
+        total_norm: Tensor | None,
     ) -> Evaluation:
         gamma, count = state["gamma"], state["count"]
         if gamma.shape != norms.shape:

@@ -43,11 +43,6 @@ def _check_grad(grad: Tensor | None, param: Tensor) -> None:
         )
 
 
-def _given(grads: list[Tensor | None]) -> list[Tensor]:
-    """``grads``, every one given (:meth:`AGC.decide_units` is given only grads)."""
-    return cast("list[Tensor]", grads)
-
-
 def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -> Tensor:
     """The entries of ``values`` (every tensor's units, in order) of the tensors present."""
     if all(present):
@@ -58,19 +53,15 @@ def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -
 
 
 def _parameters(exclude: Iterable[Tensor]) -> list[Tensor]:
-    """``exclude`` as a list of tensors; TypeError naming the first thing that is not one."""
-    if isinstance(exclude, (Tensor, str)) or not isinstance(exclude, Iterable):
+    """``exclude`` as a list of distinct tensors; TypeError naming what is not one."""
+    ok = isinstance(exclude, Iterable) and not isinstance(exclude, (Tensor, str))
+    found = list(exclude) if ok else []
+    if not ok or any(not isinstance(t, Tensor) for t in found):
         raise TypeError(
-            f"exclude must be an iterable of parameters (tensors), got {exclude!r}; "
-            "for one parameter p, pass exclude=[p]"
+            f"exclude must be an iterable of parameters (tensors, matched by identity), got "
+            f"{exclude!r} (names are not accepted); e.g. exclude=model.fc.parameters(), or "
+            "exclude=[p] for one parameter p"
         )
-    found = list(exclude)
-    for item in found:
-        if not isinstance(item, Tensor):
-            raise TypeError(
-                f"exclude must hold parameters (tensors, matched by identity), got {item!r}; "
-                "names are not accepted: pass the parameters, e.g. model.fc.parameters()"
-            )
     return list({id(t): t for t in found}.values())
 
 
@@ -92,16 +83,13 @@ class AGC(UnitWiseRule):
       eps: the smallest weight norm that counts, >= 0, so that zero-initialised units can
         move (the paper's 1e-3).
       exclude: parameters left unclipped, matched by identity (the paper does not clip
-        the final classifier layer): e.g. ``model.fc.parameters()``. Their weights are
-        not read; their grads are measured whole, in the same pass as the others' units,
-        for the step's global norm. The rule holds them: a copy of the optimizer excludes
+        the final classifier layer): e.g. ``model.fc.parameters()``; their grads are
+        measured whole, for the step's global norm. A copy of the optimizer excludes
         its copies.
 
     ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
-    in the order of the param groups and their params, with
-    :func:`clipopt._dist._unit_rows.unit_shape` entries per grad (excluded params and params
-    without a grad have none); ``clipped_count`` counts the steps in which some unit was
-    scaled. Only the L2 norm is supported (``norm_type=2``, the paper's).
+    grad after grad (excluded grads and params without one have none). Only the L2
+    norm is supported (``norm_type=2``, the paper's).
 
     DTensor params and grads (FSDP2, HSDP, tensor parallel) are measured by the whole
     unit across ranks in the step's one float64 ``all_reduce``, which gives its global
@@ -170,7 +158,8 @@ class AGC(UnitWiseRule):
         if slotted:
             found = slot_unit_norms(own, weights, dtype, whole)
         else:
-            found = whole_unit_norms(_given(own), weights, dtype, whole=_given(whole))
+            given = cast("list[Tensor]", own), cast("list[Tensor]", whole)  # all grads here
+            found = whole_unit_norms(given[0], weights, dtype, whole=given[1])
         norms, rows = found.grads, found.rows
         # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
         # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.

@@ -30,7 +30,7 @@ def _ranks(filled: Tensor, q: float, dtype: torch.dtype) -> Tensor:
     steps = (filled - 1).clamp(min=0)
     if not _RANKS_IN_FLOAT64 or dtype != torch.float32:
         return steps.to(dtype) * q
-    return steps.to(torch.float64) * struct.unpack("f", struct.pack("f", q))[0]
+    return steps.to(torch.float64) * float(struct.unpack("f", struct.pack("f", q))[0])
 
 
 def sorted_history(buffer: Tensor, count: Tensor) -> Tensor:
@@ -114,7 +114,11 @@ class AutoClip(ClipRule):
         self.per_tensor = per_tensor
 
     def config(self) -> dict[str, Any]:
-        return {"percentile": self.percentile, "history": self.history, "per_tensor": self.per_tensor}
+        return {
+            "percentile": self.percentile,
+            "history": self.history,
+            "per_tensor": self.per_tensor,
+        }
 
     def init_state(self, norms: Tensor) -> dict[str, Tensor]:
         buffer = norms.new_zeros((norms.numel() if self.per_tensor else 1, self.history))
@@ -125,7 +129,9 @@ class AutoClip(ClipRule):
         buffer, count = state["buffer"], state["count"]
         checked("buffer", buffer, None, floating=True)
         if buffer.dim() != 2 or buffer.shape[1] != self.history:
-            raise ValueError(f"AutoClip buffer must be [rows, {self.history}], got {tuple(buffer.shape)}")
+            raise ValueError(
+                f"AutoClip buffer must be [rows, {self.history}], got {tuple(buffer.shape)}"
+            )
         if not self.per_tensor and buffer.shape[0] != 1:
             raise ValueError(f"a global AutoClip buffer has one row, got {buffer.shape[0]}")
         checked("count", count, (buffer.shape[0],), floating=False)
@@ -144,7 +150,12 @@ class AutoClip(ClipRule):
             )
 
     def evaluate(
-        self, norms: Tensor, state: dict[str, Tensor], *, norm_type: float, total_norm: Tensor | None
+        self,
+        norms: Tensor,
+        state: dict[str, Tensor],
+        *,
+        norm_type: float,
+        total_norm: Tensor | None,
     ) -> Evaluation:
         buffer, count = state["buffer"], state["count"]
         rows = norms.reshape(-1).to(buffer.dtype)

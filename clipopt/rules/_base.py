@@ -45,7 +45,11 @@ def number(name: str, value: Any, low: float, high: float, *, low_open: bool = F
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
     v = float(value)
-    if math.isnan(v) or (v <= low if low_open else v < low) or (v >= high if high_open else v > high):
+    if (
+        math.isnan(v)
+        or (v <= low if low_open else v < low)
+        or (v >= high if high_open else v > high)
+    ):
         left, right = "(" if low_open else "[", ")" if high_open else "]"
         raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
     return v
@@ -66,6 +70,20 @@ def checked(name: str, value: Tensor, shape: tuple[int, ...] | None, floating: b
     if not ok or (shape is not None and tuple(value.shape) != shape):
         kind = "floating-point" if floating else "int64"
         raise ValueError(f"state {name!r} must be a {kind} tensor of shape {shape}, got {value!r}")
+
+
+def _check_extra(name: str, value: Any, now: Any) -> None:
+    """A saved counter (an int, or an int64 0-dim tensor) or last value (a float tensor or
+    None) of the kind the current one is, else ValueError."""
+    counter = isinstance(now, Tensor) and now.dtype == torch.int64
+    if isinstance(now, int) and (
+        isinstance(value, bool) or not isinstance(value, int) or value < 0
+    ):
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if not isinstance(now, int) and (counter or value is not None):
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {value!r}")
+        checked(name, value, () if counter else None, floating=not counter)
 
 
 def _counter(device: torch.device) -> Tensor:
@@ -123,20 +141,73 @@ class Stateful:
 
     def saved_state(self) -> dict[str, Tensor]:
         """Copies of the state; empty before the first step."""
-        return {} if self._fresh is not None else {k: self.state[k].clone() for k in self.state_keys if k in self.state}
+        return (
+            {}
+            if self._fresh is not None
+            else {k: self.state[k].clone() for k in self.state_keys if k in self.state}
+        )
 
     def loaded_state(self, state: Any) -> dict[str, Tensor]:
         """Copies of a saved state, checked (ValueError) before anything changes."""
-        names = " and ".join(self.state_keys) if len(self.state_keys) <= 2 else ", ".join(self.state_keys)
+        names = (
+            " and ".join(self.state_keys)
+            if len(self.state_keys) <= 2
+            else ", ".join(self.state_keys)
+        )
         if not isinstance(state, Mapping) or set(state) not in (set(), set(self.state_keys)):
             has = f"state must have the keys {names}" if names else "has no state"
             raise ValueError(f"{type(self).__name__} {has}, got {state!r}")
         for key, value in state.items():
             if not isinstance(value, Tensor):
-                raise ValueError(f"{type(self).__name__} state {key!r} must be a tensor, got {value!r}")
+                raise ValueError(
+                    f"{type(self).__name__} state {key!r} must be a tensor, got {value!r}"
+                )
         if state:
             self.check_state(state)
         return {k: v.clone() for k, v in state.items()}
+
+    def extras(self) -> dict[str, Any]:
+        """What :meth:`state_dict` saves beside the state: counters, last values."""
+        return {}
+
+    def set_extras(self, extras: Mapping[str, Any]) -> None:
+        """Install :meth:`extras` from a checked checkpoint."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"type", "config", "state"}`` and :meth:`extras`: tensors and plain values,
+        so ``torch.load(weights_only=True)`` reads it."""
+        mine = {"type": type(self).__name__, "config": self.config()}
+        return {**mine, "state": self.saved_state(), **self.extras()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output, all checked before anything changes.
+
+        Raises:
+          ValueError: another rule's checkpoint, other settings, or a malformed one.
+        """
+        extras = self.extras()
+        keys = {"type", "config", "state", *extras}
+        if not isinstance(state_dict, Mapping) or set(state_dict) != keys:
+            raise ValueError(
+                f"a {type(self).__name__} state dict must have the keys {sorted(keys)}"
+            )
+        if state_dict["type"] != type(self).__name__ or state_dict["config"] != self.config():
+            raise ValueError(
+                f"the checkpoint was saved with {state_dict['type']}({state_dict['config']}), "
+                f"this optimizer uses {self!r}; construct it with the one it was saved with"
+            )
+        for name, now in extras.items():
+            _check_extra(name, state_dict[name], now)
+        state = self.loaded_state(state_dict["state"])
+        if state or self._fresh is None:
+            self.install(state)
+        self.set_extras(
+            {
+                k: v.clone() if isinstance(v, Tensor) else v
+                for k, v in state_dict.items()
+                if k in extras
+            }
+        )
 
     def rule_state(self) -> dict[str, Tensor]:  # compatibility: benchmarks/rules.py
         return self.saved_state()
@@ -186,7 +257,12 @@ class ClipRule(Stateful):
         self._next: dict[str, Tensor] | None = None
 
     def evaluate(
-        self, norms: Tensor, state: dict[str, Tensor], *, norm_type: float, total_norm: Tensor | None
+        self,
+        norms: Tensor,
+        state: dict[str, Tensor],
+        *,
+        norm_type: float,
+        total_norm: Tensor | None,
     ) -> Evaluation:
         """This step's thresholds and the state after it; pure, no host read.
 
@@ -223,42 +299,18 @@ class ClipRule(Stateful):
             self.install(self._next)
             self._next = None
         self.last_threshold = thresholds
-        self._clipped = self.clipped_count.to(norms.device) + (coefficients < 1).any().to(torch.int64)
+        clipped = (coefficients < 1).any().to(torch.int64)
+        self._clipped = self.clipped_count.to(norms.device) + clipped
 
     @property
     def clipped_count(self) -> Tensor:
         """Steps in which the rule scaled some grad, a 0-dim int64 tensor."""
         return _counter(torch.device("cpu")) if self._clipped is None else self._clipped
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"type", "config", "state", "last_threshold", "clipped_count"}``, tensors and
-        plain values (``torch.load(weights_only=True)`` reads it)."""
+    def extras(self) -> dict[str, Any]:
         last = None if self.last_threshold is None else self.last_threshold.detach().clone()
-        return {"type": type(self).__name__, "config": self.config(), "state": self.saved_state(),
-                "last_threshold": last, "clipped_count": self.clipped_count.clone()}  # fmt: skip
+        return {"last_threshold": last, "clipped_count": self.clipped_count.clone()}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output, all checked before anything changes.
-
-        Raises:
-          ValueError: another rule's checkpoint, other settings, or a malformed state.
-        """
-        keys = {"type", "config", "state", "last_threshold", "clipped_count"}
-        if not isinstance(state_dict, Mapping) or set(state_dict) != keys:
-            raise ValueError(f"a {type(self).__name__} state dict must be a dict from state_dict(), got {state_dict!r}")
-        if state_dict["type"] != type(self).__name__ or state_dict["config"] != self.config():
-            raise ValueError(
-                f"the checkpoint was saved with {state_dict['type']}({state_dict['config']}), "
-                f"this optimizer uses {self!r}; construct it with the rule it was saved with"
-            )
-        last, count = state_dict["last_threshold"], state_dict["clipped_count"]
-        if last is not None and not (isinstance(last, Tensor) and last.is_floating_point()):
-            raise ValueError(f"last_threshold must be a floating-point tensor or None, got {last!r}")
-        if not isinstance(count, Tensor):
-            raise ValueError(f"clipped_count must be a tensor, got {count!r}")
-        checked("clipped_count", count, (), floating=False)
-        state = self.loaded_state(state_dict["state"])
-        if state or self._fresh is None:
-            self.install(state)
-        self.last_threshold = None if last is None else last.clone()
-        self._clipped, self._next = count.clone(), None
+    def set_extras(self, extras: Mapping[str, Any]) -> None:
+        self.last_threshold, self._clipped = extras["last_threshold"], extras["clipped_count"]
+        self._next = None

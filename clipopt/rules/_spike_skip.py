@@ -106,28 +106,8 @@ class SpikeSkip(Stateful):
         """Steps skipped as spikes, a 0-dim int64 tensor."""
         return torch.zeros((), dtype=torch.int64) if self._spikes is None else self._spikes
 
-    def state_dict(self) -> dict[str, Any]:
-        """Config, history and counters: tensors and plain values."""
-        return {"type": "SpikeSkip", "config": self.config(), "state": self.saved_state(),
-                "spike_count": self.spike_count.clone(), "steps_seen": self.steps_seen}  # fmt: skip
+    def extras(self) -> dict[str, Any]:
+        return {"spike_count": self.spike_count.clone(), "steps_seen": self.steps_seen}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output; checked completely before anything changes."""
-        keys = {"type", "config", "state", "spike_count", "steps_seen"}
-        if not isinstance(state_dict, Mapping) or set(state_dict) != keys:
-            raise ValueError(f"a SpikeSkip state dict must have the keys {sorted(keys)}")
-        if state_dict["type"] != "SpikeSkip" or state_dict["config"] != self.config():
-            raise ValueError(
-                f"the checkpoint was saved with skip_spikes={state_dict['type']}"
-                f"({state_dict['config']}), this optimizer has {self!r}"
-            )
-        state = self.loaded_state(state_dict["state"])
-        spikes, seen = state_dict["spike_count"], state_dict["steps_seen"]
-        if not isinstance(spikes, Tensor):
-            raise ValueError(f"SpikeSkip spike_count must be a tensor, got {spikes!r}")
-        checked("spike_count", spikes, (), floating=False)
-        if isinstance(seen, bool) or not isinstance(seen, int) or seen < 0:
-            raise ValueError(f"SpikeSkip steps_seen must be an int >= 0, got {seen!r}")
-        if state or self._fresh is None:
-            self.install(state)
-        self._spikes, self.steps_seen = spikes.clone(), seen
+    def set_extras(self, extras: Mapping[str, Any]) -> None:
+        self._spikes, self.steps_seen = extras["spike_count"], extras["steps_seen"]

@@ -119,7 +119,12 @@ class ZClip(ClipRule):
         checked("var", state["var"], (), floating=True)
 
     def evaluate(
-        self, norms: Tensor, state: dict[str, Tensor], *, norm_type: float, total_norm: Tensor | None
+        self,
+        norms: Tensor,
+        state: dict[str, Tensor],
+        *,
+        norm_type: float,
+        total_norm: Tensor | None,
     ) -> Evaluation:
         buffer, count, mean, var = (state[k] for k in self.state_keys)
         norm = norms.to(mean.dtype)
