@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,6 +63,7 @@ class AdaGC(ClipRule):
     """
 
     per_tensor = True
+    settings = ("ratio", "beta", "warmup_steps", "warmup_max_norm", "eps")
     state_keys = ("gamma", "count")  # [grads], inf until a tensor's first norm; warm-up steps
 
     def __init__(
@@ -75,17 +75,11 @@ class AdaGC(ClipRule):
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        self.ratio = number("ratio", ratio, 0.0, math.inf, low_open=True, high_open=True)
-        self.beta = number("beta", beta, 0.0, 1.0, high_open=True)
+        self.ratio = number("ratio", ratio, "(0, inf)")
+        self.beta = number("beta", beta, "[0, 1)")
         self.warmup_steps = integer("warmup_steps", warmup_steps, 0)
-        self.warmup_max_norm = number(
-            "warmup_max_norm", warmup_max_norm, 0.0, math.inf, low_open=True, high_open=True
-        )
-        self.eps = number("eps", eps, 0.0, math.inf, high_open=True)
-
-    def config(self) -> dict[str, Any]:
-        names = ("ratio", "beta", "warmup_steps", "warmup_max_norm", "eps")
-        return {name: getattr(self, name) for name in names}
+        self.warmup_max_norm = number("warmup_max_norm", warmup_max_norm, "(0, inf)")
+        self.eps = number("eps", eps, "[0, inf)")
 
     def init_state(self, norms: Tensor) -> dict[str, Tensor]:
         if norms.dim() != 1:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -114,8 +113,8 @@ class AGC(UnitWiseRule):
         self, clipping: float = 0.01, eps: float = 1e-3, exclude: Iterable[Tensor] = ()
     ) -> None:
         super().__init__()
-        self.clipping = number("clipping", clipping, 0.0, math.inf, low_open=True, high_open=True)
-        self.eps = number("eps", eps, 0.0, math.inf, high_open=True)
+        self.clipping = number("clipping", clipping, "(0, inf)")
+        self.eps = number("eps", eps, "[0, inf)")
         self.exclude = _parameters(exclude)
 
     def config(self) -> dict[str, Any]:

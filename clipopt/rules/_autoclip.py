@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -101,24 +100,18 @@ class AutoClip(ClipRule):
       (tensor(7.5000), tensor(1), tensor([0.6000, 0.8000]))
     """
 
+    settings = ("percentile", "history", "per_tensor")
     state_keys = ("buffer", "count")  # [rows, history] ring, [rows] finite norms seen
 
     def __init__(
         self, percentile: float = 10.0, history: int = 10_000, per_tensor: bool = False
     ) -> None:
         super().__init__()
-        self.percentile = number("percentile", percentile, 0.0, 100.0)
+        self.percentile = number("percentile", percentile, "[0, 100]")
         self.history = integer("history", history, 1)
         if not isinstance(per_tensor, bool):
             raise TypeError(f"per_tensor must be a bool, got {per_tensor!r}")
         self.per_tensor = per_tensor
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "percentile": self.percentile,
-            "history": self.history,
-            "per_tensor": self.per_tensor,
-        }
 
     def init_state(self, norms: Tensor) -> dict[str, Tensor]:
         buffer = norms.new_zeros((norms.numel() if self.per_tensor else 1, self.history))
@@ -127,23 +120,15 @@ class AutoClip(ClipRule):
 
     def check_state(self, state: Mapping[str, Tensor]) -> None:
         buffer, count = state["buffer"], state["count"]
-        checked("buffer", buffer, None, floating=True)
-        if buffer.dim() != 2 or buffer.shape[1] != self.history:
-            raise ValueError(
-                f"AutoClip buffer must be [rows, {self.history}], got {tuple(buffer.shape)}"
-            )
-        if not self.per_tensor and buffer.shape[0] != 1:
-            raise ValueError(f"a global AutoClip buffer has one row, got {buffer.shape[0]}")
-        checked("count", count, (buffer.shape[0],), floating=False)
+        rows = buffer.shape[0] if self.per_tensor and buffer.dim() == 2 else 1
+        checked("buffer", buffer, (rows, self.history), floating=True)
+        checked("count", count, (rows,), floating=False)
         # A load reads these values on the host; a step never does.
-        negative = (count < 0).nonzero()
-        if negative.numel():
-            row = int(negative[0, 0])
-            raise ValueError(f"AutoClip count must be >= 0, got {int(count[row])} in row {row}")
         filled = torch.arange(self.history) < count.cpu().clamp(max=self.history)[:, None]
-        bad = (filled & torch.logical_not(torch.isfinite(buffer.cpu()))).nonzero()
-        if bad.numel():
-            row, slot = int(bad[0, 0]), int(bad[0, 1])
+        bad = torch.logical_and(filled, torch.logical_not(torch.isfinite(buffer.cpu())))
+        for row in (count < 0).nonzero()[:1, 0].tolist():
+            raise ValueError(f"AutoClip count must be >= 0, got {int(count[row])} in row {row}")
+        for row, slot in bad.nonzero()[:1].tolist():
             raise ValueError(
                 f"AutoClip buffer holds {float(buffer[row, slot])} in filled slot {slot} of row "
                 f"{row}; the rule keeps finite norms only"

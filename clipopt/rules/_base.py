@@ -19,7 +19,6 @@ once. See ``docs/adaptive.md``.
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
@@ -39,19 +38,16 @@ def state_dtype(device: torch.device) -> torch.dtype:
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
-def number(name: str, value: Any, low: float, high: float, *, low_open: bool = False,
-           high_open: bool = False) -> float:  # fmt: skip
-    """``value`` as a float in the interval; ValueError/TypeError naming it otherwise."""
+def number(name: str, value: Any, interval: str) -> float:
+    """``value`` as a float in ``interval`` (e.g. ``"(0, inf)"``, ``"[0, 1)"``);
+    ValueError/TypeError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
+    low, high = (float(end) for end in interval[1:-1].split(","))
     v = float(value)
-    if (
-        math.isnan(v)
-        or (v <= low if low_open else v < low)
-        or (v >= high if high_open else v > high)
-    ):
-        left, right = "(" if low_open else "[", ")" if high_open else "]"
-        raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
+    above = low < v if interval[0] == "(" else low <= v
+    if not (above and (v < high if interval[-1] == ")" else v <= high)):  # NaN too
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
     return v
 
 
@@ -104,6 +100,7 @@ class Stateful:
     """A rule's or SpikeSkip's state: tensors under ``state_keys``, made by
     :meth:`init_state`, checked by :meth:`check_state` on a load."""
 
+    settings: tuple[str, ...] = ()
     state_keys: tuple[str, ...] = ()
 
     def __init__(self) -> None:
@@ -111,8 +108,9 @@ class Stateful:
         self._fresh: tuple[Any, ...] | None = None  # prepared for norms like these, unused
 
     def config(self) -> dict[str, Any]:
-        """The settings, plain Python values; a checkpoint loads only into equal ones."""
-        raise NotImplementedError
+        """The settings, plain Python values; a checkpoint loads only into equal ones.
+        The default: the attributes named in ``settings``."""
+        return {name: getattr(self, name) for name in self.settings}
 
     def init_state(self, norms: Tensor) -> dict[str, Tensor]:
         """The state before the first step, on ``norms``' device."""

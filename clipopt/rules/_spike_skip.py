@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,12 +41,13 @@ class SpikeSkip(Stateful):
       (tensor(1), tensor(1), tensor([-5.0500]))
     """
 
+    settings = ("window", "sigma", "min_history")
     state_keys = ("buffer", "count")  # the last `window` finite norms, as a ring; their count
 
     def __init__(self, window: int = 128, sigma: float = 6.0, min_history: int | None = None):
         super().__init__()
         self.window = integer("window", window, 2)
-        self.sigma = number("sigma", sigma, 0.0, math.inf, low_open=True)
+        self.sigma = number("sigma", sigma, "(0, inf)")
         if min_history is None:
             min_history = min(max(20, self.window // 2), self.window)
         self.min_history = integer("min_history", min_history, 2)
@@ -55,9 +55,6 @@ class SpikeSkip(Stateful):
             raise ValueError(f"min_history must be <= window ({self.window}), got {min_history!r}")
         self._spikes: Tensor | None = None
         self.steps_seen = 0  # on the host: an upper bound of the finite norms seen
-
-    def config(self) -> dict[str, Any]:
-        return {"window": self.window, "sigma": self.sigma, "min_history": self.min_history}
 
     def init_state(self, norms: Tensor) -> dict[str, Tensor]:
         buffer = torch.zeros(self.window, dtype=state_dtype(norms.device), device=norms.device)

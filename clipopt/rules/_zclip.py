@@ -68,6 +68,8 @@ class ZClip(ClipRule):
       (tensor(1), tensor([1.0008]))
     """
 
+    settings: tuple[str, ...] = ("alpha", "z_thresh", "max_grad_norm", "eps", "warmup_steps")
+    settings += ("mode", "clip_option", "clip_factor", "skip_update_on_spike")
     state_keys = ("buffer", "count", "mean", "var")  # warm-up norms and count, the EMAs
 
     def __init__(
@@ -83,26 +85,19 @@ class ZClip(ClipRule):
         skip_update_on_spike: bool = False,
     ) -> None:
         super().__init__()
-        self.alpha = number("alpha", alpha, 0.0, 1.0, low_open=True, high_open=True)
-        self.z_thresh = number("z_thresh", z_thresh, 0.0, math.inf, low_open=True)
+        self.alpha = number("alpha", alpha, "(0, 1)")
+        self.z_thresh = number("z_thresh", z_thresh, "(0, inf]")
         self.max_grad_norm = (
-            None
-            if max_grad_norm is None
-            else number("max_grad_norm", max_grad_norm, 0.0, math.inf, low_open=True)
+            None if max_grad_norm is None else number("max_grad_norm", max_grad_norm, "(0, inf]")
         )
-        self.eps = number("eps", eps, 0.0, math.inf)
+        self.eps = number("eps", eps, "[0, inf]")
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
         self.mode = _choice("mode", mode, ("zscore", "percentile"))
         self.clip_option = _choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
-        self.clip_factor = number("clip_factor", clip_factor, 0.0, math.inf, low_open=True)
+        self.clip_factor = number("clip_factor", clip_factor, "(0, inf]")
         if not isinstance(skip_update_on_spike, bool):
             raise TypeError(f"skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
         self.skip_update_on_spike = skip_update_on_spike
-
-    def config(self) -> dict[str, Any]:
-        names = ("alpha", "z_thresh", "max_grad_norm", "eps", "warmup_steps", "mode")
-        more = ("clip_option", "clip_factor", "skip_update_on_spike")
-        return {name: getattr(self, name) for name in names + more}
 
     def init_state(self, norms: Tensor) -> dict[str, Tensor]:
         if norms.dim() != 0:
