@@ -105,7 +105,8 @@ class Stateful:
 
     def __init__(self) -> None:
         self.state: dict[str, Tensor] = {}
-        self._fresh: tuple[Any, ...] | None = None  # prepared for norms like these, unused
+        self._made_for: tuple[Any, ...] | None = None  # prepare()'s norms: shape, dtype, device
+        self._stepped = False
 
     def config(self) -> dict[str, Any]:
         """The settings, plain Python values; a checkpoint loads only into equal ones.
@@ -123,25 +124,28 @@ class Stateful:
     def prepare(self, norms: Tensor) -> None:
         """Make the state for norms like ``norms`` ahead of the first step (a compiled
         step then does not compile again at its second call); no-op once stepped."""
-        if not self.state or self._fresh is not None:
+        if not self._stepped:
             self.state = self.init_state(norms)
-            self._fresh = (norms.shape, norms.dtype, norms.device)
+            self._made_for = (tuple(norms.shape), norms.dtype, norms.device)
 
     def current(self, norms: Tensor) -> dict[str, Tensor]:
         """The state to evaluate ``norms`` on: new where none is made, or where the one
         :meth:`prepare` made is for norms of another shape, dtype or device."""
-        if not self.state or (self._fresh not in (None, (norms.shape, norms.dtype, norms.device))):
+        here = (tuple(norms.shape), norms.dtype, norms.device)
+        # `_stepped` is read only where the norms are not those prepared for: a compiled
+        # step guards on `_made_for`, which stays as it is.
+        if not self.state or (self._made_for not in (None, here) and not self._stepped):
             return self.init_state(norms)
         return self.state
 
     def install(self, state: dict[str, Tensor]) -> None:
-        self.state, self._fresh = state, None
+        self.state, self._stepped = state, True
 
     def saved_state(self) -> dict[str, Tensor]:
         """Copies of the state; empty before the first step."""
         return (
             {}
-            if self._fresh is not None
+            if not self._stepped
             else {k: self.state[k].clone() for k in self.state_keys if k in self.state}
         )
 
@@ -197,8 +201,8 @@ class Stateful:
         for name, now in extras.items():
             _check_extra(name, state_dict[name], now)
         state = self.loaded_state(state_dict["state"])
-        if state or self._fresh is None:
-            self.install(state)
+        if state or self._stepped:
+            self.state, self._stepped = state, bool(state)
         self.set_extras(
             {
                 k: v.clone() if isinstance(v, Tensor) else v
