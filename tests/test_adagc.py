@@ -184,7 +184,7 @@ def test_adagc_matches_the_published_rule(kwargs: dict[str, Any], norm_type: flo
             torch.cat([p.grad.flatten() for p in params if p.grad is not None]),
             torch.cat([g.flatten() for g in theirs]),
         )
-        gammas.add(rule.rule_state()["gamma"], ref.gamma())
+        gammas.add(rule.state["gamma"], ref.gamma())
         last.add(opt.last_norm, total)
         if step >= ref.start_clip_steps:
             clipped_after_warmup += sum(
@@ -215,8 +215,8 @@ def test_warmup_clips_globally_and_keeps_the_smallest_clipped_norm() -> None:
             torch.testing.assert_close(p.grad, g * coefficient, rtol=1e-6, atol=0.0)
         clipped = torch.tensor([float(g.double().norm()) * coefficient for g in grads])
         smallest = clipped if smallest is None else torch.minimum(smallest, clipped)
-    torch.testing.assert_close(rule.rule_state()["gamma"], smallest.double(), rtol=1e-6, atol=0)
-    assert int(rule.rule_state()["count"]) == 3
+    torch.testing.assert_close(rule.state["gamma"], smallest.double(), rtol=1e-6, atol=0)
+    assert int(rule.state["count"]) == 3
 
 
 # ---------------------------------------------------------------- properties
@@ -270,17 +270,17 @@ def test_a_nonfinite_warmup_step_changes_nothing_and_does_not_count() -> None:
     stream = adagc_stream(steps=4)
     set_grads(params, next(stream))
     opt.step()
-    before = rule.rule_state()
+    before = {k: v.clone() for k, v in rule.state.items()}
     bad = next(stream)
     bad[2][0, 0, 0] = math.inf
     set_grads(params, bad)
     opt.step()
     assert int(opt.skip_count) == 1
-    assert_same(rule.rule_state(), before)
+    assert_same(dict(rule.state), before)
     set_grads(params, next(stream))  # still warm-up: the second finite step
     opt.step()
-    assert int(rule.rule_state()["count"]) == 2
-    assert bool(rule.rule_state()["gamma"].isfinite().all())
+    assert int(rule.state["count"]) == 2
+    assert bool(rule.state["gamma"].isfinite().all())
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
@@ -292,12 +292,12 @@ def test_after_warmup_a_nonfinite_tensor_keeps_its_state_and_the_others_move(bad
     for _ in range(3):
         set_grads(params, next(stream))
         opt.step()
-    before = rule.rule_state()["gamma"]
+    before = rule.state["gamma"].clone()
     grads = next(stream)
     grads[1][3] = bad
     set_grads(params, grads)
     opt.step()
-    after = rule.rule_state()["gamma"]
+    after = rule.state["gamma"]
     assert int(opt.skip_count) == 1  # the wrapper's nonfinite policy decides the step
     assert torch.equal(after[1], before[1])
     assert not torch.equal(after[[0, 2, 3, 4]], before[[0, 2, 3, 4]])
@@ -325,7 +325,7 @@ def test_a_nan_norm_stays_in_the_published_state_but_not_in_ours() -> None:
             assert torch.equal(theirs[0], grads[0].double())  # the spike went through
             assert float(params[0].grad.norm()) < float(grads[0].norm()) / 10  # clipped
     assert math.isnan(float(ref.state[0]))
-    assert bool(rule.rule_state()["gamma"].isfinite().all())
+    assert bool(rule.state["gamma"].isfinite().all())
     assert int(opt.skip_count) == 1
 
 
@@ -370,7 +370,7 @@ def test_an_all_zero_warmup_step_with_eps_0_has_no_nan() -> None:
     opt.step()
     assert rule.last_threshold is not None and bool((rule.last_threshold == math.inf).all())
     assert all(bool((p.grad == 0).all()) for p in params if p.grad is not None)
-    assert torch.equal(rule.rule_state()["gamma"], torch.zeros(len(SHAPES), dtype=torch.float64))
+    assert torch.equal(rule.state["gamma"], torch.zeros(len(SHAPES), dtype=torch.float64))
 
 
 def test_adagc_needs_the_same_grads_every_step() -> None:
@@ -424,8 +424,8 @@ def test_adagc_on_cuda_matches_the_cpu() -> None:
             clipped.append(torch.cat([p.grad.flatten().cpu() for p in params]))
         rules.append(rule)
         runs.append(torch.stack(clipped))
-    assert rules[1].rule_state()["gamma"].device.type == "cuda"
+    assert rules[1].state["gamma"].device.type == "cuda"
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0.0)
     torch.testing.assert_close(
-        rules[1].rule_state()["gamma"].cpu(), rules[0].rule_state()["gamma"], rtol=1e-5, atol=0
+        rules[1].state["gamma"].cpu(), rules[0].state["gamma"], rtol=1e-5, atol=0
     )

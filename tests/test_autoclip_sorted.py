@@ -40,8 +40,7 @@ def runs(draw: st.DrawFn) -> tuple[int, int, float, torch.dtype, list[list[float
 
 def ring_sorted(rule: clipopt.AutoClip) -> Tensor:
     """``torch.sort`` of each row's filled ring slots, padded with ``+inf``."""
-    state = rule.rule_state()
-    buffer, count = state["buffer"], state["count"]
+    buffer, count = rule.state["buffer"], rule.state["count"]
     filled = [min(int(c), rule.history) for c in count]
     rows = []
     for values, n in zip(buffer, filled, strict=True):
@@ -74,6 +73,12 @@ def saved_and_loaded(rule: clipopt.AutoClip) -> dict[str, object]:
     return loaded
 
 
+def load_ring(rule: clipopt.AutoClip, buffer: Tensor, count: Tensor) -> None:
+    """Load a ring and counts written by hand, through the public state dict."""
+    saved = rule.state_dict()
+    rule.load_state_dict({**saved, "state": {"buffer": buffer, "count": count}})
+
+
 def step(rule: clipopt.AutoClip, norms: Tensor) -> Tensor:
     coefficients, thresholds = rule.decide(norms)
     rule.commit(norms, coefficients, thresholds)
@@ -102,13 +107,13 @@ def test_the_sorted_copy_and_thresholds_match_a_sort_every_step(
         for row, value in zip(past, values, strict=True):
             if math.isfinite(value):
                 row.append(value)
-        assert rule._sorted is not None and torch.equal(rule._sorted, ring_sorted(rule))
+        assert torch.equal(rule.state["sorted"], ring_sorted(rule))
         expected = [sorted(row) + [math.inf] * (history - len(row)) for row in past]
-        assert torch.equal(rule._sorted, torch.tensor(expected, dtype=dtype))
+        assert torch.equal(rule.state["sorted"], torch.tensor(expected, dtype=dtype))
     if resumed is not None:
-        assert torch.equal(resumed._sorted, rule._sorted)  # type: ignore[arg-type]
-        assert set(resumed.rule_state()) == {"buffer", "count"}
-        assert torch.equal(resumed.rule_state()["buffer"], rule.rule_state()["buffer"])
+        assert torch.equal(resumed.state["sorted"], rule.state["sorted"])
+        assert set(resumed.state_dict()["state"]) == {"buffer", "count"}
+        assert torch.equal(resumed.state["buffer"], rule.state["buffer"])
 
 
 def test_a_checkpoint_of_the_ring_alone_rebuilds_the_copy() -> None:
@@ -118,14 +123,14 @@ def test_a_checkpoint_of_the_ring_alone_rebuilds_the_copy() -> None:
     rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
     buffer = torch.tensor([[4.0, 1.0, 3.0, 2.0], [9.0, 5.0, 0.0, 0.0]])
     count = torch.tensor([6, 2])  # row 0 has wrapped: slot 2 is the oldest
-    rule.load_rule_state({"buffer": buffer, "count": count})
+    load_ring(rule, buffer, count)
     thresholds = step(rule, torch.tensor([0.5, 7.0]))
     seen = (torch.tensor([4.0, 1.0, 3.0, 2.0]), torch.tensor([9.0, 5.0]))
     assert torch.equal(thresholds, torch.stack([torch.quantile(s, 0.5) for s in seen]))
     assert torch.equal(
-        rule.rule_state()["buffer"], torch.tensor([[4.0, 1.0, 0.5, 2.0], [9.0, 5.0, 7.0, 0.0]])
+        rule.state["buffer"], torch.tensor([[4.0, 1.0, 0.5, 2.0], [9.0, 5.0, 7.0, 0.0]])
     )
-    assert torch.equal(rule._sorted, ring_sorted(rule))  # type: ignore[arg-type]
+    assert torch.equal(rule.state["sorted"], ring_sorted(rule))
 
 
 @pytest.mark.parametrize(
@@ -143,11 +148,11 @@ def test_a_ring_the_rule_could_not_have_written_is_refused_and_changes_nothing(
     norms only), would make the rebuilt sorted copy disagree with the ring."""
     rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
     step(rule, torch.tensor([3.0, 8.0]))
-    before = rule.rule_state()
+    before = {k: v.clone() for k, v in rule.state.items()}
     buffer = torch.tensor([[4.0, 1.0, 3.0, 2.0], [9.0, slot_value, 0.0, 0.0]])
     with pytest.raises(ValueError, match=message):
-        rule.load_rule_state({"buffer": buffer, "count": torch.tensor(count)})
-    after = rule.rule_state()
+        load_ring(rule, buffer, torch.tensor(count))
+    after = rule.state
     assert all(torch.equal(after[k], before[k]) for k in ("buffer", "count"))
 
 
@@ -156,7 +161,7 @@ def test_a_non_finite_value_in_an_unfilled_slot_is_never_read() -> None:
     the quantile of the filled ones."""
     rule = clipopt.AutoClip(50.0, 4, per_tensor=True)
     buffer = torch.tensor([[4.0, 1.0, 3.0, 2.0], [9.0, 5.0, math.nan, math.inf]])
-    rule.load_rule_state({"buffer": buffer, "count": torch.tensor([6, 2])})
+    load_ring(rule, buffer, torch.tensor([6, 2]))
     thresholds = step(rule, torch.tensor([0.5, 7.0]))
     seen = (torch.tensor([4.0, 1.0, 3.0, 2.0]), torch.tensor([9.0, 5.0]))
     assert torch.equal(thresholds, torch.stack([torch.quantile(s, 0.5) for s in seen]))
@@ -173,5 +178,5 @@ def test_the_sorted_copy_on_cuda_matches_the_cpu_bit_for_bit() -> None:
         cpu, cuda = (step(rules[d], norms.to(d)) for d in ("cpu", "cuda"))
         assert torch.equal(cuda.cpu(), cpu)
     cuda_rule = rules["cuda"]
-    assert cuda_rule._sorted is not None and cuda_rule._sorted.is_cuda
-    assert torch.equal(cuda_rule._sorted.cpu(), ring_sorted(cuda_rule).cpu())
+    assert cuda_rule.state["sorted"].is_cuda
+    assert torch.equal(cuda_rule.state["sorted"].cpu(), ring_sorted(cuda_rule).cpu())

@@ -44,10 +44,9 @@ def rule_coefficients(
     Raises:
       ValueError: a per-tensor rule and a measurement without per-tensor norms.
     """
-    rule.norm_type = norm_type
-    rule.total_norm = measured.norm if stages and rule.per_tensor else None
+    total = measured.norm if stages and rule.per_tensor else None
     if not rule.per_tensor:
-        coefficient, threshold = rule.decide(measured.norm)
+        coefficient, threshold = rule.decide(measured.norm, norm_type=norm_type)
         shared: list[Coefficient] = [coefficient] * len(grads)
         return shared, (measured.norm, coefficient, threshold)
     if not any(grads):
@@ -55,7 +54,7 @@ def rule_coefficients(
     norms = measured.tensor_norms
     if norms is None:
         raise ValueError(f"{rule!r} is per tensor, but the step measured no per-tensor norms")
-    coefficients, thresholds = rule.decide(norms)
+    coefficients, thresholds = rule.decide(norms, norm_type=norm_type, total_norm=total)
     parts = coefficients.unbind()
     per_group: list[Coefficient] = []
     start = 0

@@ -2,14 +2,14 @@
 
 :class:`AdaGC`, :class:`AutoClip` and :class:`ZClip` are rules on global or per-tensor
 norms, :class:`AGC` a unit-wise one; each lives in a module of its own over the
-protocols in :mod:`clipopt.rules._base` (:class:`ClipRule`, :class:`UnitWiseRule`), whose
-docstring says what the wrapper calls and when. See ``docs/adaptive.md``.
+protocols :class:`ClipRule` (:mod:`clipopt.rules._base`, which says what the wrapper
+calls and when) and :class:`UnitWiseRule`. See ``docs/adaptive.md``.
 """
 
 from clipopt.rules._adagc import AdaGC
 from clipopt.rules._agc import AGC
 from clipopt.rules._autoclip import AutoClip
-from clipopt.rules._base import ClipRule
+from clipopt.rules._base import ClipRule, Evaluation
 from clipopt.rules._spike_skip import SpikeSkip
 from clipopt.rules._unit import UnitDecision, UnitWiseRule
 from clipopt.rules._zclip import ZClip, ZClipMode, ZClipOption
@@ -19,6 +19,7 @@ __all__ = [
     "AdaGC",
     "AutoClip",
     "ClipRule",
+    "Evaluation",
     "SpikeSkip",
     "UnitDecision",
     "UnitWiseRule",

@@ -4,61 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from clipopt.rules._base import ClipRule, checked, integer, number, saved, state_dtype
+from clipopt.rules._base import ClipRule, Evaluation, checked, integer, number, state_dtype
 
 __all__ = ["AdaGC"]
-
-
-class _Step(NamedTuple):
-    """One step of the rule, in the state's dtype: what it does and the state after it."""
-
-    coefficients: Tensor
-    thresholds: Tensor
-    gamma: Tensor
-    warmed: Tensor  # warm-up steps done, this one included
-
-
-def _global_clip(
-    norms: Tensor, p: float, max_norm: float, eps: float, total: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Warm-up's clip of the total p-norm at ``max_norm``.
-
-    Returns:
-      The coefficient ``min(1, max_norm / (total + eps))``; each tensor's threshold
-      ``max_norm * (n + eps) / (total + eps)``, at which ``threshold / (n + eps)`` is
-      that coefficient (inf if ``total + eps`` is 0); and whether the total is finite.
-    """
-    if total is None:
-        total = torch.linalg.vector_norm(norms, p)
-    else:  # the whole model's, where ``norms`` are one pipeline stage's
-        total = total.to(device=norms.device, dtype=norms.dtype)
-    raw = max_norm / (total + eps)
-    shares = torch.where(total + eps > 0, raw * (norms + eps), math.inf)
-    return raw.clamp(max=1.0), shares, torch.isfinite(total)
-
-
-def _ema_clip(
-    norms: Tensor, gamma: Tensor, ratio: float, beta: float, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """After warm-up: clip each norm above ``ratio * gamma`` to it, then move the EMA.
-
-    A ``gamma`` of inf (none yet: ``warmup_steps=0``) starts from the norm itself, as the
-    authors' code does for a tensor without state.
-
-    Returns:
-      The coefficients, the thresholds ``ratio * gamma`` and the EMA after the step.
-    """
-    reference = torch.where(torch.isinf(gamma), norms, gamma)
-    limit = ratio * reference
-    clip = norms > limit
-    coefficients = torch.where(clip, limit / (norms + eps), 1.0)
-    kept = torch.where(clip, limit, norms)
-    return coefficients, limit, beta * reference + (1.0 - beta) * kept
 
 
 class AdaGC(ClipRule):
@@ -106,11 +58,13 @@ class AdaGC(ClipRule):
       ...     print(rule.last_threshold, w.grad, b.grad)
       tensor([2.5000, 6.0000]) tensor([1.5000, 2.0000]) tensor([6.0000])
       tensor([3.7500, 9.0000]) tensor([2.2500, 3.0000]) tensor([3.])
-      >>> rule.rule_state()["gamma"], rule.clipped_count, opt.last_norm
+      >>> rule.state["gamma"], rule.clipped_count, opt.last_norm
       (tensor([3.1250, 4.5000], dtype=torch.float64), tensor(2), tensor(10.4403))
     """
 
     per_tensor = True
+    settings = ("ratio", "beta", "warmup_steps", "warmup_max_norm", "eps")
+    state_keys = ("gamma", "count")  # [grads], inf until a tensor's first norm; warm-up steps
 
     def __init__(
         self,
@@ -121,80 +75,61 @@ class AdaGC(ClipRule):
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        self.ratio = number("ratio", ratio, 0.0, math.inf, low_open=True, high_open=True)
-        self.beta = number("beta", beta, 0.0, 1.0, high_open=True)
+        self.ratio = number("ratio", ratio, "(0, inf)")
+        self.beta = number("beta", beta, "[0, 1)")
         self.warmup_steps = integer("warmup_steps", warmup_steps, 0)
-        self.warmup_max_norm = number(
-            "warmup_max_norm", warmup_max_norm, 0.0, math.inf, low_open=True, high_open=True
-        )
-        self.eps = number("eps", eps, 0.0, math.inf, high_open=True)
-        self._gamma: Tensor | None = None  # [grads]: inf until a tensor's first norm
-        self._count: Tensor | None = None  # 0-dim int64: warm-up steps done
+        self.warmup_max_norm = number("warmup_max_norm", warmup_max_norm, "(0, inf)")
+        self.eps = number("eps", eps, "[0, inf)")
 
-    def config(self) -> dict[str, Any]:
-        return {
-            "ratio": self.ratio,
-            "beta": self.beta,
-            "warmup_steps": self.warmup_steps,
-            "warmup_max_norm": self.warmup_max_norm,
-            "eps": self.eps,
-        }
-
-    def _ensure(self, norms: Tensor) -> tuple[Tensor, Tensor]:
+    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
         if norms.dim() != 1:
             raise ValueError("AdaGC is a per-tensor rule: it takes one norm per grad")
-        if self._gamma is None or self._count is None:
-            dtype = state_dtype(norms.device)
-            gamma = torch.full(norms.shape, math.inf, dtype=dtype, device=norms.device)
-            return gamma, torch.zeros((), dtype=torch.int64, device=norms.device)
-        if self._gamma.shape != norms.shape:
+        dtype = state_dtype(norms.device)
+        gamma = torch.full(norms.shape, math.inf, dtype=dtype, device=norms.device)
+        return {"gamma": gamma, "count": torch.zeros((), dtype=torch.int64, device=norms.device)}
+
+    def check_state(self, state: Mapping[str, Tensor]) -> None:
+        checked("gamma", state["gamma"], None, floating=True)
+        if state["gamma"].dim() != 1:
             raise ValueError(
-                f"AdaGC has a state for {self._gamma.shape[0]} grads but this step has "
+                f"AdaGC gamma must be 1-D (one value per grad), got {state['gamma']!r}"
+            )
+        checked("count", state["count"], (), floating=False)
+
+    def evaluate(
+        self,
+        norms: Tensor,
+        state: dict[str, Tensor],
+        *,
+        norm_type: float,
+        total_norm: Tensor | None,
+    ) -> Evaluation:
+        gamma, count = state["gamma"], state["count"]
+        if gamma.shape != norms.shape:
+            raise ValueError(
+                f"AdaGC has a state for {gamma.shape[0]} grads but this step has "
                 f"{norms.shape[0]}: a per-tensor rule needs the same grads every step"
             )
-        return self._gamma, self._count
-
-    def _evaluate(self, norms: Tensor) -> _Step:
-        gamma, count = self._ensure(norms)
         n = norms.to(gamma.dtype)
         warming = count < self.warmup_steps
-        scale, shares, counted = _global_clip(
-            n, self.norm_type, self.warmup_max_norm, self.eps, self.total_norm
+        # Warm-up: the total p-norm clipped at warmup_max_norm; each tensor's threshold is
+        # where threshold / (n + eps) is that coefficient (inf if total + eps is 0).
+        total = torch.linalg.vector_norm(n, norm_type) if total_norm is None else total_norm.to(n)
+        raw = self.warmup_max_norm / (total + self.eps)
+        shares = torch.where(total + self.eps > 0, raw * (n + self.eps), math.inf)
+        counted = torch.isfinite(total)
+        lowest = torch.where(counted, torch.minimum(gamma, n * raw.clamp(max=1.0)), gamma)
+        # After: clip each norm above ratio * gamma to it, then move the EMA; a gamma of
+        # inf (warmup_steps=0) starts from the norm, as the authors' code does.
+        reference = torch.where(torch.isinf(gamma), n, gamma)
+        limit = self.ratio * reference
+        clip = n > limit
+        ema = self.beta * reference + (1.0 - self.beta) * torch.where(clip, limit, n)
+        after = {
+            "gamma": torch.where(warming, lowest, torch.where(torch.isfinite(n), ema, gamma)),
+            "count": count + torch.logical_and(warming, counted).to(torch.int64),
+        }
+        coefficients = torch.where(
+            warming, raw.clamp(max=1.0), torch.where(clip, limit / (n + self.eps), 1.0)
         )
-        lowest = torch.where(counted, torch.minimum(gamma, n * scale), gamma)
-        after, limits, ema = _ema_clip(n, gamma, self.ratio, self.beta, self.eps)
-        return _Step(
-            coefficients=torch.where(warming, scale, after),
-            thresholds=torch.where(warming, shares, limits),
-            gamma=torch.where(warming, lowest, torch.where(torch.isfinite(n), ema, gamma)),
-            warmed=count + (warming & counted).to(torch.int64),
-        )
-
-    def decide(self, norms: Tensor) -> tuple[Tensor, Tensor]:
-        step = self._evaluate(norms)
-        return step.coefficients.to(norms.dtype), step.thresholds.to(norms.dtype)
-
-    def threshold(self, norms: Tensor) -> Tensor:
-        return self._evaluate(norms).thresholds
-
-    def coefficient(self, norms: Tensor, threshold: Tensor) -> Tensor:
-        return self._evaluate(norms).coefficients
-
-    def update(self, norms: Tensor) -> None:
-        step = self._evaluate(norms)
-        self._gamma, self._count = step.gamma, step.warmed
-
-    def rule_state(self) -> dict[str, Any]:
-        if self._gamma is None or self._count is None:
-            return {}
-        return {"gamma": self._gamma.clone(), "count": self._count.clone()}
-
-    def load_rule_state(self, state: Mapping[str, Any]) -> None:
-        if not saved("AdaGC", state, ("gamma", "count")):
-            self._gamma = self._count = None
-            return
-        gamma = checked("gamma", state["gamma"], None, floating=True)
-        if gamma.dim() != 1:
-            raise ValueError(f"AdaGC gamma must be 1-D (one value per grad), got {gamma!r}")
-        count = checked("count", state["count"], (), floating=False)
-        self._gamma, self._count = gamma.clone(), count.clone()
+        return Evaluation(torch.where(warming, shares, limit), after, coefficients)

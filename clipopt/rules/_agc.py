@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -43,11 +42,6 @@ def _check_grad(grad: Tensor | None, param: Tensor) -> None:
         )
 
 
-def _given(grads: list[Tensor | None]) -> list[Tensor]:
-    """``grads``, every one given (:meth:`AGC.decide_units` is given only grads)."""
-    return cast("list[Tensor]", grads)
-
-
 def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -> Tensor:
     """The entries of ``values`` (every tensor's units, in order) of the tensors present."""
     if all(present):
@@ -58,19 +52,15 @@ def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -
 
 
 def _parameters(exclude: Iterable[Tensor]) -> list[Tensor]:
-    """``exclude`` as a list of tensors; TypeError naming the first thing that is not one."""
-    if isinstance(exclude, (Tensor, str)) or not isinstance(exclude, Iterable):
+    """``exclude`` as a list of distinct tensors; TypeError naming what is not one."""
+    ok = isinstance(exclude, Iterable) and not isinstance(exclude, (Tensor, str))
+    found = list(exclude) if ok else []
+    if not ok or any(not isinstance(t, Tensor) for t in found):
         raise TypeError(
-            f"exclude must be an iterable of parameters (tensors), got {exclude!r}; "
-            "for one parameter p, pass exclude=[p]"
+            f"exclude must be an iterable of parameters (tensors, matched by identity), got "
+            f"{exclude!r} (names are not accepted); e.g. exclude=model.fc.parameters(), or "
+            "exclude=[p] for one parameter p"
         )
-    found = list(exclude)
-    for item in found:
-        if not isinstance(item, Tensor):
-            raise TypeError(
-                f"exclude must hold parameters (tensors, matched by identity), got {item!r}; "
-                "names are not accepted: pass the parameters, e.g. model.fc.parameters()"
-            )
     return list({id(t): t for t in found}.values())
 
 
@@ -92,30 +82,18 @@ class AGC(UnitWiseRule):
       eps: the smallest weight norm that counts, >= 0, so that zero-initialised units can
         move (the paper's 1e-3).
       exclude: parameters left unclipped, matched by identity (the paper does not clip
-        the final classifier layer): e.g. ``model.fc.parameters()``. Their weights are
-        not read; their grads are measured whole, in the same pass as the others' units,
-        for the step's global norm. The rule holds them: a copy of the optimizer excludes
+        the final classifier layer): e.g. ``model.fc.parameters()``; their grads are
+        measured whole, for the step's global norm. A copy of the optimizer excludes
         its copies.
 
     ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
-    in the order of the param groups and their params, with
-    :func:`clipopt._dist._unit_rows.unit_shape` entries per grad (excluded params and params
-    without a grad have none); ``clipped_count`` counts the steps in which some unit was
-    scaled. Only the L2 norm is supported (``norm_type=2``, the paper's).
+    grad after grad (excluded grads and params without one have none). Only the L2
+    norm is supported (``norm_type=2``, the paper's).
 
-    DTensor params and grads (FSDP2, HSDP, tensor parallel, FSDP2 over TP) are measured
-    by the whole unit across ranks, every unit's grad and weight shares (and the excluded
-    grads') in one float64 ``all_reduce`` (:mod:`clipopt._dist._units`), the step's only one:
-    its global norm is the root of the sum of the grads' reduced squares. Each rank
-    scales the part of each unit it holds; ``last_threshold`` then still holds every
-    unit of every tensor, the same on every rank and as in one process. A parameter
-    whose rows a rank holds are not one contiguous range is refused with ``ValueError``
-    before any grad changes. The reduction is laid out over the units of every
-    (non-excluded) DTensor parameter of the optimizer, whatever grads a rank holds, so
-    a rank whose grads are all None joins it with zero grad shares; it carries each
-    rank's count of grads, and where the counts differ every norm of the step is NaN on
-    every rank, for ``nonfinite`` to act on (``"raise"`` raises on every rank,
-    ``"skip"`` skips everywhere).
+    DTensor params and grads (FSDP2, HSDP, tensor parallel) are measured by the whole
+    unit across ranks in the step's one float64 ``all_reduce``, which gives its global
+    norm too; each rank scales the part of each unit it holds (see ``docs/adaptive.md``
+    and :mod:`clipopt._dist._units`).
 
     Example:
       >>> import torch, clipopt
@@ -135,8 +113,8 @@ class AGC(UnitWiseRule):
         self, clipping: float = 0.01, eps: float = 1e-3, exclude: Iterable[Tensor] = ()
     ) -> None:
         super().__init__()
-        self.clipping = number("clipping", clipping, 0.0, math.inf, low_open=True, high_open=True)
-        self.eps = number("eps", eps, 0.0, math.inf, high_open=True)
+        self.clipping = number("clipping", clipping, "(0, inf)")
+        self.eps = number("eps", eps, "[0, inf)")
         self.exclude = _parameters(exclude)
 
     def config(self) -> dict[str, Any]:
@@ -179,7 +157,8 @@ class AGC(UnitWiseRule):
         if slotted:
             found = slot_unit_norms(own, weights, dtype, whole)
         else:
-            found = whole_unit_norms(_given(own), weights, dtype, whole=_given(whole))
+            given = cast("list[Tensor]", own), cast("list[Tensor]", whole)  # all grads here
+            found = whole_unit_norms(given[0], weights, dtype, whole=given[1])
         norms, rows = found.grads, found.rows
         # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
         # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.
@@ -196,13 +175,3 @@ class AGC(UnitWiseRule):
         )
         held = [_held_units(t, rows, present) for t in (norms, coefficients, thresholds)]
         return UnitDecision(per_grad, held[0], held[1], held[2], squares, found.check)
-
-    def update(self, norms: Tensor) -> None:
-        """AGC has no state: its threshold comes from the weights of this step."""
-
-    def rule_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_rule_state(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or state:
-            raise ValueError(f"AGC has no state, got {state!r}")

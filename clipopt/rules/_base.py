@@ -1,58 +1,36 @@
-"""The clip-rule protocol (:class:`ClipRule`) and what the rules share.
+"""The clip-rule protocol (:class:`ClipRule`) and what rules and SpikeSkip share.
 
-A rule turns the step's pre-clip norms into clip coefficients and thresholds, from state
-it keeps in tensors on the grads' device, and updates that state from the norms after
-the step; nothing in either reads a tensor on the host. :class:`ClipRule` is the
-protocol (a base class); :class:`AdaGC`, :class:`AutoClip` and :class:`ZClip` are rules,
-:class:`AGC` a unit-wise one (:class:`~clipopt.UnitWiseRule`), and
-:class:`SpikeSkip` is not a rule but the ``skip_spikes=`` setting of
-:class:`~clipopt.ClippedOptimizer`, which skips whole steps. See ``docs/adaptive.md``.
+A rule is its settings (:meth:`~Stateful.config`), its state (``rule.state``: a dict of
+tensors on the grads' device, with the keys ``state_keys``) and a pure
+:meth:`ClipRule.evaluate` from this step's norms and the state before it to the
+thresholds and the state after it. The wrapper calls, once per ``step()``:
 
-The wrapper calls, once per ``step()``:
-
-1. ``coefficients, thresholds = rule.decide(norms)``: ``norms`` is the global norm (a
-   0-dim tensor), or with ``per_tensor = True`` a 1-D tensor with one norm per grad (in
-   the order of the param groups and their params, params without a grad left out).
-   The two results have the shape of ``norms``. Nothing changes.
+1. ``coefficients, thresholds = rule.decide(norms, norm_type=p, total_norm=t)``: the
+   0-dim global norm, or with ``per_tensor = True`` one norm per grad; nothing changes.
 2. the step is applied (or skipped);
-3. ``rule.commit(norms, coefficients, thresholds)``: the rule's :meth:`ClipRule.update`
-   and the monitoring counters (:attr:`ClipRule.last_threshold`,
-   :attr:`ClipRule.clipped_count`).
+3. ``rule.commit(norms, coefficients, thresholds)``: the state :meth:`ClipRule.decide`
+   evaluated is installed, and the counters move.
 
-A unit-wise rule (:class:`~clipopt.UnitWiseRule`, AGC) takes step 1
-differently: it gets each grad beside its parameter,
-``decision = rule.decide_units(params, grads, norm_type)``, and clips parts ("units")
-of each grad by their own coefficients; ``norms``,
-``coefficients`` and ``thresholds`` are then 1-D with one entry per unit.
-
-Non-finite norms never enter a rule's history (the reference packages would keep a NaN
-in theirs for good); what such a step does is the wrapper's ``nonfinite`` policy.
+``rule.prepare(norms)``, called once ahead of the first step with norms of the step's
+shape, dtype and device, makes the state, so a compiled step traces its final graph at
+once. See ``docs/adaptive.md``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
 from clipopt._kernels._scale import EPS
 
-__all__ = [
-    "ClipRule",
-    "OnDevice",
-    "checked",
-    "count_or_zero",
-    "integer",
-    "number",
-    "state_dtype",
-]
+__all__ = ["ClipRule", "Evaluation", "Stateful", "checked", "integer", "number", "state_dtype"]
 
-_Self = TypeVar("_Self", bound="OnDevice")
+_Self = TypeVar("_Self", bound="Stateful")
 
 
 def state_dtype(device: torch.device) -> torch.dtype:
@@ -60,28 +38,21 @@ def state_dtype(device: torch.device) -> torch.dtype:
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
-def number(
-    name: str,
-    value: Any,
-    low: float,
-    high: float,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> float:
-    """``value`` as a float in the interval; ValueError/TypeError naming it otherwise."""
+def number(name: str, value: Any, interval: str) -> float:
+    """``value`` as a float in ``interval`` (e.g. ``"(0, inf)"``, ``"[0, 1)"``);
+    ValueError/TypeError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
+    low, high = (float(end) for end in interval[1:-1].split(","))
     v = float(value)
-    below = v <= low if low_open else v < low
-    above = v >= high if high_open else v > high
-    if math.isnan(v) or below or above:
-        left, right = "(" if low_open else "[", ")" if high_open else "]"
-        raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
+    above = low < v if interval[0] == "(" else low <= v
+    if not (above and (v < high if interval[-1] == ")" else v <= high)):  # NaN too
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
     return v
 
 
 def integer(name: str, value: Any, low: int) -> int:
+    """``value`` as an int of at least ``low``; ValueError/TypeError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if int(value) < low:
@@ -89,43 +60,166 @@ def integer(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
-def checked(name: str, value: Any, shape: tuple[int, ...] | None, floating: bool) -> Tensor:
-    """A saved tensor of the right kind (and shape, where given), else a ValueError."""
-    ok = isinstance(value, Tensor) and (
-        value.is_floating_point() if floating else value.dtype == torch.int64
-    )
+def checked(name: str, value: Tensor, shape: tuple[int, ...] | None, floating: bool) -> None:
+    """Refuse a saved tensor of the wrong kind (or shape, where given) with ValueError."""
+    ok = value.is_floating_point() if floating else value.dtype == torch.int64
     if not ok or (shape is not None and tuple(value.shape) != shape):
         kind = "floating-point" if floating else "int64"
-        raise ValueError(
-            f"rule state {name!r} must be a {kind} tensor of shape {shape}, got {value!r}"
-        )
-    tensor: Tensor = value
-    return tensor
+        raise ValueError(f"state {name!r} must be a {kind} tensor of shape {shape}, got {value!r}")
 
 
-def saved(rule: str, state: Any, keys: tuple[str, ...]) -> bool:
-    """Whether a rule's saved ``state`` holds its tensors: True for exactly ``keys``,
-    False for an empty mapping (the rule had not stepped), else a ValueError."""
-    if not isinstance(state, Mapping) or set(state) not in (set(), set(keys)):
-        names = " and ".join(keys) if len(keys) <= 2 else ", ".join(keys)
-        raise ValueError(f"{rule} state must have the keys {names}, got {state!r}")
-    return bool(state)
+def _check_extra(name: str, value: Any, now: Any) -> None:
+    """A saved counter (an int, or an int64 0-dim tensor) or last value (a float tensor or
+    None) of the kind the current one is, else ValueError."""
+    counter = isinstance(now, Tensor) and now.dtype == torch.int64
+    if isinstance(now, int) and (
+        isinstance(value, bool) or not isinstance(value, int) or value < 0
+    ):
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if not isinstance(now, int) and (counter or value is not None):
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {value!r}")
+        checked(name, value, () if counter else None, floating=not counter)
 
 
-def count_or_zero(counter: Tensor | None) -> Tensor:
-    """A counter made on the grads' device at its first step; a zero before it."""
-    return torch.zeros((), dtype=torch.int64) if counter is None else counter
+def _counter(device: torch.device) -> Tensor:
+    return torch.zeros((), dtype=torch.int64, device=device)
 
 
-class OnDevice:
-    """What a rule and SpikeSkip share: tensor state moved after a load, and a repr of
-    the config."""
+class Evaluation(NamedTuple):
+    """What :meth:`ClipRule.evaluate` returns: the thresholds (shaped as the norms), the
+    state after the step, and the coefficients where they are not torch's
+    ``min(1, threshold / (norm + 1e-6))`` (None)."""
+
+    thresholds: Tensor
+    state: dict[str, Tensor]
+    coefficients: Tensor | None = None
+
+
+class Stateful:
+    """A rule's or SpikeSkip's state: tensors under ``state_keys``, made by
+    :meth:`init_state`, checked by :meth:`check_state` on a load."""
+
+    settings: tuple[str, ...] = ()
+    state_keys: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.state: dict[str, Tensor] = {}
+        self._made_for: tuple[Any, ...] | None = None  # prepare()'s norms: shape, dtype, device
+        self._stepped = False
 
     def config(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The settings, plain Python values; a checkpoint loads only into equal ones.
+        The default: the attributes named in ``settings``."""
+        return {name: getattr(self, name) for name in self.settings}
+
+    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
+        """The state before the first step, on ``norms``' device."""
+        return {}
+
+    def check_state(self, state: Mapping[str, Tensor]) -> None:
+        """Raise ValueError where a loaded state (tensors under ``state_keys``) could not
+        be this rule's."""
+
+    def prepare(self, norms: Tensor) -> None:
+        """Make the state for norms like ``norms`` ahead of the first step (a compiled
+        step then does not compile again at its second call); no-op once stepped."""
+        if not self._stepped:
+            self.state = self.init_state(norms)
+            self._made_for = (tuple(norms.shape), norms.dtype, norms.device)
+
+    def current(self, norms: Tensor) -> dict[str, Tensor]:
+        """The state to evaluate ``norms`` on: new where none is made, or where the one
+        :meth:`prepare` made is for norms of another shape, dtype or device."""
+        here = (tuple(norms.shape), norms.dtype, norms.device)
+        # `_stepped` is read only where the norms are not those prepared for: a compiled
+        # step guards on `_made_for`, which stays as it is.
+        if not self.state or (self._made_for not in (None, here) and not self._stepped):
+            return self.init_state(norms)
+        return self.state
+
+    def install(self, state: dict[str, Tensor]) -> None:
+        self.state, self._stepped = state, True
+
+    def saved_state(self) -> dict[str, Tensor]:
+        """Copies of the state; empty before the first step."""
+        return (
+            {}
+            if not self._stepped
+            else {k: self.state[k].clone() for k in self.state_keys if k in self.state}
+        )
+
+    def loaded_state(self, state: Any) -> dict[str, Tensor]:
+        """Copies of a saved state, checked (ValueError) before anything changes."""
+        names = (
+            " and ".join(self.state_keys)
+            if len(self.state_keys) <= 2
+            else ", ".join(self.state_keys)
+        )
+        if not isinstance(state, Mapping) or set(state) not in (set(), set(self.state_keys)):
+            has = f"state must have the keys {names}" if names else "has no state"
+            raise ValueError(f"{type(self).__name__} {has}, got {state!r}")
+        for key, value in state.items():
+            if not isinstance(value, Tensor):
+                raise ValueError(
+                    f"{type(self).__name__} state {key!r} must be a tensor, got {value!r}"
+                )
+        if state:
+            self.check_state(state)
+        return {k: v.clone() for k, v in state.items()}
+
+    def extras(self) -> dict[str, Any]:
+        """What :meth:`state_dict` saves beside the state: counters, last values."""
+        return {}
+
+    def set_extras(self, extras: Mapping[str, Any]) -> None:
+        """Install :meth:`extras` from a checked checkpoint."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"type", "config", "state"}`` and :meth:`extras`: tensors and plain values,
+        so ``torch.load(weights_only=True)`` reads it."""
+        mine = {"type": type(self).__name__, "config": self.config()}
+        return {**mine, "state": self.saved_state(), **self.extras()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output, all checked before anything changes.
+
+        Raises:
+          ValueError: another rule's checkpoint, other settings, or a malformed one.
+        """
+        extras = self.extras()
+        keys = {"type", "config", "state", *extras}
+        if not isinstance(state_dict, Mapping) or set(state_dict) != keys:
+            raise ValueError(
+                f"a {type(self).__name__} state dict must have the keys {sorted(keys)}"
+            )
+        if state_dict["type"] != type(self).__name__ or state_dict["config"] != self.config():
+            raise ValueError(
+                f"the checkpoint was saved with {state_dict['type']}({state_dict['config']}), "
+                f"this optimizer uses {self!r}; construct it with the one it was saved with"
+            )
+        for name, now in extras.items():
+            _check_extra(name, state_dict[name], now)
+        state = self.loaded_state(state_dict["state"])
+        if state or self._stepped:
+            self.state, self._stepped = state, bool(state)
+        self.set_extras(
+            {
+                k: v.clone() if isinstance(v, Tensor) else v
+                for k, v in state_dict.items()
+                if k in extras
+            }
+        )
+
+    def rule_state(self) -> dict[str, Tensor]:  # compatibility: benchmarks/rules.py
+        return self.saved_state()
+
+    def load_rule_state(self, state: Any) -> None:  # compatibility: benchmarks/rules.py
+        self.install(self.loaded_state(state))
 
     def to(self, device: torch.device) -> None:
-        """Move the state (and counters) to ``device``, after a load."""
+        """Move the state and counters to ``device``, after a load."""
+        self.state = {k: v.to(device) for k, v in self.state.items()}
         for name, value in list(vars(self).items()):
             if isinstance(value, Tensor):
                 setattr(self, name, value.to(device))
@@ -135,8 +229,7 @@ class OnDevice:
         return ()
 
     def trial_copy(self: _Self) -> _Self:
-        """A deep copy to try a load on: the state is copied, :meth:`borrowed` shared (a
-        model's weights are not copied to check a checkpoint)."""
+        """A deep copy to try a load on, sharing :meth:`borrowed`."""
         return copy.deepcopy(self, {id(x): x for x in self.borrowed()})
 
     def __repr__(self) -> str:
@@ -144,141 +237,82 @@ class OnDevice:
         return f"{type(self).__name__}({settings})"
 
 
-class ClipRule(OnDevice):
+class ClipRule(Stateful):
     """The protocol of an adaptive clip rule; subclass it and pass an instance as
-    ``max_norm``.
+    ``max_norm`` (see ``docs/adaptive.md``, "Writing a rule").
 
-    A subclass implements :meth:`config`, :meth:`threshold`, :meth:`update`,
-    :meth:`rule_state` and :meth:`load_rule_state`; it may override :meth:`coefficient`
-    (the default is torch's ``min(1, threshold / (norm + 1e-6))``) and sets
-    ``per_tensor = True`` to get one norm per grad instead of the global norm. A rule
-    that clips parts of each grad against its parameter (AGC) subclasses
-    :class:`~clipopt.UnitWiseRule` instead.
-
-    - Settings are validated in ``__init__``: a bad one raises ``ValueError`` (or
-      ``TypeError``) naming the argument and the value.
-    - State is made lazily, on the device and from the dtype of the first norms seen,
-      and changes only in :meth:`update`, which must not read a tensor on the host.
-    - :meth:`state_dict` / :meth:`load_state_dict` hold the config, the state and the
-      monitoring counters as tensors and plain values; ``ClippedOptimizer`` saves them in
-      ``state_dict()["clip"]["rule"]`` and refuses a checkpoint of another rule or other
-      settings.
-
-    One rule object belongs to one optimizer: its state is that optimizer's history.
+    A subclass validates its settings in ``__init__`` and implements :meth:`config`,
+    :meth:`evaluate` and, where it has state, ``state_keys``, :meth:`init_state` and
+    :meth:`check_state`; ``per_tensor = True`` gives it one norm per grad. The base
+    class gives :meth:`decide`, :meth:`commit`, ``last_threshold``, ``clipped_count``,
+    :meth:`state_dict` and :meth:`load_state_dict`. One rule object belongs to one
+    optimizer: its state is that optimizer's history.
     """
 
     per_tensor: bool = False
-    norm_type: float = 2.0
-    """The order p of the norms :meth:`decide` gets; ``ClippedOptimizer`` sets it to its
-    ``norm_type`` before each call (AdaGC combines per-tensor norms into the total)."""
-    total_norm: Tensor | None = None
-    """For a per-tensor rule: the total norm of the whole model where the norms
-    :meth:`decide` gets are only some of it (one pipeline stage's grads), which
-    ``ClippedOptimizer`` sets before each call under ``pp_mesh``; None: the total is that
-    of the norms given."""
 
     def __init__(self) -> None:
-        self._last_threshold: Tensor | None = None
-        self._clipped_count: Tensor | None = None
+        super().__init__()
+        self.last_threshold: Tensor | None = None
+        """The threshold of the last step (per-tensor rules: one per grad), None before."""
+        self._clipped: Tensor | None = None
+        self._next: dict[str, Tensor] | None = None
 
-    # ------------------------------------------------------------ what a rule implements
+    def evaluate(
+        self,
+        norms: Tensor,
+        state: dict[str, Tensor],
+        *,
+        norm_type: float,
+        total_norm: Tensor | None,
+    ) -> Evaluation:
+        """This step's thresholds and the state after it; pure, no host read.
 
-    def config(self) -> dict[str, Any]:
-        """The settings, plain Python values; a checkpoint loads only into equal ones."""
+        Args:
+          norms: the 0-dim global norm, or (``per_tensor``) one norm per grad.
+          state: the state before the step (do not change it in place).
+          norm_type: the order p of ``norms``.
+          total_norm: where ``norms`` are one pipeline stage's, the whole model's
+            norm; None: that of ``norms``.
+        """
         raise NotImplementedError
 
-    def threshold(self, norms: Tensor) -> Tensor:
-        """This step's threshold(s), shaped as ``norms``, from the state before it."""
-        raise NotImplementedError
+    def prepare(self, norms: Tensor) -> None:
+        super().prepare(norms)
+        if self._clipped is None:
+            self._clipped = _counter(norms.device)
 
-    def update(self, norms: Tensor) -> None:
-        """Fold this step's pre-clip ``norms`` into the state, on their device."""
-        raise NotImplementedError
-
-    def rule_state(self) -> dict[str, Any]:
-        """The state: tensors (copies) and plain values; empty before the first step."""
-        raise NotImplementedError
-
-    def load_rule_state(self, state: Mapping[str, Any]) -> None:
-        """Install ``state`` from :meth:`rule_state`; validate all of it before changing
-        anything, raising ``ValueError``."""
-        raise NotImplementedError
-
-    def coefficient(self, norms: Tensor, threshold: Tensor) -> Tensor:
-        """The factor each grad (or all of them) is multiplied by; at most 1."""
-        return torch.clamp(threshold / (norms + EPS), max=1.0)
-
-    # ------------------------------------------------------------ what the wrapper calls
-
-    def decide(self, norms: Tensor) -> tuple[Tensor, Tensor]:
-        """This step's coefficients and thresholds, in ``norms``' dtype; changes nothing."""
-        threshold = self.threshold(norms)
-        return self.coefficient(norms, threshold).to(norms.dtype), threshold.to(norms.dtype)
+    def decide(
+        self, norms: Tensor, *, norm_type: float = 2.0, total_norm: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """This step's coefficients and thresholds, in ``norms``' dtype; the state after
+        it is kept for :meth:`commit`."""
+        state = self.current(norms)
+        found = self.evaluate(norms, state, norm_type=norm_type, total_norm=total_norm)
+        thresholds, self._next, *given = found  # a plain (thresholds, state) tuple too
+        coefficients = given[0] if given and given[0] is not None else None
+        if coefficients is None:
+            coefficients = torch.clamp(thresholds / (norms + EPS), max=1.0)
+        return coefficients.to(norms.dtype), thresholds.to(norms.dtype)
 
     def commit(self, norms: Tensor, coefficients: Tensor, thresholds: Tensor) -> None:
-        """After the step: update the state, the last threshold and the clipped count."""
-        self.update(norms)
-        self._last_threshold = thresholds
+        """After the step: install the state :meth:`decide` evaluated; count a clip."""
+        if self._next is not None:
+            self.install(self._next)
+            self._next = None
+        self.last_threshold = thresholds
         clipped = (coefficients < 1).any().to(torch.int64)
-        if self._clipped_count is None or self._clipped_count.device != norms.device:
-            self._clipped_count = torch.zeros((), dtype=torch.int64, device=norms.device)
-        self._clipped_count = self._clipped_count + clipped
-
-    # ------------------------------------------------------------ monitoring
-
-    @property
-    def last_threshold(self) -> Tensor | None:
-        """The threshold of the last step (per-tensor rules: one per grad), None before."""
-        return self._last_threshold
+        self._clipped = self.clipped_count.to(norms.device) + clipped
 
     @property
     def clipped_count(self) -> Tensor:
         """Steps in which the rule scaled some grad, a 0-dim int64 tensor."""
-        return count_or_zero(self._clipped_count)
+        return _counter(torch.device("cpu")) if self._clipped is None else self._clipped
 
-    # ------------------------------------------------------------ checkpoints
+    def extras(self) -> dict[str, Any]:
+        last = None if self.last_threshold is None else self.last_threshold.detach().clone()
+        return {"last_threshold": last, "clipped_count": self.clipped_count.clone()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"type", "config", "state", "last_threshold", "clipped_count"}``: tensors and
-        plain values, so ``torch.load(weights_only=True)`` reads it."""
-        last = None if self._last_threshold is None else self._last_threshold.detach().clone()
-        return {
-            "type": type(self).__name__,
-            "config": self.config(),
-            "state": self.rule_state(),
-            "last_threshold": last,
-            "clipped_count": self.clipped_count.clone(),
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output; everything is checked before anything changes.
-
-        Raises:
-          ValueError: another rule's checkpoint, other settings, or a malformed state.
-        """
-        if not isinstance(state_dict, Mapping) or set(state_dict) != {
-            "type",
-            "config",
-            "state",
-            "last_threshold",
-            "clipped_count",
-        }:
-            raise ValueError(
-                f"a {type(self).__name__} state dict must be a dict from "
-                f"state_dict(), got {state_dict!r}"
-            )
-        if state_dict["type"] != type(self).__name__ or state_dict["config"] != self.config():
-            raise ValueError(
-                f"the checkpoint was saved with {state_dict['type']}({state_dict['config']}), "
-                f"this optimizer uses {type(self).__name__}({self.config()}); "
-                "construct it with the rule it was saved with"
-            )
-        last = state_dict["last_threshold"]
-        if last is not None:
-            checked("last_threshold", last, None, floating=True)
-        count = checked("clipped_count", state_dict["clipped_count"], (), floating=False)
-        trial = self.trial_copy()
-        trial.load_rule_state(state_dict["state"])  # raises before self changes
-        self.load_rule_state(state_dict["state"])
-        self._last_threshold = None if last is None else last.clone()
-        self._clipped_count = count.clone()
+    def set_extras(self, extras: Mapping[str, Any]) -> None:
+        self.last_threshold, self._clipped = extras["last_threshold"], extras["clipped_count"]
+        self._next = None

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from clipopt.rules._base import (
-    OnDevice,
-    checked,
-    count_or_zero,
-    integer,
-    number,
-    saved,
-    state_dtype,
-)
+from clipopt.rules._base import Stateful, checked, integer, number, state_dtype
 
 __all__ = ["SpikeSkip"]
 
 
-class SpikeSkip(OnDevice):
+class SpikeSkip(Stateful):
     """Skip a step whose pre-clip norm is a spike: ``skip_spikes=`` of ClippedOptimizer.
 
     A step is skipped (parameters, optimizer state and grads untouched; ``skip_count``
@@ -50,52 +41,59 @@ class SpikeSkip(OnDevice):
       (tensor(1), tensor(1), tensor([-5.0500]))
     """
 
+    settings = ("window", "sigma", "min_history")
+    state_keys = ("buffer", "count")  # the last `window` finite norms, as a ring; their count
+
     def __init__(self, window: int = 128, sigma: float = 6.0, min_history: int | None = None):
+        super().__init__()
         self.window = integer("window", window, 2)
-        self.sigma = number("sigma", sigma, 0.0, math.inf, low_open=True)
+        self.sigma = number("sigma", sigma, "(0, inf)")
         if min_history is None:
             min_history = min(max(20, self.window // 2), self.window)
         self.min_history = integer("min_history", min_history, 2)
         if self.min_history > self.window:
             raise ValueError(f"min_history must be <= window ({self.window}), got {min_history!r}")
-        self._buffer: Tensor | None = None
-        self._count: Tensor | None = None
         self._spikes: Tensor | None = None
         self.steps_seen = 0  # on the host: an upper bound of the finite norms seen
 
-    def config(self) -> dict[str, Any]:
-        return {"window": self.window, "sigma": self.sigma, "min_history": self.min_history}
+    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
+        buffer = torch.zeros(self.window, dtype=state_dtype(norms.device), device=norms.device)
+        return {"buffer": buffer, "count": torch.zeros((), dtype=torch.int64, device=norms.device)}
+
+    def check_state(self, state: Mapping[str, Tensor]) -> None:
+        checked("buffer", state["buffer"], (self.window,), floating=True)
+        checked("count", state["count"], (), floating=False)
+
+    def prepare(self, norms: Tensor) -> None:
+        super().prepare(norms)
+        if self._spikes is None:
+            self._spikes = torch.zeros((), dtype=torch.int64, device=norms.device)
 
     def may_trigger(self) -> bool:
         """Whether a spike is possible yet (known on the host, no read)."""
         return self.steps_seen >= self.min_history
 
-    def _ensure(self, norm: Tensor) -> tuple[Tensor, Tensor]:
-        if self._buffer is None or self._count is None:
-            dtype = state_dtype(norm.device)
-            buffer = torch.zeros(self.window, dtype=dtype, device=norm.device)
-            return buffer, torch.zeros((), dtype=torch.int64, device=norm.device)
-        return self._buffer, self._count
-
     def verdict(self, norm: Tensor) -> Tensor:
         """A 0-dim bool tensor: is ``norm`` a spike? Changes nothing."""
-        buffer, count = self._ensure(norm)
-        filled = torch.clamp(count, max=self.window)
+        state = self.current(norm)
+        buffer, filled = state["buffer"], torch.clamp(state["count"], max=self.window)
         mask = torch.arange(self.window, device=buffer.device) < filled
         n = filled.to(buffer.dtype)
         mean = torch.where(mask, buffer, 0.0).sum() / n
         var = torch.where(mask, (buffer - mean) ** 2, 0.0).sum() / (n - 1)
         z = (norm.to(buffer.dtype) - mean).abs() / var.sqrt()
-        return (filled >= self.min_history) & (z > self.sigma) & torch.isfinite(norm)
+        big = torch.logical_and(filled >= self.min_history, z > self.sigma)
+        return torch.logical_and(big, torch.isfinite(norm))
 
     def commit(self, norm: Tensor, spike: Tensor | None) -> None:
         """After the step: ``norm`` enters the history if finite; a spike is counted."""
-        buffer, count = self._ensure(norm)
+        state = self.current(norm)
+        buffer, count = state["buffer"], state["count"]
         value = norm.to(buffer.dtype)
         finite = torch.isfinite(value)
         slot = (count % self.window).reshape(1)
-        self._buffer = buffer.scatter(0, slot, torch.where(finite, value, buffer.gather(0, slot)))
-        self._count = count + finite.to(torch.int64)
+        buffer = buffer.scatter(0, slot, torch.where(finite, value, buffer.gather(0, slot)))
+        self.install({"buffer": buffer, "count": count + finite.to(torch.int64)})
         spikes = self.spike_count.to(norm.device)
         self._spikes = spikes if spike is None else spikes + spike.to(torch.int64)
         self.steps_seen += 1
@@ -103,39 +101,10 @@ class SpikeSkip(OnDevice):
     @property
     def spike_count(self) -> Tensor:
         """Steps skipped as spikes, a 0-dim int64 tensor."""
-        return count_or_zero(self._spikes)
+        return torch.zeros((), dtype=torch.int64) if self._spikes is None else self._spikes
 
-    def state_dict(self) -> dict[str, Any]:
-        """Config, history and counters: tensors and plain values."""
-        state: dict[str, Any] = {}
-        if self._buffer is not None and self._count is not None:
-            state = {"buffer": self._buffer.clone(), "count": self._count.clone()}
-        return {
-            "type": "SpikeSkip",
-            "config": self.config(),
-            "state": state,
-            "spike_count": self.spike_count.clone(),
-            "steps_seen": self.steps_seen,
-        }
+    def extras(self) -> dict[str, Any]:
+        return {"spike_count": self.spike_count.clone(), "steps_seen": self.steps_seen}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output; checked completely before anything changes."""
-        keys = {"type", "config", "state", "spike_count", "steps_seen"}
-        if not isinstance(state_dict, Mapping) or set(state_dict) != keys:
-            raise ValueError(f"a SpikeSkip state dict must have the keys {sorted(keys)}")
-        if state_dict["type"] != "SpikeSkip" or state_dict["config"] != self.config():
-            raise ValueError(
-                f"the checkpoint was saved with skip_spikes={state_dict['type']}"
-                f"({state_dict['config']}), this optimizer has {self!r}"
-            )
-        state = state_dict["state"]
-        buffer = count = None
-        if saved("SpikeSkip", state, ("buffer", "count")):
-            buffer = checked("buffer", state["buffer"], (self.window,), floating=True).clone()
-            count = checked("count", state["count"], (), floating=False).clone()
-        spikes = checked("spike_count", state_dict["spike_count"], (), floating=False)
-        seen = state_dict["steps_seen"]
-        if isinstance(seen, bool) or not isinstance(seen, int) or seen < 0:
-            raise ValueError(f"SpikeSkip steps_seen must be an int >= 0, got {seen!r}")
-        self._buffer, self._count, self._spikes = buffer, count, spikes.clone()
-        self.steps_seen = seen
+    def set_extras(self, extras: Mapping[str, Any]) -> None:
+        self._spikes, self.steps_seen = extras["spike_count"], extras["steps_seen"]

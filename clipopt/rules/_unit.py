@@ -1,9 +1,4 @@
-"""The unit-wise rule protocol (:class:`UnitWiseRule`) and its decision (:class:`UnitDecision`).
-
-A unit-wise rule (AGC) clips parts ("units") of each grad by their own coefficients,
-from the parameters as well as the grads; see :mod:`clipopt.rules._base` for the order
-in which the wrapper calls a rule, which this protocol follows but for its first step.
-"""
+"""The unit-wise rule protocol (:class:`UnitWiseRule`) and its decision (:class:`UnitDecision`)."""
 
 from __future__ import annotations
 
@@ -24,20 +19,14 @@ class UnitDecision:
     Attributes:
       per_grad: one coefficient per grad given, broadcastable to it, or None to leave
         that grad as it is (at no cost).
-      norms: every unit's pre-clip grad norm in one 1-D tensor, in the grads' order (a
-        grad left as it is has no units here).
+      norms: every unit's pre-clip grad norm in one 1-D tensor, in the grads' order.
       coefficients: each unit's coefficient, at most 1, shaped as ``norms``.
       thresholds: each unit's threshold, shaped as ``norms``.
-      squares: optional, one 1-D tensor per grad given (a grad left as it is too), of
-        values that sum to its squared L2 norm (its units' squared norms, of the whole
-        units across ranks), float64 where the device has it, summed before any root.
-        With them the step takes its norms (``last_norm``, tracked norms) from these
-        sums, at norm_type 2, and reads no grad again; None: it measures the grads
-        itself, a second read of them.
+      squares: optional, one 1-D tensor per grad given of values that sum to its squared
+        L2 norm (whole across ranks, float64 where the device has it): the step then
+        takes its norms from them and reads no grad again; None: it measures the grads.
       check: optional, a 0-dim float tensor, 0 where the ranks' grads line up and NaN
-        where they do not (:meth:`UnitWiseRule.decide_slots`): added to the step's
-        norms, so that a rank without grads sees the NaN too and ``nonfinite`` acts on
-        every rank alike.
+        where they do not, added to the step's norms.
     """
 
     per_grad: list[Tensor | None]
@@ -49,20 +38,14 @@ class UnitDecision:
 
 
 class UnitWiseRule(ClipRule):
-    """The protocol of a rule that clips parts of each grad against its parameter.
+    """The protocol of a rule that clips parts ("units") of each grad against its
+    parameter, as AGC does; it keeps no state across steps.
 
-    AGC (Brock et al., 2021) clips each row of a weight's grad by that row's norm in the
-    weight. Such a rule needs the parameters and cannot be told one norm per grad, so the
-    wrapper calls :meth:`decide_units` instead of :meth:`~ClipRule.decide`, and
-    :meth:`~ClipRule.commit` with the units' norms, coefficients and thresholds (1-D);
-    :meth:`~ClipRule.threshold` and :meth:`~ClipRule.coefficient` are not called. A
-    subclass implements :meth:`decide_units`, :meth:`~ClipRule.config`,
-    :meth:`~ClipRule.update`, :meth:`~ClipRule.rule_state` and
-    :meth:`~ClipRule.load_rule_state`, and may refuse a norm order in
-    :meth:`check_norm_type`.
-
-    Its coefficients are one per grad, not one for all, so it never folds into a fused
-    kernel's single ``grad_scale``: the grads are scaled before the fused step.
+    The wrapper calls :meth:`decide_units` instead of :meth:`~ClipRule.decide`, then
+    :meth:`~ClipRule.commit` with the units' norms, coefficients and thresholds (1-D). A
+    subclass implements :meth:`~ClipRule.config` and :meth:`decide_units`, and may refuse
+    a norm order in :meth:`check_norm_type`. Its coefficients never fold into a fused
+    kernel's ``grad_scale``.
 
     Example:
       A rule that scales each row of each grad to a norm of at most 1:
@@ -70,9 +53,6 @@ class UnitWiseRule(ClipRule):
       >>> import torch, clipopt
       >>> class RowClip(clipopt.UnitWiseRule):
       ...     def config(self): return {}
-      ...     def update(self, norms): pass
-      ...     def rule_state(self): return {}
-      ...     def load_rule_state(self, state): pass
       ...     def decide_units(self, params, grads, norm_type):
       ...         rows = [g.norm(dim=1) if g.dim() == 2 else g.norm().reshape(1) for g in grads]
       ...         norms = torch.cat(rows)
@@ -91,46 +71,28 @@ class UnitWiseRule(ClipRule):
     """
 
     def check_norm_type(self, norm_type: float) -> None:
-        """Raise ``ValueError`` if the rule cannot measure in this order; the wrapper
-        calls it at construction and before each decision. The default takes any."""
+        """Raise ``ValueError`` if the rule cannot measure in this order (default: any)."""
 
     def decide_units(
         self, params: Sequence[Tensor], grads: Sequence[Tensor], norm_type: float
     ) -> UnitDecision:
-        """This step's coefficients, from each grad and its parameter; changes nothing.
+        """This step's coefficients, from each grad and its parameter; changes nothing,
+        reads nothing on the host.
 
         Args:
-          params: the parameters that have a grad, in the order of the param groups and
-            their params.
-          grads: their grads, in the same order; DTensors under FSDP2 and tensor
-            parallelism (a coefficient then scales the grad's local shard, so it must be
-            broadcastable to that shard), which a rule that cannot measure them refuses
-            with ``ValueError``.
+          params: the parameters that have a grad, in the order of the param groups.
+          grads: their grads, in that order; DTensors under FSDP2 and tensor parallelism
+            (a coefficient then scales the local shard), which a rule that cannot
+            measure them refuses with ``ValueError``.
           norm_type: the wrapper's norm order, as :meth:`check_norm_type` accepted.
-
-        It must read nothing on the host.
         """
         raise NotImplementedError
 
     def decide_slots(
         self, params: Sequence[Tensor], grads: Sequence[Tensor | None], norm_type: float
     ) -> UnitDecision | None:
-        """:meth:`decide_units` over every parameter, with its grad or None where this
-        rank holds none; the wrapper asks it first where a parameter is a DTensor, so
-        that a rule measuring across ranks (AGC) joins the other ranks' collective on a
-        rank without some grads, or any.
-
-        Args:
-          params: every DTensor parameter of the param groups, in order (and any
-            plain one with a grad, for the rule to refuse).
-          grads: each one's grad, or None.
-          norm_type: as for :meth:`decide_units`.
-
-        Returns:
-          A decision whose ``per_grad`` and ``squares`` have one entry per parameter
-          (``per_grad`` None where there is no grad), whose ``norms``, ``coefficients``
-          and ``thresholds`` cover the units of the grads present, and whose ``check``
-          says where the ranks' grads do not line up; or None (the default): the rule
-          does not, and :meth:`decide_units` is called with the grads present.
-        """
+        """:meth:`decide_units` over every DTensor parameter, with its grad or None where
+        this rank holds none, so that a rule measuring across ranks joins the others'
+        collective; ``per_grad`` and ``squares`` then have one entry per parameter. None
+        (the default): the rule does not, and :meth:`decide_units` is called."""
         return None

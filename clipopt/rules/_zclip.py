@@ -10,13 +10,18 @@ import torch
 from torch import Tensor
 
 from clipopt._kernels._scale import EPS
-from clipopt.rules._base import ClipRule, checked, integer, number, saved, state_dtype
+from clipopt.rules._base import ClipRule, Evaluation, checked, integer, number, state_dtype
 
 __all__ = ["ZClip", "ZClipMode", "ZClipOption"]
 
-
 ZClipMode = Literal["zscore", "percentile"]
 ZClipOption = Literal["adaptive_scaling", "mean"]
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}")
+    return value.lower()
 
 
 class ZClip(ClipRule):
@@ -37,7 +42,8 @@ class ZClip(ClipRule):
     - the EMAs then take the clipped value (the uncapped threshold) for a spike, the norm
       otherwise, ``mean = alpha * mean + (1 - alpha) * x`` and then
       ``var = alpha * var + (1 - alpha) * (x - mean) ** 2`` with the new mean; with
-      ``skip_update_on_spike`` a spike leaves them as they were.
+      ``skip_update_on_spike`` a spike leaves them as they were. A non-finite norm
+      changes nothing.
 
     Args:
       alpha: the EMA factor, in (0, 1).
@@ -62,6 +68,10 @@ class ZClip(ClipRule):
       (tensor(1), tensor([1.0008]))
     """
 
+    settings: tuple[str, ...] = ("alpha", "z_thresh", "max_grad_norm", "eps", "warmup_steps")
+    settings += ("mode", "clip_option", "clip_factor", "skip_update_on_spike")
+    state_keys = ("buffer", "count", "mean", "var")  # warm-up norms and count, the EMAs
+
     def __init__(
         self,
         alpha: float = 0.97,
@@ -75,131 +85,80 @@ class ZClip(ClipRule):
         skip_update_on_spike: bool = False,
     ) -> None:
         super().__init__()
-        self.alpha = number("alpha", alpha, 0.0, 1.0, low_open=True, high_open=True)
-        self.z_thresh = number("z_thresh", z_thresh, 0.0, math.inf, low_open=True)
+        self.alpha = number("alpha", alpha, "(0, 1)")
+        self.z_thresh = number("z_thresh", z_thresh, "(0, inf]")
         self.max_grad_norm = (
-            None
-            if max_grad_norm is None
-            else number("max_grad_norm", max_grad_norm, 0.0, math.inf, low_open=True)
+            None if max_grad_norm is None else number("max_grad_norm", max_grad_norm, "(0, inf]")
         )
-        self.eps = number("eps", eps, 0.0, math.inf)
+        self.eps = number("eps", eps, "[0, inf]")
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
-        if not isinstance(mode, str) or mode.lower() not in ("zscore", "percentile"):
-            raise ValueError(f"mode must be 'zscore' or 'percentile', got {mode!r}")
-        self.mode = mode.lower()
-        if not isinstance(clip_option, str) or clip_option.lower() not in (
-            "adaptive_scaling",
-            "mean",
-        ):
-            raise ValueError(
-                f"clip_option must be 'adaptive_scaling' or 'mean', got {clip_option!r}"
-            )
-        self.clip_option = clip_option.lower()
-        self.clip_factor = number("clip_factor", clip_factor, 0.0, math.inf, low_open=True)
+        self.mode = _choice("mode", mode, ("zscore", "percentile"))
+        self.clip_option = _choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
+        self.clip_factor = number("clip_factor", clip_factor, "(0, inf]")
         if not isinstance(skip_update_on_spike, bool):
             raise TypeError(f"skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
         self.skip_update_on_spike = skip_update_on_spike
-        self._buffer: Tensor | None = None  # the warm-up norms
-        self._count: Tensor | None = None  # warm-up norms seen, up to warmup_steps
-        self._mean: Tensor | None = None
-        self._var: Tensor | None = None
 
-    def config(self) -> dict[str, Any]:
-        return {
-            "alpha": self.alpha,
-            "z_thresh": self.z_thresh,
-            "max_grad_norm": self.max_grad_norm,
-            "eps": self.eps,
-            "warmup_steps": self.warmup_steps,
-            "mode": self.mode,
-            "clip_option": self.clip_option,
-            "clip_factor": self.clip_factor,
-            "skip_update_on_spike": self.skip_update_on_spike,
-        }
-
-    def _ensure(self, norms: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
         if norms.dim() != 0:
             raise ValueError("ZClip is a global rule: it takes the 0-dim global norm")
-        if self._buffer is None or self._count is None or self._mean is None or (self._var is None):
-            dtype = state_dtype(norms.device)
-            zero = torch.zeros((), dtype=dtype, device=norms.device)
-            buffer = torch.zeros(self.warmup_steps, dtype=dtype, device=norms.device)
-            return buffer, torch.zeros((), dtype=torch.int64, device=norms.device), zero, zero
-        return self._buffer, self._count, self._mean, self._var
+        zero = torch.zeros((), dtype=state_dtype(norms.device), device=norms.device)
+        buffer = zero.new_zeros(self.warmup_steps)
+        count = torch.zeros((), dtype=torch.int64, device=norms.device)
+        return {"buffer": buffer, "count": count, "mean": zero, "var": zero}
 
-    def _evaluate(self, norms: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(warm-up?, spike?, the clip value, the capped threshold) for ``norms``."""
-        _, count, mean, var = self._ensure(norms)
+    def check_state(self, state: Mapping[str, Tensor]) -> None:
+        checked("buffer", state["buffer"], (self.warmup_steps,), floating=True)
+        checked("count", state["count"], (), floating=False)
+        checked("mean", state["mean"], (), floating=True)
+        checked("var", state["var"], (), floating=True)
+
+    def evaluate(
+        self,
+        norms: Tensor,
+        state: dict[str, Tensor],
+        *,
+        norm_type: float,
+        total_norm: Tensor | None,
+    ) -> Evaluation:
+        buffer, count, mean, var = (state[k] for k in self.state_keys)
         norm = norms.to(mean.dtype)
-        warming = count < self.warmup_steps
-        std = var.sqrt()
+        warming, std = count < self.warmup_steps, var.sqrt()
         if self.mode == "percentile":
             clip_val = mean + self.z_thresh * std
             spike = norm > clip_val
         else:
             z = (norm - mean) / (std + self.eps)
             spike = z > self.z_thresh
+            clip_val = mean
             if self.clip_option == "adaptive_scaling":
-                eta = z / self.z_thresh
-                clip_val = (mean + (self.z_thresh * std) / eta) * self.clip_factor
-            else:
-                clip_val = mean
-        spike = spike & ~warming
+                clip_val = (mean + (self.z_thresh * std) / (z / self.z_thresh)) * self.clip_factor
+        spike = torch.logical_and(spike, torch.logical_not(warming))
         cap = math.inf if self.max_grad_norm is None else self.max_grad_norm
         threshold = torch.clamp(torch.where(spike, clip_val, math.inf), max=cap)
-        return warming, spike, clip_val, threshold
-
-    def threshold(self, norms: Tensor) -> Tensor:
-        return self._evaluate(norms)[3]
-
-    def coefficient(self, norms: Tensor, threshold: Tensor) -> Tensor:
-        warming = self._evaluate(norms)[0]
-        norm = norms.to(threshold.dtype)
         torch_rule = torch.clamp(threshold / (norm + EPS), max=1.0)  # clip_grad_norm_
         strict = torch.where(norm > threshold, threshold / (norm + EPS), 1.0)
-        return torch.where(warming, torch_rule, strict)
-
-    def update(self, norms: Tensor) -> None:
-        buffer, count, mean, var = self._ensure(norms)
-        warming, spike, clip_val, _ = self._evaluate(norms)
-        norm = norms.to(mean.dtype)
+        coefficient = torch.where(warming, torch_rule, strict)
+        # Warm-up collects the finite norm; its last step starts the EMAs.
         finite = torch.isfinite(norm)
-        # Warm-up: collect the norm; the last warm-up step starts the EMAs.
         slot = torch.clamp(count, max=self.warmup_steps - 1).reshape(1)
-        collect = warming & finite
+        collect = torch.logical_and(warming, finite)
         buffer = buffer.scatter(0, slot, torch.where(collect, norm, buffer.gather(0, slot)))
-        count_after = count + collect.to(torch.int64)
-        starts = collect & (count_after == self.warmup_steps)
+        counted = count + collect.to(torch.int64)
+        starts = torch.logical_and(collect, counted == self.warmup_steps)
         first_mean = buffer.mean()
         first_var = ((buffer - first_mean) ** 2).mean()
         # After: the EMAs take the clip value on a spike, the norm otherwise.
         x = torch.where(spike, clip_val, norm)
         ema_mean = self.alpha * mean + (1 - self.alpha) * x
         ema_var = self.alpha * var + (1 - self.alpha) * (x - ema_mean) ** 2
-        moves = ~warming & finite
+        moves = torch.logical_and(torch.logical_not(warming), finite)
         if self.skip_update_on_spike:
-            moves = moves & ~spike
-        self._mean = torch.where(starts, first_mean, torch.where(moves, ema_mean, mean))
-        self._var = torch.where(starts, first_var, torch.where(moves, ema_var, var))
-        self._buffer, self._count = buffer, count_after
-
-    def rule_state(self) -> dict[str, Any]:
-        if self._buffer is None or self._count is None or self._mean is None or (self._var is None):
-            return {}
-        return {
-            "buffer": self._buffer.clone(),
-            "count": self._count.clone(),
-            "mean": self._mean.clone(),
-            "var": self._var.clone(),
+            moves = torch.logical_and(moves, torch.logical_not(spike))
+        after = {
+            "buffer": buffer,
+            "count": counted,
+            "mean": torch.where(starts, first_mean, torch.where(moves, ema_mean, mean)),
+            "var": torch.where(starts, first_var, torch.where(moves, ema_var, var)),
         }
-
-    def load_rule_state(self, state: Mapping[str, Any]) -> None:
-        if not saved("ZClip", state, ("buffer", "count", "mean", "var")):
-            self._buffer = self._count = self._mean = self._var = None
-            return
-        buffer = checked("buffer", state["buffer"], (self.warmup_steps,), floating=True)
-        count = checked("count", state["count"], (), floating=False)
-        mean = checked("mean", state["mean"], (), floating=True)
-        var = checked("var", state["var"], (), floating=True)
-        self._buffer, self._count = buffer.clone(), count.clone()
-        self._mean, self._var = mean.clone(), var.clone()
+        return Evaluation(threshold, after, coefficient)
