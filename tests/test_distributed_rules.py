@@ -52,7 +52,7 @@ from test_distributed import (
 from torch import Tensor, nn
 
 import clipopt
-from clipopt._dist import _per_tensor, _unit_rows, _units
+from clipopt._dist import _per_tensor, _units
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
@@ -987,11 +987,11 @@ def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
     strided = _StridedShard(0, split_factor=2)
     for rows in (8, 7, 5, 4, 1, 0):
         shape = (rows, 3)
-        assert _unit_rows._rows_are_ranges(shape, (2, 2), (strided, Shard(0)), [0, 0])
+        assert _units._rows_are_ranges(shape, (2, 2), (strided, Shard(0)), [0, 0])
         if rows >= 4:  # rows {0, 2} and {1, 3} of 4, {0, 1, 3} and {2, 4} of 5
-            assert not _unit_rows._rows_are_ranges(shape, (2,), (strided,), [0])
+            assert not _units._rows_are_ranges(shape, (2,), (strided,), [0])
         if rows >= 7:  # each half cut as the 4 rows above
-            assert not _unit_rows._rows_are_ranges(shape, (2, 2), (Shard(0), strided), [0, 0])
+            assert not _units._rows_are_ranges(shape, (2, 2), (Shard(0), strided), [0, 0])
 
 
 def pieces(ids: Tensor, count: int) -> list[Tensor]:
@@ -1046,7 +1046,7 @@ def test_each_ranks_rows_are_where_the_placements_put_them(
         torch.equal(h, torch.arange(int(h[0]), int(h[0]) + len(h))) for h in held if len(h)
     )
     for at, ids in zip(coordinates, held, strict=True):
-        found = _unit_rows.rows_at(shape, mesh_shape, at, kinds)
+        found = _units.rows_at(shape, mesh_shape, at, kinds)
         if not ranges:
             assert found is None, (at, kinds, held)
             continue
@@ -1085,7 +1085,7 @@ def test_placed_shares_of_four_or_six_ranks_sum_to_each_rows_norm(
             if k == "shard1":
                 columns = pieces(columns, n)[index]
         local = whole[ids][:, columns]
-        rows = _unit_rows.rows_at((5, 7), mesh_shape, at, placements)
+        rows = _units.rows_at((5, 7), mesh_shape, at, placements)
         assert rows is not None
         share = torch.linalg.vector_norm(local, dim=1).square() if local.numel() else local.sum(1)
         total += _units._placed(share, rows, replicas)
@@ -1099,7 +1099,7 @@ def test_chunks_are_torch_chunks(size: int, chunks: int, data: Any) -> None:
     index = data.draw(st.integers(0, chunks - 1))
     pieces = list(torch.arange(size).chunk(chunks)) if size else []
     piece = pieces[index] if index < len(pieces) else torch.zeros(0)
-    start, count = _unit_rows._chunk(size, chunks, index)
+    start, count = _units._chunk(size, chunks, index)
     assert count == piece.numel()
     if count:
         assert start == int(piece[0])
