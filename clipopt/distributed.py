@@ -62,26 +62,14 @@ def _decode(blob: object, key: str) -> Any:
 class ClippedOptimizerState:
     """The clip state of a :class:`clipopt.ClippedOptimizer` as a DCP ``Stateful``.
 
-    Put it in the checkpoint beside the model and the optimizer, under a name of its
-    own (``dcp.save`` / ``dcp.load`` call its ``state_dict`` / ``load_state_dict``, and
-    so do torchtitan's ``CheckpointManager(states=...)`` and a train module's state dict).
-    Its state dict is ``{"stage<i>": bytes}``: the wrapper's ``"clip"`` entry (counters,
-    last norms, the rule's and ``SpikeSkip``'s state, the wrapper-wide settings)
-    ``torch.save``-d to bytes, read back with ``weights_only=True`` and validated before
-    anything loads. ``i`` is this rank's stage in the wrapper's ``pp_mesh`` (0 without
-    one), so pipeline stages saved into one checkpoint each load their own entry; the
-    ranks of one stage write the same bytes.
-
-    A partial ``dcp.load`` (``allow_partial_load=True``) of a checkpoint saved without
-    this entry hands back the bytes its ``state_dict`` gave as the template: that load
-    warns and keeps the clip state as it is (a strict load raises on the missing key).
-
-    Making it tells the wrapper that its clip state travels here: its
-    ``load_state_dict`` then takes a dict without ``"clip"`` (one from torch's DCP
-    functions) without a warning.
-
-    Args:
-      optimizer: a :class:`clipopt.ClippedOptimizer`.
+    Put it in the checkpoint beside the model and the optimizer, under a name of its own
+    (``dcp.save`` / ``dcp.load``, torchtitan's ``CheckpointManager(states=...)``). Its
+    state dict is ``{"stage<i>": bytes}``: the wrapper's ``"clip"`` entry ``torch.save``-d
+    to bytes, read back with ``weights_only=True`` and validated before anything loads;
+    ``i`` is this rank's stage in ``pp_mesh`` (0 without one), so each pipeline stage
+    loads its own. A partial ``dcp.load`` of a checkpoint without this entry warns and
+    keeps the clip state. Making it tells the wrapper that its ``load_state_dict`` will
+    get no ``"clip"`` entry (torch's DCP functions drop it).
 
     Raises:
       TypeError: ``optimizer`` is not a ``ClippedOptimizer``.
@@ -101,8 +89,7 @@ class ClippedOptimizerState:
         return f"stage{0 if group is None else dist.get_rank(group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        # Kept to recognise it handed back: a partial dcp.load of a checkpoint without
-        # this entry leaves the template's own bytes in place.
+        # Kept to recognise it handed back by a partial dcp.load of a checkpoint without it.
         self._template = _encode(self.optimizer._extra_state())
         return {self._key(): self._template}
 

@@ -35,15 +35,13 @@ __all__ = [
     "mesh_groups",
     "mesh_ranks",
     "reduce_by_order",
+    "reduction_for",
     "reduction_mesh",
     "replica_count",
 ]
 
 REDUCE_DTYPE = torch.float64
 """What every rank sends: one dtype (gloo aborts otherwise), wide enough for ``norm**p``."""
-
-
-# --------------------------------------------------------------------------- collectives
 
 
 def collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch.device:
@@ -73,15 +71,10 @@ def all_reduce(
     count: int | None = None,
     ranks: int = 1,
 ) -> Tensor:
-    """The 1-D ``parts`` concatenated on ``device``, summed (or maxed) over each group in
-    turn: one collective per group. The ``MAX`` keeps NaN, which backends may drop: a
-    NaN flag per value travels in the same tensor.
-
-    Args:
-      count: this rank's number of tensors, sent along where the ranks must hold as
-        many: the result then ends with one value more, 0, or NaN where the ``ranks``
-        ranks' counts differ (and every value is NaN then).
-    """
+    """The 1-D ``parts`` concatenated on ``device``, summed (or maxed, keeping NaN, which
+    backends may drop) over each group in turn: one collective per group. With ``count``
+    (this rank's number of tensors) the result ends with one value more: 0, or NaN where
+    the ``ranks`` ranks' counts differ (every value is NaN then)."""
     values = torch.cat([p.to(device) for p in parts])
     if count is not None:
         values = torch.cat([values, _count_tail(count, summed, device)])
@@ -120,9 +113,6 @@ def reduce_by_order(
             found = torch.split(values[: sum(sizes)], sizes)
             out.update(zip(at, found, strict=True))
     return [out[i] for i in range(len(parts))]
-
-
-# --------------------------------------------------------------------------- DTensors
 
 
 def _dtensor_type() -> type[DTensor] | None:
@@ -170,13 +160,8 @@ def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str
 
 def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
     """How many ranks of ``reduction_mesh`` hold each element of ``grad``'s shard: the
-    mesh sizes over its Replicate dims, times those of the reduction mesh's dims its
-    mesh lacks (a parameter left out of tensor parallelism is the same on every TP rank).
-
-    Raises:
-      ValueError: a Partial placement (its values are summands, not a shard), or a mesh
-        whose size does not divide the reduction mesh's.
-    """
+    mesh sizes over its Replicate dims, times those of the reduction mesh's dims its mesh
+    lacks. A Partial grad (summands, not a shard) raises a ValueError."""
     mesh = grad.device_mesh
     count, rest = divmod(reduction_mesh.size(), mesh.size())
     if rest:
@@ -204,13 +189,9 @@ def by_replicas(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[in
     return found
 
 
-# --------------------------------------------------------------------------- meshes
-
-
 @functools.lru_cache(maxsize=256)
 def mesh_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
-    """The global ranks of ``mesh`` (the part of it this rank is in), sorted; looked up
-    once per mesh (``DeviceMesh.mesh`` is a CPU tensor, whatever the device)."""
+    """The global ranks of ``mesh`` (the part this rank is in), sorted, once per mesh."""
     return tuple(sorted(int(rank) for rank in mesh.mesh.flatten().tolist()))
 
 
@@ -234,12 +215,7 @@ def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
     """The mesh to reduce over: the grads' one mesh; the one of their meshes holding the
     others' ranks (by ranks, not names: torchtitan unflattens its meshes from a 1-D
-    root); or the part of their common root spanned by the named dims they use.
-
-    Raises:
-      ValueError: none holds the others' ranks and they are not named sub-meshes of one
-        root.
-    """
+    root); or the part of their common root spanned by the named dims they use."""
     meshes: list[DeviceMesh] = []
     for g in grads:
         if not any(g.device_mesh is known or g.device_mesh == known for known in meshes):
@@ -265,13 +241,9 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
 
 
 def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
-    """The groups to all_reduce over, in turn, so that every rank of ``mesh`` is summed:
+    """The groups to all_reduce over in turn so every rank of ``mesh`` is summed:
     ``process_group`` (exactly the mesh's ranks), the world when the mesh spans it, the
-    mesh's group when 1-D, else one per mesh dimension.
-
-    Raises:
-      ValueError: ``process_group`` spans other ranks than the mesh.
-    """
+    mesh's group when 1-D, else one per mesh dimension."""
     if process_group is not None:
         ranks = mesh_ranks(mesh)
         if group_ranks(process_group) != ranks:
@@ -286,3 +258,25 @@ def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> li
     if mesh.ndim == 1:
         return [mesh.get_group()]
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
+def reduction_for(
+    tensors: Sequence[Tensor], params: Sequence[Tensor] = (), process_group: Any = None
+) -> tuple[DeviceMesh, list[Any]] | None:
+    """The mesh and groups to reduce DTensor ``tensors`` over, None for plain ones. The
+    DTensor ``params`` that require grad decide the mesh with them, so a rank without
+    some grads, or any, joins the same collective.
+
+    Raises:
+      ValueError: DTensors mixed with plain tensors, meshes that cannot be reduced
+        together, or a ``process_group`` spanning other ranks than the mesh.
+    """
+    found = dtensors(tensors)
+    if tensors and not found:
+        return None
+    check_unmixed(tensors, found)
+    spanned = found + [q for q in dtensors(params) if q.requires_grad]
+    if not spanned:
+        return None
+    mesh = reduction_mesh(spanned)
+    return mesh, mesh_groups(mesh, process_group)

@@ -22,7 +22,7 @@ from clipopt._kernels import _norms
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["global_per_tensor_norms", "global_tensor_powers", "held", "root", "total_root"]
+__all__ = ["global_tensor_powers", "held", "root", "total_root"]
 
 
 def _placed(values: Tensor, positions: Sequence[int], size: int) -> Tensor:
@@ -96,18 +96,14 @@ def global_tensor_powers(
       on every rank: powers, not roots (:func:`root`, :func:`total_root`).
 
     Raises:
-      ValueError: DTensors mixed with plain tensors, none among grads and ``params``, a
-        Partial one, or meshes that cannot be reduced together.
+      ValueError: no DTensor among grads and ``params``, or as
+        :func:`clipopt._dist._mesh.reduction_for`.
     """
     flat = [t for bucket in buckets for t in bucket if t is not None]
-    grads = _mesh.dtensors(flat)
-    if flat:
-        _mesh.check_unmixed(flat, grads)
-    spanned = grads + [q for q in _mesh.dtensors(params) if q.requires_grad]
-    if not spanned:
+    reduction = _mesh.reduction_for(flat, params)
+    if reduction is None:
         raise ValueError("global_tensor_powers needs DTensor grads or parameters")
-    mesh = _mesh.reduction_mesh(spanned)
-    groups = _mesh.mesh_groups(mesh, None)
+    mesh, groups = reduction
     device = _mesh.collective_device(flat, groups)
     shares = [
         _slot_shares(bucket, mesh, p, foreach, device)
@@ -128,26 +124,3 @@ def total_root(powers: Tensor, p: float) -> Tensor:
     if p != math.inf:
         return powers.sum().pow(1.0 / p)
     return powers.amax() if powers.numel() else powers.new_zeros(())
-
-
-def global_per_tensor_norms(
-    tensors: Sequence[Tensor], p: float, foreach: bool | None = None
-) -> Tensor:
-    """The p-norm of each whole tensor, across the ranks its shards live on: local for
-    plain tensors, one collective for DTensors (every rank passing grads of the same
-    parameters in the same order).
-
-    Returns:
-      A 1-D plain tensor, a norm per tensor, on the first tensor's (local) device, float32
-      (float64 if any tensor is), the same on every rank.
-
-    Raises:
-      ValueError: DTensors mixed with plain tensors, a Partial DTensor, or DTensors on
-        meshes that cannot be reduced together.
-    """
-    if not _mesh.dtensors(tensors):
-        return _norms.per_tensor_norms(tensors, p, foreach)
-    powers = global_tensor_powers([tensors], [p], foreach)[0]
-    device = _mesh.local_tensors(tensors[:1])[0].device
-    dtype = _norms.result_dtype([t.dtype for t in tensors])
-    return root(powers, p).to(device=device, dtype=dtype)

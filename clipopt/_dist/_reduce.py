@@ -1,10 +1,7 @@
-"""Global norms across ranks: each grad element counted once, in one collective a step.
+"""Global norms across ranks (:mod:`clipopt.distributed` says how), in one collective.
 
-DDP grads are whole on every rank: nothing is sent. DTensor grads send each shard's
-``norm**p`` weighted by ``1 / replicas`` (:mod:`clipopt._dist._mesh`); plain grads split
-across a ``process_group`` send theirs, the declared replicated ones weighted by
-``1 / group size``. A wrong group or replicated set is refused before any collective
-starts: a rank that raised after its peers entered one would leave them waiting.
+Wrong settings are refused before any collective starts: a rank that raised after its
+peers entered one would leave them waiting.
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ def _local_contribution(
     device: torch.device,
 ) -> Tensor:
     """This rank's share of a bucket, ``sum w * norm**p`` (``max norm`` for inf), float64
-    of shape (1,) on the tensors' device; with none, a zero made on ``device``, where the
-    reduction runs, so it is never copied there."""
+    of shape (1,); with no tensor, a zero made on ``device`` (never copied there)."""
     parts: list[Tensor] = []
     for weight, tensors in classes:
         if tensors:
@@ -83,33 +79,23 @@ def global_norms(
     params: Sequence[Tensor] = (),
     pp_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
-    """The global p-norm of each bucket: every finite-order bucket in one
-    ``all_reduce(SUM)``, every inf-norm one in one ``all_reduce(MAX)``. Without DTensors,
-    ``process_group`` and ``pp_group``, nothing is sent. Every rank must call it with as
-    many buckets of the same orders.
+    """The global p-norm of each bucket: finite orders in one ``all_reduce(SUM)``, the
+    inf-norm's in one ``all_reduce(MAX)``; nothing sent without DTensors, groups or
+    stages. Every rank passes as many buckets of the same orders.
 
     Args:
-      buckets: lists of tensors (usually grads); DTensors and plain tensors may not mix.
-      norm_types: each bucket's validated order, ``> 0`` or ``math.inf``.
+      buckets: lists of tensors (usually grads), all DTensors or all plain.
+      norm_types: each bucket's validated order.
       foreach: as in :func:`clipopt.get_total_norm`.
       process_group: the group plain tensors are split across; for DTensors, optionally
-        a group spanning exactly their mesh (one all_reduce instead of one per dim).
+        a group of exactly their mesh's ranks (one all_reduce instead of one per dim).
       replicated: plain tensors (by identity) the same on every rank of the group.
-      params: the parameters; the DTensors among them that require grad decide the mesh
-        with the grads present, so a rank without some grads, or any, joins the same
-        collective (with zeros).
-      pp_group: the pipeline stages' group (:func:`clipopt._dist._stages.stage_group`),
-        one more group to sum over; it must share no other rank with the stage's.
+      params: the parameters, as in :func:`clipopt._dist._mesh.reduction_for`.
+      pp_group: the pipeline stages' group, sharing no other rank with the stage's.
 
     Returns:
-      One 0-dim plain tensor per bucket, identical on every rank, on its first tensor's
+      A 0-dim plain tensor per bucket, the same on every rank, on its first tensor's
       device, float32 (float64 if any tensor of the bucket is).
-
-    Raises:
-      TypeError: ``process_group`` is not a ProcessGroup.
-      ValueError: DTensors mixed with plain tensors, on meshes that cannot be reduced
-        together, or Partial; ``replicated`` without a group or with DTensors; a group
-        not spanning exactly the mesh's ranks; a ``pp_group`` sharing a stage's rank.
     """
     check_process_group(process_group)
     if len(buckets) != len(norm_types):
@@ -118,45 +104,34 @@ def global_norms(
     if replicated:
         _check_group_for("replicated tensors", replicated, process_group)
         check_members("replicated", replicated, flat, "the tensors to measure")
-    found = _mesh.dtensors(flat)
-    spanned = (
-        found + [q for q in _mesh.dtensors(params) if q.requires_grad] if found or not flat else []
-    )
-    if not spanned and process_group is None and pp_group is None:
+    reduction = _mesh.reduction_for(flat, params, process_group)
+    if reduction is None and process_group is None and pp_group is None:
         pairs = zip(buckets, norm_types, strict=True)
         return [_norms.total_norm(list(b), p, foreach) for b, p in pairs]
-    classes: list[list[tuple[float, list[Tensor]]]]
-    if spanned:
-        if flat:
-            _mesh.check_unmixed(flat, found)
+    classes: list[list[tuple[float, list[Tensor]]]] = []
+    if reduction is not None:
         if replicated:
             raise ValueError(
                 "replicated applies to plain tensors; a DTensor's replicas follow from its "
                 "Replicate placements"
             )
-        mesh = _mesh.reduction_mesh(spanned)
-        groups = _mesh.mesh_groups(mesh, process_group)
-        classes = []
+        mesh, groups = reduction
         for bucket in buckets:
             held = _mesh.dtensors(list(bucket))
             by_count = _mesh.by_replicas(held, mesh).items()
             classes.append([(1.0 / c, [held[i]._local_tensor for i in at]) for c, at in by_count])
-        if pp_group is not None:
-            _stages.check_disjoint(pp_group, _mesh.mesh_ranks(mesh), "the grads' device mesh")
+        stage, what = _mesh.mesh_ranks(mesh), "the grads' device mesh"
     else:
         groups = [] if process_group is None else [process_group]
         size = 1 if process_group is None else dist.get_world_size(process_group)
         ids = {id(t) for t in replicated}
-        classes = [
-            [
-                (1.0, [t for t in b if id(t) not in ids]),
-                (1.0 / size, [t for t in b if id(t) in ids]),
-            ]
-            for b in buckets
-        ]
-        if pp_group is not None and process_group is not None:
-            _stages.check_disjoint(pp_group, _mesh.group_ranks(process_group), "process_group")
+        for b in buckets:
+            shared = [t for t in b if id(t) in ids]
+            classes.append([(1.0, [t for t in b if id(t) not in ids]), (1.0 / size, shared)])
+        stage, what = _mesh.group_ranks(process_group) if groups else (), "process_group"
     if pp_group is not None:
+        if stage:
+            _stages.check_disjoint(pp_group, stage, what)
         groups = [*groups, pp_group]
     device = _mesh.collective_device(flat, groups)
     shares = [
@@ -173,44 +148,18 @@ def global_norms(
 
 
 def global_norm(
-    tensors: Sequence[Tensor],
-    p: float,
-    foreach: bool | None = None,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    replicated: Collection[Tensor] = (),
-    params: Sequence[Tensor] = (),
-    pp_group: dist.ProcessGroup | None = None,
+    tensors: Sequence[Tensor], p: float, foreach: bool | None = None, **scope: Any
 ) -> Tensor:
-    """The global p-norm of ``tensors`` across ranks: :func:`global_norms` of one bucket."""
-    return global_norms(
-        [tensors],
-        [p],
-        foreach,
-        process_group=process_group,
-        replicated=replicated,
-        params=params,
-        pp_group=pp_group,
-    )[0]
+    """:func:`global_norms` of one bucket, ``scope`` its keyword arguments."""
+    return global_norms([tensors], [p], foreach, **scope)[0]
 
 
 class NormScope:
     """Where a clipping norm is reduced: a process group, the parameters replicated on it
-    (counted once) and the pipeline stages' group. A copy shares the groups (live
-    connections, not data); pickling a scope that holds one raises a TypeError.
-
-    Args:
-      process_group: the group the parameters are split across, or None.
-      replicated_params: parameters identical on every rank of ``process_group``.
-      params: when given, every replicated parameter must be one of these.
-      pp_mesh: the pipeline stages' 1-D mesh or group
-        (:func:`clipopt._dist._stages.stage_group`).
-
-    Raises:
-      TypeError: ``process_group`` is not a ProcessGroup, ``pp_mesh`` not a mesh or a
-        group, or a replicated entry is not a tensor.
-      ValueError: replicated parameters without a group, or not among ``params``; a
-        ``pp_mesh`` of more than one dimension.
+    (counted once) and the pipeline stages' group (from ``pp_mesh``, see
+    :func:`clipopt._dist._stages.stage_group`). A copy shares the groups (live
+    connections); pickling a scope that holds one raises a TypeError. ``params``, when
+    given, must hold every replicated parameter.
     """
 
     def __init__(
@@ -287,10 +236,3 @@ class NormScope:
                     "live connection; save the optimizer's state_dict() instead"
                 )
         return dict(self.__dict__)
-
-    def __repr__(self) -> str:
-        pp = "" if self.pp_group is None else f", pp_group={self.pp_group!r}"
-        return (
-            f"NormScope(process_group={self.process_group!r}, "
-            f"replicated_params={len(self.replicated_params)}{pp})"
-        )

@@ -42,9 +42,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- rows
-
-
 def unit_shape(t: Tensor) -> tuple[int, ...]:
     """One coefficient per unit of ``t``, broadcastable to it: ``(rows, 1, ...)`` for 2
     dims or more, ``()`` for 0 or 1."""
@@ -82,12 +79,9 @@ def _layout_error(t: DTensor, why: str) -> str:
 
 
 def local_rows(t: Tensor) -> Rows:
-    """This rank's units of ``t``: all of them for a plain tensor.
-
-    Raises:
-      ValueError: a DTensor's rows are not one contiguous range, not as many as its
-        layout says, or a placement is not Shard, _StridedShard or Replicate.
-    """
+    """This rank's units of ``t`` (all of a plain tensor's); a ValueError for a DTensor
+    whose rows are not one range, or placed otherwise than Shard, _StridedShard or
+    Replicate."""
     if not _mesh.dtensors([t]):
         return _plain_rows(t)
     grad = cast("DTensor", t)
@@ -231,9 +225,6 @@ def _check_pairs(grads: Sequence[DTensor], weights: Sequence[DTensor]) -> None:
             raise ValueError(_layout_error(w, why))
 
 
-# --------------------------------------------------------------------------- norms
-
-
 def unit_norms(
     tensors: Sequence[Tensor],
     device: torch.device,
@@ -241,11 +232,8 @@ def unit_norms(
     whole: Sequence[Tensor] = (),
 ) -> Tensor:
     """The L2 norm of every unit of every tensor, then of each of ``whole`` (one unit
-    each, a sparse one by its values), 1-D in order, on ``device`` in ``dtype``.
-
-    Half types accumulate in float32, others in their own dtype, as timm's
-    ``unitwise_norm`` does; one-unit tensors take one foreach norm per device and dtype.
-    """
+    each, a sparse one by its values), 1-D in order, on ``device`` in ``dtype``. Half
+    types accumulate in float32, others in their own dtype, as timm's ``unitwise_norm``."""
     every = [*tensors, *whole]
     parts: list[Tensor | None] = [None] * len(every)
     batched: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -278,18 +266,11 @@ def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
 
 @dataclass(frozen=True)
 class UnitNorms:
-    """What :func:`whole_unit_norms` measures, the same on every rank.
-
-    Attributes:
-      grads: every unit's norm of every grad, 1-D in order.
-      weights: the same of their weights.
-      rows: each grad's :class:`Rows`, this rank's units among them.
-      grad_squares: the squares ``grads`` are the roots of, float64 (float32 on a device
-        without it), whole sums across ranks.
-      whole_squares: each tensor of ``whole``'s squared norm, the same way.
-      check: from :func:`slot_unit_norms`, 0-dim: NaN where the ranks held different
-        numbers of grads, else 0; None otherwise.
-    """
+    """What :func:`whole_unit_norms` measures, the same on every rank: each unit's norm
+    of the ``grads`` and ``weights`` (1-D, in order), each grad's :class:`Rows`, the
+    ``grad_squares`` and ``whole_squares`` summed across ranks before any root (float64,
+    float32 on a device without it), and ``check`` (``strict`` only): 0-dim, NaN where
+    the ranks held different numbers of grads, else 0."""
 
     grads: Tensor
     weights: Tensor
@@ -300,105 +281,62 @@ class UnitNorms:
 
 
 def whole_unit_norms(
-    grads: Sequence[Tensor],
-    weights: Sequence[Tensor],
-    dtype: torch.dtype,
-    whole: Sequence[Tensor] = (),
-) -> UnitNorms:
-    """Every unit's norm of every grad and of its weight, whole across ranks, and each of
-    ``whole``'s squared norm (AGC's excluded grads): plain tensors locally, DTensors in
-    ONE float64 ``all_reduce`` over the reduction mesh (one per mesh dim on an N-D mesh
-    over only some ranks), every rank passing the same parameters in the same order.
-
-    Args:
-      grads: all plain or all DTensors, and ``whole`` alike; at least one tensor.
-      weights: their parameters, each laid out as its grad.
-      dtype: the dtype of the unit norms returned.
-      whole: tensors measured as one unit each (a sparse plain one too).
-
-    Raises:
-      ValueError: plain and DTensors mixed, a Partial one, a grad laid out otherwise
-        than its weight, rows not one range, or meshes that cannot be reduced together;
-        on every rank alike, before anything is sent.
-    """
-    tensors = [*grads, *weights, *whole]
-    found = _mesh.dtensors(tensors)
-    if not found:
-        device = tensors[0].device
-        rows = [_plain_rows(g) for g in grads]
-        measured = [*grads, *(w.detach() for w in weights)]
-        norms = unit_norms(measured, device, combine_dtype(device), whole)
-        own, theirs, rest = _split_units(norms, rows, len(whole))
-        return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
-    rows = [local_rows(g) for g in grads]
-    _mesh.check_unmixed(tensors, found, "grads and weights")
-    _check_pairs(found[: len(grads)], found[len(grads) : 2 * len(grads)])
-    return _reduced_unit_norms(grads, weights, whole, rows, dtype, strict=False)
-
-
-def slot_unit_norms(
     grads: Sequence[Tensor | None],
     weights: Sequence[Tensor],
     dtype: torch.dtype,
     whole: Sequence[Tensor | None] = (),
+    strict: bool = False,
 ) -> UnitNorms:
-    """:func:`whole_unit_norms` of DTensor parameters, each grad None where this rank
-    holds none (its shares zeros), so every rank joins the same ``all_reduce``; the
-    ranks' counts of grads travel in it, and where they differ every value and ``check``
-    is NaN.
+    """Every unit's norm of every grad and of its weight, whole across ranks, and each of
+    ``whole``'s squared norm (AGC's excluded grads, one unit each): plain tensors locally,
+    DTensors in ONE float64 ``all_reduce``, every rank passing the same parameters in the
+    same order. A None grad or ``whole`` entry (DTensors, ``strict``) has no grad on this
+    rank: its shares are zeros. With ``strict`` the ranks' counts of grads travel along,
+    and where they differ every value and ``check`` are NaN.
 
     Raises:
-      ValueError: as :func:`whole_unit_norms`, or no DTensor among the tensors.
+      ValueError: plain and DTensors mixed, a Partial one, a grad laid out otherwise
+        than its weight, rows not one range, meshes that cannot be reduced together, or
+        plain tensors with ``strict``; on every rank alike, before anything is sent.
     """
     present = [g for g in grads if g is not None]
     tensors = [*present, *weights, *(t for t in whole if t is not None)]
     found = _mesh.dtensors(tensors)
-    if not found:
+    if strict and not found:
         raise ValueError("slot_unit_norms measures DTensor parameters, got plain ones")
+    if not found:
+        device = tensors[0].device
+        rows = [_plain_rows(g) for g in present]
+        measured = [*present, *(w.detach() for w in weights)]
+        norms = unit_norms(measured, device, combine_dtype(device), tensors[len(measured) :])
+        own, theirs, rest = _split_units(norms, rows, len(whole))
+        return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     _mesh.check_unmixed(tensors, found, "grads and weights")
     pairs = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
     _check_pairs(_mesh.dtensors([g for g, _ in pairs]), _mesh.dtensors([w for _, w in pairs]))
     rows = [local_rows(w) for w in weights]
-    return _reduced_unit_norms(grads, weights, whole, rows, dtype, strict=True)
-
-
-def _reduced_unit_norms(
-    grads: Sequence[Tensor | None],
-    weights: Sequence[Tensor],
-    whole: Sequence[Tensor | None],
-    rows: list[Rows],
-    dtype: torch.dtype,
-    strict: bool,
-) -> UnitNorms:
-    """Each rank's squared shares of DTensors placed among all units (zeros for a None),
-    in one ``all_reduce``; with ``strict``, the ranks' count of tensors too."""
     slots = [*grads, *weights, *whole]
     placed = [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)]
-    held = cast("list[DTensor]", [t for t in slots if t is not None])
-    device = held[0].device
-    mesh = _mesh.reduction_mesh(held)
+    device = found[0].device
+    mesh = _mesh.reduction_mesh(found)
     groups = _mesh.mesh_groups(mesh, None)
-    measured = [t for t in slots[: 2 * len(rows)] if t is not None]
-    extra_shards = [t._local_tensor.detach() for t in held[len(measured) :]]
-    shards = [t._local_tensor.detach() for t in cast("list[DTensor]", measured)]
-    squares = unit_norms(shards, device, REDUCE_DTYPE, extra_shards).square()
+    shards = [t._local_tensor.detach() for t in found]
+    measured_count = len(present) + len(weights)
+    squares = unit_norms(shards[:measured_count], device, REDUCE_DTYPE, shards[measured_count:])
     counts = [r.count for t, r in zip(slots, placed, strict=True) if t is not None]
-    parts = iter(torch.split(squares, counts))
+    parts = iter(torch.split(squares.square(), counts))
     shares = [
         squares.new_zeros(r.units)
         if t is None
         else _placed(next(parts), r, _mesh.replica_count(cast("DTensor", t), mesh))
         for t, r in zip(slots, placed, strict=True)
     ]
-    count = len(held) - len(weights) if strict else None
-    device_for = _mesh.collective_device(shares, groups)
-    reduced = _mesh.all_reduce(shares, True, groups, device_for, count, mesh.size())
+    count = len(present) + len(found) - measured_count if strict else None
+    at = _mesh.collective_device(shares, groups)
+    reduced = _mesh.all_reduce(shares, True, groups, at, count, mesh.size())
     wide = combine_dtype(device)
-    check = None
-    if strict:
-        check = reduced[-1].to(device=device, dtype=wide)
-        reduced = reduced[:-1]
-    own, theirs, rest = _split_units(reduced, rows, len(whole))
+    check = reduced[-1].to(device=device, dtype=wide) if strict else None
+    own, theirs, rest = _split_units(reduced[:-1] if strict else reduced, rows, len(whole))
     return UnitNorms(
         own.sqrt().to(device=device, dtype=dtype),
         theirs.sqrt().to(device=device, dtype=dtype),
@@ -409,7 +347,17 @@ def _reduced_unit_norms(
     )
 
 
+def slot_unit_norms(
+    grads: Sequence[Tensor | None],
+    weights: Sequence[Tensor],
+    dtype: torch.dtype,
+    whole: Sequence[Tensor | None] = (),
+) -> UnitNorms:
+    """:func:`whole_unit_norms` of DTensor parameters, ``strict``."""
+    return whole_unit_norms(grads, weights, dtype, whole, strict=True)
+
+
 def _split_units(values: Tensor, rows: Sequence[Rows], whole: int) -> tuple[Tensor, ...]:
-    """``values`` of the grads' units, their weights' and ``whole`` more, split in three."""
+    """``values`` split into the grads' units, their weights' and ``whole``'s."""
     units = sum(r.units for r in rows)
     return torch.split(values, [units, units, whole])
