@@ -1,13 +1,10 @@
 """DeepSpeed stepping the wrapper: told by the user, checked by structure.
 
-ZeRO-1 and -2 (``DeepSpeedZeroOptimizer``) step the client once per param group, each a
-flat fp32 partition of this rank over the data-parallel group, after computing the
-global L2 norm of every group (``_global_grad_norm``): with one group, the partition's
-``norm**p`` summed over that group is the global norm; with several, only DeepSpeed's
-own is. Stage 0 steps it on whole grads (fp16/bf16: on fp32 copies, after a start-up
-step on zero grads inside ``deepspeed.initialize``). :func:`bind` reads the engine the
-user attached; untold, :meth:`Watch.call` refuses foreign tensors in the param groups
-but for that start-up step.
+ZeRO-1 and -2 step the client once per param group, each this rank's flat fp32
+partition: with one group, its ``norm**p`` summed over the data-parallel group is the
+global norm; with several, only DeepSpeed's own (``_global_grad_norm``) is. Stage 0
+steps whole grads (fp16/bf16: fp32 copies, after a start-up step on zero grads).
+Untold, :meth:`Watch.call` refuses foreign tensors in the param groups but for that step.
 """
 
 from __future__ import annotations
@@ -51,7 +48,6 @@ class ZeroStep:
 
     @property
     def last_call(self) -> bool:
-        """Whether this call steps DeepSpeed's last group: the end of its step."""
         return self.group_index == self.group_count - 1
 
 
@@ -65,7 +61,6 @@ class Watch:
         self.stepped = False
 
     def add(self, params: Iterable[Tensor]) -> None:
-        """Parameters of a group added to the wrapper: its own too."""
         self.params.extend(params)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -104,7 +99,6 @@ class Watch:
 
 
 def _copies(tensors: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
-    """Whether ``tensors`` are copies of ``params``, one by one, of the same shapes."""
     return len(tensors) == len(params) and all(
         t.shape == p.shape for t, p in zip(tensors, params, strict=True)
     )

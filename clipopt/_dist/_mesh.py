@@ -1,9 +1,7 @@
 """DTensor shards and meshes, and the float64 all_reduce every norm across ranks takes.
 
-A DTensor grad's shard counts ``1 / replicas`` (:func:`replica_count`); grads on several
-meshes reduce over the one holding the others' ranks, or the part of their common root
-they span. Nothing here imports ``torch.distributed.tensor`` (about a second): no grad
-can be a DTensor before the user has imported it.
+Nothing here imports ``torch.distributed.tensor`` (about a second): no grad can be a
+DTensor before the user has imported it.
 """
 
 from __future__ import annotations
@@ -55,14 +53,6 @@ def collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch
     return torch.device(kind, getattr(torch, kind).current_device())
 
 
-def _count_tail(count: int, summed: bool, device: torch.device) -> Tensor:
-    """``[n, n**2]`` summed (all equal iff ``ranks * sum(n**2) == sum(n)**2``), or
-    ``[n, -n]`` maxed (all equal iff ``max(n) == min(n)``)."""
-    second = count * count if summed else -count
-    full = [torch.full((1,), float(v), dtype=REDUCE_DTYPE, device=device) for v in (count, second)]
-    return torch.cat(full)
-
-
 def all_reduce(
     parts: Sequence[Tensor],
     summed: bool,
@@ -76,8 +66,10 @@ def all_reduce(
     (this rank's number of tensors) the result ends with one value more: 0, or NaN where
     the ``ranks`` ranks' counts differ (every value is NaN then)."""
     values = torch.cat([p.to(device) for p in parts])
-    if count is not None:
-        values = torch.cat([values, _count_tail(count, summed, device)])
+    if count is not None:  # counts equal iff ranks * sum(n**2) == sum(n)**2, or max(n) == min(n)
+        pair = (count, count * count if summed else -count)
+        tail = [torch.full((1,), float(v), dtype=REDUCE_DTYPE, device=device) for v in pair]
+        values = torch.cat([values, *tail])
     if summed:
         for group in groups:
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)

@@ -1,10 +1,7 @@
-"""Pipeline stages: each stage's own norm, then the stages' p-th powers combined.
-
-``pp_mesh`` (torchtitan's name) joins one rank of every stage: a 1-D ``DeviceMesh`` or a
-``ProcessGroup``. The model's norm is ``(sum over stages of norm_s**p) ** (1/p)`` (the
-maximum for inf), one ``all_reduce`` more over it; where a stage's reduction already sends
-p-th powers, the pipeline group is simply one more group to reduce over. The stages' sums
-line up by position, so :func:`check_layout` refuses stages whose clip settings differ.
+"""Pipeline stages: the model's norm is ``(sum over stages of norm_s**p) ** (1/p)`` (the
+maximum for inf), one ``all_reduce`` more over ``pp_mesh``, which joins one rank of
+every stage. The stages' sums line up by position: :func:`check_layout` refuses stages
+whose clip settings differ.
 """
 
 from __future__ import annotations
@@ -25,19 +22,9 @@ __all__ = ["check_disjoint", "check_layout", "combine_stages", "stage_group"]
 
 
 def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
-    """The process group joining the pipeline stages, from ``pp_mesh``.
-
-    Args:
-      pp_mesh: None, a 1-D ``DeviceMesh`` over one rank of each stage, or a
-        ``ProcessGroup`` of those ranks.
-
-    Returns:
-      The group, or None where there is no ``pp_mesh`` or it holds only this rank.
-
-    Raises:
-      TypeError: ``pp_mesh`` is neither.
-      ValueError: a ``DeviceMesh`` of more than one dimension.
-    """
+    """The group joining the pipeline stages from ``pp_mesh`` (None, a 1-D ``DeviceMesh``
+    or a ``ProcessGroup``), None where it holds only this rank; a TypeError for another
+    type, a ValueError for a mesh of more dims."""
     if pp_mesh is None:
         return None
     module = sys.modules.get("torch.distributed.device_mesh")  # no mesh exists before
@@ -88,12 +75,9 @@ def _layout(per_group: bool, norm_types: Sequence[float], thresholds: Sequence[o
 def check_layout(
     pp_group: Any, per_group: bool, norm_types: Sequence[float], thresholds: Sequence[object]
 ) -> None:
-    """Raise a ValueError on every rank unless every stage has this stage's clip layout.
-
-    One ``all_reduce(MAX)`` over the stages of ``per_group``, the group count and a
-    CRC-32 of the layout, each beside its negation (so the maximum gives the least too),
-    read on the host: called at a first step, not at every step.
-    """
+    """Raise a ValueError on every rank unless every stage has this stage's clip layout:
+    one ``all_reduce(MAX)`` of ``per_group``, the group count and the layout's CRC-32,
+    each beside its negation (so the maximum gives the least too), read on the host."""
     layout = _layout(per_group, norm_types, thresholds)
     mine = [float(per_group), float(len(norm_types)), float(zlib.crc32(layout.encode()))]
     device = collective_device([], [pp_group])
@@ -128,10 +112,8 @@ def check_layout(
 def combine_stages(
     norms: Sequence[Tensor], norm_types: Sequence[float], pp_group: Any
 ) -> list[Tensor]:
-    """Each of a stage's 0-dim ``norms`` (the same on every rank of the stage) combined
-    with the other stages': the p-norm of the stages' norms, powers taken in float64, in
-    one collective per reduce op; each cast back to its norm's dtype and device.
-    ``pp_group`` None returns ``norms`` as they are."""
+    """Each of a stage's 0-dim ``norms`` combined with the other stages' (the p-norm of
+    the stages' norms, powers in float64), cast back to its dtype and device."""
     if pp_group is None or not norms:
         return list(norms)
     device = norms[0].device

@@ -1,11 +1,7 @@
-"""AGC's units: where each lies on this rank, and their L2 norms across ranks.
-
-A unit (Brock et al., 2021) is a slice along dim 0 of a tensor of 2 dims or more, or
-the whole of a 0- or 1-D tensor. A DTensor rank may hold whole units (Shard(0)), parts
-of them (a 1-D tensor sharded, row-parallel TP) or copies (Replicate); its rows must be
-one contiguous range (:func:`local_rows`). Each rank puts its squared shares, divided by
-their replica count, at the units' global positions (zeros elsewhere), so one float64
-``all_reduce`` of one 1-D tensor gives every rank every unit's norm.
+"""AGC's units (a slice along dim 0 of a tensor of 2 dims or more, or the whole of a 0-
+or 1-D one): where each lies on this rank, and their L2 norms across ranks. Each rank
+puts its squared shares of its rows (one contiguous range), divided by their replica
+count, at the units' global positions: one float64 ``all_reduce`` gives every unit's norm.
 """
 
 from __future__ import annotations
@@ -290,14 +286,10 @@ def whole_unit_norms(
     """Every unit's norm of every grad and of its weight, whole across ranks, and each of
     ``whole``'s squared norm (AGC's excluded grads, one unit each): plain tensors locally,
     DTensors in ONE float64 ``all_reduce``, every rank passing the same parameters in the
-    same order. A None grad or ``whole`` entry (DTensors, ``strict``) has no grad on this
-    rank: its shares are zeros. With ``strict`` the ranks' counts of grads travel along,
-    and where they differ every value and ``check`` are NaN.
-
-    Raises:
-      ValueError: plain and DTensors mixed, a Partial one, a grad laid out otherwise
-        than its weight, rows not one range, meshes that cannot be reduced together, or
-        plain tensors with ``strict``; on every rank alike, before anything is sent.
+    same order. A None (DTensors, ``strict``) is no grad on this rank: zero shares. With
+    ``strict`` the ranks' counts of grads travel along: where they differ every value and
+    ``check`` are NaN. Layouts it cannot measure raise a ValueError on every rank alike,
+    before anything is sent.
     """
     present = [g for g in grads if g is not None]
     tensors = [*present, *weights, *(t for t in whole if t is not None)]
