@@ -20,7 +20,7 @@ import clipopt
 PACKAGE = Path(clipopt.__file__).parent
 
 UNIT_LAYERS: list[set[str]] = [
-    # errors, argument checks, torch's private APIs, torch.optim's step hooks
+    # errors, argument checks, torch.optim's step hooks
     {"_errors", "_validation", "_hooks"},
     {"_kernels"},  # one rank's norms and scales
     {"_dist", "_wrapper"},  # norms across ranks; the wrapper's plumbing
