@@ -85,10 +85,7 @@ def global_tensor_powers(
     Args:
       buckets: each a list of slots, one per parameter (its DTensor grad, or None where
         this rank has none), as many in the same order on every rank.
-      norm_types: each bucket's validated order.
-      foreach: as in :func:`clipopt.get_total_norm`.
-      params: the parameters; the DTensors among them that require grad decide the mesh
-        with the grads present, so a rank without grads reduces over the same ranks.
+      params: as in :func:`clipopt._dist._mesh.reduction_for`.
       strict: the ranks must hold as many grads; where they do not, every value is NaN.
 
     Returns:

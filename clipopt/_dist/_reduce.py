@@ -79,23 +79,17 @@ def global_norms(
     params: Sequence[Tensor] = (),
     pp_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
-    """The global p-norm of each bucket: finite orders in one ``all_reduce(SUM)``, the
-    inf-norm's in one ``all_reduce(MAX)``; nothing sent without DTensors, groups or
-    stages. Every rank passes as many buckets of the same orders.
+    """The global p-norm of each bucket (a 0-dim plain tensor, the same on every rank, on
+    its first tensor's device, float32 or float64 as torch's): finite orders in one
+    ``all_reduce(SUM)``, the inf-norm's in one ``MAX``; nothing sent without DTensors,
+    groups or stages. Every rank passes as many buckets of the same orders.
 
     Args:
-      buckets: lists of tensors (usually grads), all DTensors or all plain.
-      norm_types: each bucket's validated order.
-      foreach: as in :func:`clipopt.get_total_norm`.
       process_group: the group plain tensors are split across; for DTensors, optionally
         a group of exactly their mesh's ranks (one all_reduce instead of one per dim).
       replicated: plain tensors (by identity) the same on every rank of the group.
       params: the parameters, as in :func:`clipopt._dist._mesh.reduction_for`.
       pp_group: the pipeline stages' group, sharing no other rank with the stage's.
-
-    Returns:
-      A 0-dim plain tensor per bucket, the same on every rank, on its first tensor's
-      device, float32 (float64 if any tensor of the bucket is).
     """
     check_process_group(process_group)
     if len(buckets) != len(norm_types):
