@@ -1,49 +1,12 @@
 """The true global gradient norm under ``torch.distributed``, and checkpoints that keep it.
 
-Three layouts, one rule: every element of the model's gradient counts exactly once.
-
-- **DDP** (and anything else that leaves every rank with the full, already averaged
-  grads, such as ``ZeroRedundancyOptimizer``): the local norm is the global norm; nothing
-  here is needed and no communication is added.
-- **DTensor grads** (FSDP2 ``fully_shard``, HSDP meshes, tensor parallel): the norm of
-  each grad's local shard is raised to ``p`` and weighted by ``1 / (product of the mesh
-  sizes over its Replicate dims)``, so replicas count once; one ``all_reduce(SUM)``
-  (``MAX`` for the inf-norm) over the mesh gives the total. Shard and ``_StridedShard``
-  dims count as sharded; a Partial grad is an error (its local values are not a shard of
-  the gradient). Grads on several meshes (FSDP2 over tensor parallel, MoE's dense and
-  expert meshes, torchtitan's meshes unflattened from a 1-D root) are reduced over the
-  one that holds the others' ranks, or over the part of their common root they span
-  when they are named sub-meshes of one; a grad on a smaller mesh also counts as
-  replicated over the ranks its mesh lacks.
-- **Plain tensors split across a process group** (model parallel): pass
-  ``process_group``; each rank's ``norm**p`` is summed across the group, and tensors
-  declared replicated across it (tied embeddings, layer norms under tensor parallel)
-  are weighted by ``1 / group size`` so they count once.
-
-Pipeline stages, each any of the above, pass ``pp_mesh`` (the 1-D mesh or group of one
-rank per stage): each stage's norm is reduced as above, then the stages' ``norm**p``
-are summed over it (max for inf) in one more ``all_reduce``
-(:mod:`clipopt._dist._stages`).
-
-A per-tensor clip rule (``AutoClip(per_tensor=True)``, ``AdaGC``) clips each grad by its
-whole tensor's norm: local under DDP; for DTensor grads each shard's share, weighted as
-above, in the step's one ``all_reduce``, which carries every grad's and gives the global
-norm too (:mod:`clipopt._dist._per_tensor`). It refuses a ``process_group``: plain tensors
-split across a group are other tensors on each rank.
-
-The reduction runs in float64 whatever the grads' dtype: every rank must send the same
-dtype (gloo aborts otherwise), and ``norm**p`` of a float32 norm overflows float32 from
-``norm > 1.8e19`` at ``p = 2``. The result is a plain tensor, identical on every rank.
-
-Gradient norm clipping: Pascanu et al., 2013, "On the difficulty of training recurrent
-neural networks"; global norms over sharded and replicated parameters as in Megatron-LM
-(Shoeybi et al., 2019) and FSDP (Zhao et al., 2023).
-
-DCP checkpoints of a :class:`clipopt.ClippedOptimizer` keep its clip state in an entry of
-its own: ``torch.distributed.checkpoint.state_dict``'s functions save and load the inner
-optimizer (FQN keys, FSDP2 DTensor state) and keep only ``"state"`` and
-``"param_groups"``; :class:`ClippedOptimizerState`, a ``Stateful`` put beside the model
-and the optimizer, saves the ``"clip"`` entry under a key of its pipeline stage.
+Every element of the model's gradient counts once: DDP grads are whole on every rank
+(nothing is sent); DTensor grads (FSDP2, HSDP, tensor parallel, MoE meshes) send each
+shard's ``norm**p`` weighted by ``1 / replicas`` in one float64 ``all_reduce``; plain
+grads split across a ``process_group`` send theirs, declared replicated ones counted
+once; pipeline stages (``pp_mesh``) add one ``all_reduce`` over the stages. See
+docs/distributed.md. :class:`ClippedOptimizerState` keeps the clip state in DCP
+checkpoints.
 """
 
 from __future__ import annotations
@@ -74,12 +37,8 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _encode(entry: Mapping[str, Any]) -> bytes:
-    """The clip entry ``torch.save``-d to bytes, its tensors on the CPU.
-
-    DCP loads tensors in place into a template of the same shapes, which a fresh
-    optimizer cannot give (``last_norm`` is None before the first step, a rule's history
-    grows); bytes are one leaf that DCP saves and loads whole.
-    """
+    """The clip entry ``torch.save``-d to bytes, its tensors on the CPU: one leaf that DCP
+    saves and loads whole (a fresh optimizer has no template of the same shapes)."""
     buffer = io.BytesIO()
     torch.save(_to_cpu(entry), buffer)
     return buffer.getvalue()
@@ -103,26 +62,14 @@ def _decode(blob: object, key: str) -> Any:
 class ClippedOptimizerState:
     """The clip state of a :class:`clipopt.ClippedOptimizer` as a DCP ``Stateful``.
 
-    Put it in the checkpoint beside the model and the optimizer, under a name of its
-    own (``dcp.save`` / ``dcp.load`` call its ``state_dict`` / ``load_state_dict``, and
-    so do torchtitan's ``CheckpointManager(states=...)`` and a train module's state dict).
-    Its state dict is ``{"stage<i>": bytes}``: the wrapper's ``"clip"`` entry (counters,
-    last norms, the rule's and ``SpikeSkip``'s state, the wrapper-wide settings)
-    ``torch.save``-d to bytes, read back with ``weights_only=True`` and validated before
-    anything loads. ``i`` is this rank's stage in the wrapper's ``pp_mesh`` (0 without
-    one), so pipeline stages saved into one checkpoint each load their own entry; the
-    ranks of one stage write the same bytes.
-
-    A partial ``dcp.load`` (``allow_partial_load=True``) of a checkpoint saved without
-    this entry hands back the bytes its ``state_dict`` gave as the template: that load
-    warns and keeps the clip state as it is (a strict load raises on the missing key).
-
-    Making it tells the wrapper that its clip state travels here: its
-    ``load_state_dict`` then takes a dict without ``"clip"`` (one from torch's DCP
-    functions) without a warning.
-
-    Args:
-      optimizer: a :class:`clipopt.ClippedOptimizer`.
+    Put it in the checkpoint beside the model and the optimizer, under a name of its own
+    (``dcp.save`` / ``dcp.load``, torchtitan's ``CheckpointManager(states=...)``). Its
+    state dict is ``{"stage<i>": bytes}``: the wrapper's ``"clip"`` entry ``torch.save``-d
+    to bytes, read back with ``weights_only=True`` and validated before anything loads;
+    ``i`` is this rank's stage in ``pp_mesh`` (0 without one), so each pipeline stage
+    loads its own. A partial ``dcp.load`` of a checkpoint without this entry warns and
+    keeps the clip state. Making it tells the wrapper that its ``load_state_dict`` will
+    get no ``"clip"`` entry (torch's DCP functions drop it).
 
     Raises:
       TypeError: ``optimizer`` is not a ``ClippedOptimizer``.
@@ -142,8 +89,7 @@ class ClippedOptimizerState:
         return f"stage{0 if group is None else dist.get_rank(group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        # Kept to recognise it handed back: a partial dcp.load of a checkpoint without
-        # this entry leaves the template's own bytes in place.
+        # Kept to recognise it handed back by a partial dcp.load of a checkpoint without it.
         self._template = _encode(self.optimizer._extra_state())
         return {self._key(): self._template}
 

@@ -13,7 +13,7 @@ and record "ok" or the traceback; one parametrized test per case reads the recor
   and gives the global norm too, and with AGC (which runs under FSDP2 over TP too, and
   with its last layer excluded) every unit's grad and weight norms and the excluded
   grads' norms, from which the global norm is taken.
-- A norm case checks :func:`clipopt._dist._per_tensor.global_per_tensor_norms` against the
+- A norm case checks :func:`global_per_tensor_norms` (the per-tensor step's powers) against the
   float64 norm of each whole (gathered) tensor, under FSDP2, HSDP, TP and FSDP2 over TP;
   a unit case checks :func:`clipopt._dist._units.whole_unit_norms` alike (the squares too, and
   grads measured whole beside the units), and each rank's rows against the gathered
@@ -52,7 +52,8 @@ from test_distributed import (
 from torch import Tensor, nn
 
 import clipopt
-from clipopt._dist import _per_tensor, _unit_rows, _units
+from clipopt._dist import _mesh, _per_tensor, _units
+from clipopt._kernels import _norms
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
@@ -62,6 +63,17 @@ RTOL = 1e-5
 STEPS = 10
 SPIKES = {6: 40.0, 9: 25.0}
 """Steps whose loss (so every grad) is scaled: each rule must react to them."""
+
+
+def global_per_tensor_norms(tensors: list[Tensor], p: float) -> Tensor:
+    """Each whole tensor's p-norm across ranks, from the powers a per-tensor step reduces:
+    local for plain tensors, one collective for DTensors; float32 (float64 if any is)."""
+    if not _mesh.dtensors(tensors):
+        return _norms.per_tensor_norms(tensors, p, None)
+    powers = _per_tensor.global_tensor_powers([tensors], [p])[0]
+    device = _mesh.local_tensors(tensors[:1])[0].device
+    dtype = _norms.result_dtype([t.dtype for t in tensors])
+    return _per_tensor.root(powers, p).to(device=device, dtype=dtype)
 
 
 def spike_skip() -> dict[str, Any]:
@@ -258,7 +270,7 @@ def assert_whole_tensor_norms(grads: list[Tensor], what: str) -> None:
     """One all_reduce per p, every rank the same, each norm the whole tensor's."""
     for p in (1.0, 2.0, 3.0, math.inf):
         with CountAllReduce() as counter:
-            norms = _per_tensor.global_per_tensor_norms(grads, p)
+            norms = global_per_tensor_norms(grads, p)
         assert counter.calls == 1, f"{what} p={p}: {counter.calls} all_reduce calls"
         assert type(norms) is Tensor and norms.shape == (len(grads),)
         assert_same_on_every_rank(norms, f"{what} p={p}")
@@ -639,7 +651,7 @@ def test_per_tensor_norms_of_dtensors_match_float64(
     locals_ = [(torch.randn(tuple(s)) * 3).to(dtype) for s in sizes]
     grads = [dtensor(t, mesh_of_one, kind) for t, kind in zip(locals_, placements, strict=False)]
     with CountAllReduce() as counter:
-        norms = _per_tensor.global_per_tensor_norms(grads, p)
+        norms = global_per_tensor_norms(grads, p)
     assert counter.calls == 1
     assert norms.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     expected = torch.tensor([float64_norm([t], p) for t in locals_], dtype=torch.float64)
@@ -743,7 +755,7 @@ def test_plain_grads_take_no_collective(mesh_of_one: Any) -> None:
         q.grad = torch.ones_like(q) * 3
     with CountAllReduce() as counter:
         optimizer.step()
-        norms = _per_tensor.global_per_tensor_norms([q.grad for q in params], 2.0)  # type: ignore[misc]
+        norms = global_per_tensor_norms([q.grad for q in params], 2.0)  # type: ignore[misc]
     assert counter.calls == 0
     assert torch.equal(norms, torch.tensor([27.0**0.5, 6.0]))
 
@@ -774,11 +786,11 @@ def test_refused_per_tensor_input(mesh_of_one: Any) -> None:
     per-tensor rule with a process_group (each rank's rows are other tensors)."""
     shard = dtensor(torch.ones(2), mesh_of_one, "shard")
     with pytest.raises(ValueError, match="DTensor and plain"):
-        _per_tensor.global_per_tensor_norms([shard, torch.ones(2)], 2.0)
+        global_per_tensor_norms([shard, torch.ones(2)], 2.0)
     with pytest.raises(ValueError, match="Partial"):
-        _per_tensor.global_per_tensor_norms([dtensor(torch.ones(2), mesh_of_one, "partial")], 2.0)
+        global_per_tensor_norms([dtensor(torch.ones(2), mesh_of_one, "partial")], 2.0)
     with pytest.raises(ValueError, match="at least one"):
-        _per_tensor.global_per_tensor_norms([], 2.0)
+        global_per_tensor_norms([], 2.0)
     w = nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="process_group"):
         clipopt.ClippedOptimizer(
@@ -803,9 +815,9 @@ def test_cuda_dtensor_per_tensor_norms_stay_on_the_device(
         for t, kind in zip(values, ("shard", "shard", "replicate"), strict=True)
     ]
     for p in (2.0, math.inf):
-        _per_tensor.global_per_tensor_norms(grads, p)
+        global_per_tensor_norms(grads, p)
         with sync_is_an_error():
-            norms = _per_tensor.global_per_tensor_norms(grads, p)
+            norms = global_per_tensor_norms(grads, p)
         assert norms.device.type == "cuda" and norms.dtype == torch.float32
         expected = torch.tensor([float64_norm([t], p) for t in values], dtype=torch.float64)
         torch.testing.assert_close(norms.double().cpu(), expected, rtol=1e-6, atol=0.0)
@@ -987,11 +999,11 @@ def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
     strided = _StridedShard(0, split_factor=2)
     for rows in (8, 7, 5, 4, 1, 0):
         shape = (rows, 3)
-        assert _unit_rows._rows_are_ranges(shape, (2, 2), (strided, Shard(0)), [0, 0])
+        assert _units._rows_are_ranges(shape, (2, 2), (strided, Shard(0)), [0, 0])
         if rows >= 4:  # rows {0, 2} and {1, 3} of 4, {0, 1, 3} and {2, 4} of 5
-            assert not _unit_rows._rows_are_ranges(shape, (2,), (strided,), [0])
+            assert not _units._rows_are_ranges(shape, (2,), (strided,), [0])
         if rows >= 7:  # each half cut as the 4 rows above
-            assert not _unit_rows._rows_are_ranges(shape, (2, 2), (Shard(0), strided), [0, 0])
+            assert not _units._rows_are_ranges(shape, (2, 2), (Shard(0), strided), [0, 0])
 
 
 def pieces(ids: Tensor, count: int) -> list[Tensor]:
@@ -1046,7 +1058,7 @@ def test_each_ranks_rows_are_where_the_placements_put_them(
         torch.equal(h, torch.arange(int(h[0]), int(h[0]) + len(h))) for h in held if len(h)
     )
     for at, ids in zip(coordinates, held, strict=True):
-        found = _unit_rows.rows_at(shape, mesh_shape, at, kinds)
+        found = _units.rows_at(shape, mesh_shape, at, kinds)
         if not ranges:
             assert found is None, (at, kinds, held)
             continue
@@ -1085,7 +1097,7 @@ def test_placed_shares_of_four_or_six_ranks_sum_to_each_rows_norm(
             if k == "shard1":
                 columns = pieces(columns, n)[index]
         local = whole[ids][:, columns]
-        rows = _unit_rows.rows_at((5, 7), mesh_shape, at, placements)
+        rows = _units.rows_at((5, 7), mesh_shape, at, placements)
         assert rows is not None
         share = torch.linalg.vector_norm(local, dim=1).square() if local.numel() else local.sum(1)
         total += _units._placed(share, rows, replicas)
@@ -1099,7 +1111,7 @@ def test_chunks_are_torch_chunks(size: int, chunks: int, data: Any) -> None:
     index = data.draw(st.integers(0, chunks - 1))
     pieces = list(torch.arange(size).chunk(chunks)) if size else []
     piece = pieces[index] if index < len(pieces) else torch.zeros(0)
-    start, count = _unit_rows._chunk(size, chunks, index)
+    start, count = _units._chunk(size, chunks, index)
     assert count == piece.numel()
     if count:
         assert start == int(piece[0])

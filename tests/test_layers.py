@@ -20,8 +20,8 @@ import clipopt
 PACKAGE = Path(clipopt.__file__).parent
 
 UNIT_LAYERS: list[set[str]] = [
-    # errors, argument checks, torch's private APIs, torch.optim's step hooks
-    {"_errors", "_validation", "_torch_internals"},
+    # errors, argument checks
+    {"_errors", "_validation"},
     {"_kernels"},  # one rank's norms and scales
     {"_dist", "_wrapper"},  # norms across ranks; the wrapper's plumbing and step hooks
     {"rules", "functional"},  # the clip rules; torch.nn.utils' names
@@ -33,13 +33,13 @@ UNIT_LAYERS: list[set[str]] = [
 WING_FLOORS: dict[str, list[set[str]]] = {
     # the norms, then the scales that use them
     "_kernels": [{"_norms"}, {"_scale"}],
-    # collectives and meshes; the pipeline stages; where AGC's units lie, and the
-    # reductions; units' norms, and where a step under DeepSpeed's ZeRO optimizer is reduced
+    # collectives and meshes; the pipeline stages; the reductions and AGC's units (and
+    # their re-export); where a step under DeepSpeed's ZeRO optimizer is reduced
     "_dist": [
-        {"_collective", "_mesh"},
+        {"_mesh"},
         {"_stages"},
-        {"_unit_rows", "_per_tensor", "_reduce"},
-        {"_units", "_deepspeed"},
+        {"_per_tensor", "_reduce", "_units"},
+        {"_unit_rows", "_deepspeed"},
     ],
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],

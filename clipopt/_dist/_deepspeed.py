@@ -1,30 +1,10 @@
 """DeepSpeed stepping the wrapper: told by the user, checked by structure.
 
-DeepSpeed (0.19) hands a client optimizer to one of its own and steps it from there:
-
-- ZeRO-1 and -2 (``DeepSpeedZeroOptimizer``) rewrite its param groups: each group's
-  ``params`` becomes one flat fp32 tensor, this rank's partition of the group's
-  parameters, flattened and split over the data-parallel group. Its ``step`` computes
-  the global L2 norm of every group's grads over all ranks (``_global_grad_norm``),
-  unscales each group's flat grad and steps the client once per group, with
-  ``param_groups`` swapped for ``[group_i]``. A call sees one rank's shard of one group:
-  with one group, its ``norm**p`` summed over the data-parallel group is the global
-  norm (the partitions are disjoint, their padding zeros); with several, the only
-  global norm is DeepSpeed's own, computed before the first call.
-- At stage 0, fp32, DeepSpeed steps the client itself on the whole, averaged grads; with
-  fp16 or bf16, ``FP16_UnfusedOptimizer`` steps it on fp32 copies of the parameters, and
-  its constructor, inside ``deepspeed.initialize``, steps it once on zero grads to
-  create the optimizer's state (``initialize_optimizer_states``).
-
-The user tells the wrapper, after ``deepspeed.initialize``, which engine steps it
-(:meth:`clipopt.ClippedOptimizer.attach_deepspeed`); :func:`bind` reads the engine and
-refuses what cannot be right there, naming the setting to change. Untold, the wrapper
-checks what it sees (:meth:`Watch.call`): tensors in its param groups that are neither
-the parameters it was built with nor a model's ``Parameter`` are DeepSpeed's (or another
-mixed-precision optimizer's) partitions or copies, and refused, but for the first step
-of a wrapper that has never stepped, on same-shaped copies of its parameters: that is
-the start-up step, clipped as any (its grads are zeros) and neither counted nor shown
-to a rule.
+ZeRO-1 and -2 step the client once per param group, each this rank's flat fp32
+partition: with one group, its ``norm**p`` summed over the data-parallel group is the
+global norm; with several, only DeepSpeed's own (``_global_grad_norm``) is. Stage 0
+steps whole grads (fp16/bf16: fp32 copies, after a start-up step on zero grads).
+Untold, :meth:`Watch.call` refuses foreign tensors in the param groups but for that step.
 """
 
 from __future__ import annotations
@@ -39,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from clipopt._dist import _mesh
 from clipopt._dist._reduce import NormScope
 
 __all__ = ["Binding", "Watch", "ZeroStep", "bind", "ds_global_norm", "zero_source"]
@@ -48,14 +29,8 @@ ATTACH = "opt.attach_deepspeed(engine) after deepspeed.initialize"
 
 @dataclass(frozen=True)
 class Binding:
-    """What :func:`bind` learned of the engine that steps the wrapper.
-
-    Attributes:
-      caller: for messages (``"DeepSpeed ZeRO-2"``).
-      owner: DeepSpeed's ZeRO optimizer, which steps the wrapper one group at a time on
-        its flat partitions (``single_partition_of_fp32_groups``, the same tensors
-        whatever loads); None where DeepSpeed steps it on whole parameters (stage 0).
-    """
+    """What :func:`bind` learned: ``caller`` for messages (``"DeepSpeed ZeRO-2"``) and
+    ``owner``, DeepSpeed's ZeRO optimizer (None where it steps whole parameters)."""
 
     caller: str
     owner: Any = None
@@ -63,8 +38,7 @@ class Binding:
 
 @dataclass(frozen=True)
 class ZeroStep:
-    """One client call of DeepSpeed's ZeRO optimizer: the group it steps, and where its
-    partitions lie."""
+    """One client call of DeepSpeed's ZeRO optimizer: the group it steps, of how many."""
 
     caller: str
     group_index: int
@@ -74,7 +48,6 @@ class ZeroStep:
 
     @property
     def last_call(self) -> bool:
-        """Whether this call steps DeepSpeed's last group: the end of its step."""
         return self.group_index == self.group_count - 1
 
 
@@ -88,23 +61,18 @@ class Watch:
         self.stepped = False
 
     def add(self, params: Iterable[Tensor]) -> None:
-        """Parameters of a group added to the wrapper: its own too."""
         self.params.extend(params)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"params": self.params, "binding": None, "stepped": self.stepped}
 
     def call(self, param_groups: Sequence[dict[str, Any]]) -> tuple[ZeroStep | None, bool]:
-        """This step's DeepSpeed call, and whether it is recorded (counted, shown to rules).
-
-        Returns:
-          (the ZeRO call, or None where the wrapper sees whole parameters; whether the
-          call is recorded: False for DeepSpeed's start-up step and a ZeRO call that
-          is not its step's last).
+        """This step's ZeRO call (None on whole parameters) and whether it is recorded:
+        not DeepSpeed's start-up step, nor a ZeRO call but its step's last.
 
         Raises:
-          ValueError: the param groups hold foreign tensors and the wrapper was not
-            attached, or DeepSpeed steps the attached wrapper on groups it does not keep.
+          ValueError: foreign tensors in the param groups of an unattached wrapper, or
+            groups the attached engine does not keep.
         """
         if self.binding is not None:
             self.stepped = True
@@ -131,7 +99,6 @@ class Watch:
 
 
 def _copies(tensors: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
-    """Whether ``tensors`` are copies of ``params``, one by one, of the same shapes."""
     return len(tensors) == len(params) and all(
         t.shape == p.shape for t, p in zip(tensors, params, strict=True)
     )
@@ -206,19 +173,24 @@ def bind(engine: Any, optimizer: Optimizer) -> Binding:
 
 
 def _ranks(group: Any) -> list[int]:
-    return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+    return list(_mesh.group_ranks(group or dist.group.WORLD))
 
 
-def _zero_scope(
+def zero_source(
     call: ZeroStep,
     scope: NormScope,
     norm_types: list[float],
     per_group: bool,
     measures_each_grad: bool,
-) -> NormScope | None:
-    """Refuse a setting that cannot measure the right norm under ``call``; else where to
-    reduce: DeepSpeed's data-parallel group with one param group, None with several (the
-    norm is then DeepSpeed's)."""
+) -> tuple[NormScope, Tensor | None]:
+    """Where the norm of a step under ``call`` comes from: (DeepSpeed's data-parallel
+    group, None) with one param group, (``scope``, DeepSpeed's norm) with several.
+    ``measures_each_grad``: the wrapper measures grad by grad or unit by unit, which a
+    flat partition cannot give.
+
+    Raises:
+      ValueError: a setting that cannot give the right norm, naming the one to use.
+    """
     if measures_each_grad:
         raise ValueError(
             f"under {call.caller} each param group is one flat partition of many "
@@ -246,50 +218,18 @@ def _zero_scope(
             "process_group (the wrapper reduces over DeepSpeed's data-parallel group)"
         )
     if call.group_count == 1:
-        return NormScope(call.dp_group)
+        return NormScope(call.dp_group), None
     if per_group or any(p != 2.0 for p in norm_types):
         raise ValueError(
             f"{call.caller} steps ClippedOptimizer once per param group "
             f"({call.group_count} groups), so the global norm is DeepSpeed's own, an L2 "
             "norm over all groups: use norm_type=2 and per_group=False, or one param group"
         )
-    return None
-
-
-def zero_source(
-    call: ZeroStep,
-    scope: NormScope,
-    norm_types: list[float],
-    per_group: bool,
-    measures_each_grad: bool,
-) -> tuple[NormScope, Tensor | None]:
-    """Where the norm of a step under ``call`` comes from: (the scope to reduce over,
-    None) with one group, (``scope``, DeepSpeed's norm) with several.
-
-    Args:
-      call: the ZeRO call, from :meth:`Watch.call`.
-      scope: the wrapper's own scope (its ``process_group`` and ``replicated_params``).
-      norm_types: each param group's order (the one group stepped in this call).
-      per_group: the wrapper's ``per_group``.
-      measures_each_grad: the wrapper measures grad by grad or unit by unit
-        (``track_tensor_norms``, a per-tensor or unit-wise rule), which a flat
-        partition of many parameters cannot give.
-
-    Raises:
-      ValueError: naming the setting to use.
-    """
-    reduced = _zero_scope(call, scope, norm_types, per_group, measures_each_grad)
-    if reduced is not None:
-        return reduced, None
     return scope, ds_global_norm(call)
 
 
 def ds_global_norm(call: ZeroStep) -> Tensor:
-    """DeepSpeed's global L2 grad norm of this step, computed before its first call.
-
-    Raises:
-      ValueError: DeepSpeed did not compute one (``compute_grad_norm`` false).
-    """
+    """DeepSpeed's global L2 grad norm of this step (ValueError where it computed none)."""
     norm = getattr(call.owner, "_global_grad_norm", None)
     if isinstance(norm, Tensor):
         return norm.detach().reshape(())

@@ -1,16 +1,13 @@
-"""DTensor grads: which are DTensors, their local shards, and the mesh to reduce them over.
+"""DTensor shards and meshes, and the float64 all_reduce every norm across ranks takes.
 
-A DTensor grad's norm counts each element once: its local shard's contribution is
-weighted by ``1 / (product of the mesh sizes over its Replicate dims)``, and grads on
-several meshes (FSDP2 over tensor parallel, MoE's dense and expert meshes) are reduced
-over the one that holds the others' ranks (matched by ranks, not dimension names), or
-over the part of their common root they span when they are named sub-meshes of one.
-Nothing here imports ``torch.distributed.tensor``: it costs about a second, and no grad
-can be a DTensor until the user has imported it.
+Nothing here imports ``torch.distributed.tensor`` (about a second): no grad can be a
+DTensor before the user has imported it.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,40 +16,100 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt import _torch_internals
-
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "REDUCE_DTYPE",
     "all_plain",
+    "all_reduce",
+    "by_replicas",
     "check_unmixed",
+    "collective_device",
     "dtensors",
+    "group_ranks",
     "local_tensors",
     "mesh_groups",
     "mesh_ranks",
+    "reduce_by_order",
+    "reduction_for",
     "reduction_mesh",
     "replica_count",
-    "weighted_dtensor_shards",
 ]
+
+REDUCE_DTYPE = torch.float64
+"""What every rank sends: one dtype (gloo aborts otherwise), wide enough for ``norm**p``."""
+
+
+def collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch.device:
+    """The device the reduction runs on: the grads', or the group's when a rank has none."""
+    if tensors:
+        return tensors[0].device
+    device_types = getattr(groups[0] or dist.group.WORLD, "_device_types", [])
+    if not device_types or torch.device("cpu") in device_types:
+        return torch.device("cpu")
+    kind = device_types[0].type
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def all_reduce(
+    parts: Sequence[Tensor],
+    summed: bool,
+    groups: Sequence[Any],
+    device: torch.device,
+    count: int | None = None,
+    ranks: int = 1,
+) -> Tensor:
+    """The 1-D ``parts`` concatenated on ``device``, summed (or maxed, keeping NaN, which
+    backends may drop) over each group in turn: one collective per group. With ``count``
+    (this rank's number of tensors) the result ends with one value more: 0, or NaN where
+    the ``ranks`` ranks' counts differ (every value is NaN then)."""
+    values = torch.cat([p.to(device) for p in parts])
+    if count is not None:  # counts equal iff ranks * sum(n**2) == sum(n)**2, or max(n) == min(n)
+        pair = (count, count * count if summed else -count)
+        tail = [torch.full((1,), float(v), dtype=REDUCE_DTYPE, device=device) for v in pair]
+        values = torch.cat([values, *tail])
+    if summed:
+        for group in groups:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+    else:
+        n = values.numel()
+        packed = torch.cat([values.nan_to_num(nan=math.inf), values.isnan().to(values.dtype)])
+        for group in groups:
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        values = torch.where(packed[n:] > 0, math.nan, packed[:n])
+    if count is None:
+        return values
+    first, second = values[-2:].unbind()
+    differ = second * ranks != first * first if summed else first + second != 0
+    return torch.where(differ, math.nan, torch.cat([values[:-2], values.new_zeros(1)]))
+
+
+def reduce_by_order(
+    parts: Sequence[Tensor],
+    norm_types: Sequence[float],
+    groups: Sequence[Any],
+    device: torch.device,
+    count: int | None = None,
+    ranks: int = 1,
+) -> list[Tensor]:
+    """Each of ``parts`` reduced across ranks: those of finite order summed in one
+    :func:`all_reduce`, the inf-norm's maxed in another; split back, in order."""
+    out: dict[int, Tensor] = {}
+    for summed in (True, False):
+        at = [i for i, p in enumerate(norm_types) if (p != math.inf) == summed]
+        if at:
+            values = all_reduce([parts[i] for i in at], summed, groups, device, count, ranks)
+            sizes = [parts[i].numel() for i in at]
+            found = torch.split(values[: sum(sizes)], sizes)
+            out.update(zip(at, found, strict=True))
+    return [out[i] for i in range(len(parts))]
 
 
 def _dtensor_type() -> type[DTensor] | None:
-    """The DTensor class if it has been imported, else None: no grad can be one then.
-
-    Importing ``torch.distributed.tensor`` costs about a second, so it is never imported
-    here just to answer "is this a DTensor?".
-    """
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
-
-
-def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
-    dtensor = _dtensor_type()
-    if dtensor is None or all_plain(tensors):
-        return []
-    return [t for t in tensors if isinstance(t, dtensor)]
 
 
 def all_plain(tensors: Sequence[Tensor]) -> bool:
@@ -66,13 +123,25 @@ def all_plain(tensors: Sequence[Tensor]) -> bool:
     return not any(issubclass(kind, dtensor) for kind in set(map(type, tensors)))
 
 
-def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str = "grads") -> None:
-    """Raise a ValueError unless every one of ``tensors`` is among ``found``, their DTensors.
+def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
+    """The DTensors among ``tensors``, in order."""
+    dtensor = _dtensor_type()
+    if dtensor is None or all_plain(tensors):
+        return []
+    return [t for t in tensors if isinstance(t, dtensor)]
 
-    Called where DTensors are reduced: a plain tensor carries no placement saying whether
-    it is a shard or a replica, so it cannot be reduced together with them. ``what`` names
-    the tensors in the message.
-    """
+
+def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``tensors`` with every DTensor replaced by its local shard (the same storage), so
+    scaling in place needs no communication and no two operands' meshes must match."""
+    dtensor = _dtensor_type()
+    if dtensor is None or all_plain(tensors):
+        return list(tensors)
+    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
+
+
+def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str = "grads") -> None:
+    """Raise a ValueError unless every one of ``tensors`` is among ``found``, their DTensors."""
     if len(found) != len(tensors):
         raise ValueError(
             f"{len(found)} of {len(tensors)} {what} are DTensors: DTensor and plain {what} "
@@ -81,30 +150,10 @@ def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str
         )
 
 
-def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``tensors`` with every DTensor replaced by its local shard (the same storage).
-
-    Scaling grads in place works shard by shard: it needs no communication, and DTensor
-    ops refuse operands on different meshes (FSDP2 + TP puts the parameters left out of
-    tensor parallelism on the data-parallel sub-mesh).
-    """
-    dtensor = _dtensor_type()
-    if dtensor is None or all_plain(tensors):
-        return list(tensors)
-    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
-
-
 def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
-    """How many ranks of ``reduction_mesh`` hold a copy of each element of ``grad``'s shard.
-
-    The product of the mesh sizes over ``grad``'s Replicate dims, times the size of the
-    reduction mesh's dims that ``grad``'s mesh lacks (a parameter left out of tensor
-    parallelism lives on the data-parallel sub-mesh and is the same on every TP rank).
-
-    Raises:
-      ValueError: ``grad`` has a Partial placement: its local values are summands of the
-        gradient, not a shard of it, so no local norm is meaningful.
-    """
+    """How many ranks of ``reduction_mesh`` hold each element of ``grad``'s shard: the
+    mesh sizes over its Replicate dims, times those of the reduction mesh's dims its mesh
+    lacks. A Partial grad (summands, not a shard) raises a ValueError."""
     mesh = grad.device_mesh
     count, rest = divmod(reduction_mesh.size(), mesh.size())
     if rest:
@@ -124,95 +173,76 @@ def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
     return count
 
 
-def _distinct_meshes(grads: Sequence[DTensor]) -> list[DeviceMesh]:
+def by_replicas(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[int]]:
+    """The indices of ``grads`` grouped by :func:`replica_count` over ``mesh``."""
+    found: dict[int, list[int]] = {}
+    for index, grad in enumerate(grads):
+        found.setdefault(replica_count(grad, mesh), []).append(index)
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def mesh_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global ranks of ``mesh`` (the part this rank is in), sorted, once per mesh."""
+    return tuple(sorted(int(rank) for rank in mesh.mesh.flatten().tolist()))
+
+
+@functools.lru_cache(maxsize=256)
+def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """The global ranks of ``group``, sorted; looked up once per group."""
+    return tuple(sorted(dist.get_process_group_ranks(group)))
+
+
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh ``mesh`` was sliced from (itself if it was not); None if torch cannot say."""
+    method = getattr(mesh, "_get_root_mesh", None)  # torch 2.10 on
+    if method is not None:
+        return method()  # type: ignore[no-any-return]
+    from torch.distributed import device_mesh
+
+    lookup = getattr(getattr(device_mesh, "_mesh_resources", None), "get_root_mesh", None)
+    return None if lookup is None else lookup(mesh)
+
+
+def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
+    """The mesh to reduce over: the grads' one mesh; the one of their meshes holding the
+    others' ranks (by ranks, not names: torchtitan unflattens its meshes from a 1-D
+    root); or the part of their common root spanned by the named dims they use."""
     meshes: list[DeviceMesh] = []
     for g in grads:
-        mesh = g.device_mesh
-        if not any(mesh is known or mesh == known for known in meshes):
-            meshes.append(mesh)
-    return meshes
-
-
-def mesh_ranks(mesh: DeviceMesh) -> list[int]:
-    """The global ranks of ``mesh`` (the part of it this rank is in), sorted."""
-    # DeviceMesh.mesh is a CPU tensor of rank numbers, whatever the device type: reading
-    # it waits on no accelerator.
-    return sorted(int(rank) for rank in mesh.mesh.flatten().tolist())
-
-
-def _enclosing(meshes: Sequence[DeviceMesh]) -> DeviceMesh | None:
-    """The mesh among ``meshes`` whose ranks hold every other's, or None.
-
-    By ranks, not by dimension names: torchtitan unflattens its meshes from a 1-D root
-    (``ParallelDims.build_mesh``), so their names are not the root's. A mesh of a
-    parameter left out of tensor parallelism (the data-parallel part of a 2-D one) or of
-    experts beside dense parameters lies inside the larger mesh; its grads are then
-    replicated over the ranks it lacks (:func:`replica_count`).
-    """
+        if not any(g.device_mesh is known or g.device_mesh == known for known in meshes):
+            meshes.append(g.device_mesh)
     ranks = [set(mesh_ranks(mesh)) for mesh in meshes]
     widest = max(range(len(meshes)), key=lambda i: len(ranks[i]))
     if all(r <= ranks[widest] for r in ranks):
         return meshes[widest]
-    return None
-
-
-def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
-    """The mesh to reduce over: the grads' one mesh; the one of their meshes that holds
-    the ranks of all the others (FSDP2 + TP: 2-D TP'd params and 1-D others, on meshes
-    built by ``init_device_mesh`` or unflattened as torchtitan does; experts beside dense
-    parameters); or the part of their common root mesh spanned by the named dims they use.
-
-    Raises:
-      ValueError: no mesh holds the others' ranks and the meshes have no common root,
-        or a mesh is unnamed or flattened, so which root dims it covers is unknown.
-    """
-    meshes = _distinct_meshes(grads)
-    if len(meshes) == 1:
-        return meshes[0]
-    enclosing = _enclosing(meshes)
-    if enclosing is not None:
-        return enclosing
-    root: DeviceMesh | None = _torch_internals.root_mesh(meshes[0])
-    if root is None:
-        raise ValueError(
-            f"DTensor grads live on {meshes}, none of which holds the others' ranks: "
-            f"reducing them together needs torch's lookup of their root mesh, which torch "
-            f"{torch.__version__} does not offer here; compute one norm per mesh instead"
-        )
-    root_names = root.mesh_dim_names or ()
+    root = _root_mesh(meshes[0])
+    root_names = () if root is None else root.mesh_dim_names or ()
     for mesh in meshes:
         names = mesh.mesh_dim_names
-        same_root = _torch_internals.root_mesh(mesh) == root
-        if not same_root or names is None or not set(names) <= set(root_names):
+        if root is None or _root_mesh(mesh) != root or not set(names or [None]) <= set(root_names):
             raise ValueError(
                 f"DTensor grads live on {meshes}: they can be reduced together only when "
                 "one of the meshes holds the ranks of all the others, or they are named "
                 "sub-meshes of one root mesh; compute one norm per mesh instead"
             )
+    assert root is not None
     used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
     names = tuple(name for name in root_names if name in used)
     return root if len(names) == len(root_names) else root[names]
 
 
 def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
-    """The groups to all_reduce over, in order, so that every rank of ``mesh`` is summed.
-
-    One group when possible: ``process_group`` (which must hold exactly the mesh's
-    ranks: a group of as many other ranks would mix other ranks' shards in), the
-    default group when the mesh spans the world (a mesh's ranks are distinct, so equal
-    sizes mean the same ranks), the mesh's own group when it is 1-D. An N-D mesh that is a
-    strict subset of the world needs one all_reduce per dimension (sum over dim 0, then
-    dim 1, ... is the sum over the mesh); pass a ``process_group`` spanning it to make
-    that one.
-    """
+    """The groups to all_reduce over in turn so every rank of ``mesh`` is summed:
+    ``process_group`` (exactly the mesh's ranks), the world when the mesh spans it, the
+    mesh's group when 1-D, else one per mesh dimension."""
     if process_group is not None:
-        group_ranks = sorted(dist.get_process_group_ranks(process_group))
         ranks = mesh_ranks(mesh)
-        if group_ranks != ranks:
+        if group_ranks(process_group) != ranks:
             raise ValueError(
-                f"process_group spans ranks {group_ranks} but the grads' device mesh {mesh} "
-                f"spans ranks {ranks}; pass a group over exactly the mesh's ranks, or None "
-                "(for pipeline stages, pass their group as pp_mesh)"
+                f"process_group spans ranks {list(group_ranks(process_group))} but the grads' "
+                f"device mesh {mesh} spans ranks {list(ranks)}; pass a group over exactly the "
+                "mesh's ranks, or None (for pipeline stages, pass their group as pp_mesh)"
             )
         return [process_group]
     if mesh.size() == dist.get_world_size():
@@ -222,15 +252,23 @@ def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> li
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
-def weighted_dtensor_shards(
-    grads: Sequence[DTensor], reduction_mesh: DeviceMesh
-) -> list[tuple[float, list[Tensor]]]:
-    """The local shards of ``grads`` grouped by weight ``1 / replica count``.
+def reduction_for(
+    tensors: Sequence[Tensor], params: Sequence[Tensor] = (), process_group: Any = None
+) -> tuple[DeviceMesh, list[Any]] | None:
+    """The mesh and groups to reduce DTensor ``tensors`` over, None for plain ones. The
+    DTensor ``params`` that require grad decide the mesh with them, so a rank without
+    some grads, or any, joins the same collective.
 
-    ``_local_tensor`` rather than ``to_local()``: the latter is an autograd function, and
-    its per-call cost adds up over thousands of parameters every step.
+    Raises:
+      ValueError: DTensors mixed with plain tensors, meshes that cannot be reduced
+        together, or a ``process_group`` spanning other ranks than the mesh.
     """
-    by_count: dict[int, list[Tensor]] = {}
-    for g in grads:
-        by_count.setdefault(replica_count(g, reduction_mesh), []).append(g._local_tensor)
-    return [(1.0 / count, shards) for count, shards in by_count.items()]
+    found = dtensors(tensors)
+    if tensors and not found:
+        return None
+    check_unmixed(tensors, found)
+    spanned = found + [q for q in dtensors(params) if q.requires_grad]
+    if not spanned:
+        return None
+    mesh = reduction_mesh(spanned)
+    return mesh, mesh_groups(mesh, process_group)
