@@ -9,13 +9,15 @@ partials, all combined by one ``vector_norm`` in :func:`combine_dtype`.
 - Off the CPU: one ``torch._foreach_norm`` per group (one ``vector_norm`` per grad with
   ``foreach=False``), half types accumulated and returned in float32.
 - CPU: the inf-norm by one ``aminmax`` per grad (torch's ``vector_norm(inf)`` reads 5
-  to 10 times slower). The 1- and 2-norm by one ``_foreach_norm`` per group, grads past
-  ``SPLIT`` elements split into views of that many, each read by torch's fast flat
-  kernel: float32 error grows with the view, not the grad. Half types and
-  non-contiguous grads of ``ROWS_FROM`` elements or more are reduced by rows of ``ROW``
-  (in memory order, a copy only where there are gaps), a half type's widened ``CHUNK``
-  elements at a time into one float32 scratch (``vector_norm(dtype=float32)`` would copy
-  the whole grad first).
+  to 10 times slower). The 1- and 2-norm by one ``_foreach_norm`` per group, contiguous
+  grads past ``SPLIT`` elements split into views of that many, each read by torch's fast
+  flat kernel: float32 error grows with the view, not the grad (2e-7 relative at 40M
+  elements, where one flat ``vector_norm`` is off by 3e-3). Half-type and non-contiguous
+  grads of ``ROWS_FROM`` elements or more are reduced by rows of ``ROW`` in memory order
+  (a view where the elements are dense, a copy where there are gaps), a half type's
+  widened ``CHUNK`` elements at a time into one float32 scratch: a copy that torch's
+  clip, which rounds each grad's norm to bfloat16, skips (``vector_norm(dtype=float32)``
+  copies the whole grad, and its flat float32 sum of 64K bfloat16 values is 1e-6 off).
 - Orders other than 1, 2 and inf, and the CPU's 1-norm, accumulate float32 in float64
   (their sums lose float32's precision; for p > 2, its range).
 
@@ -102,34 +104,10 @@ def _accumulate(t: Tensor, p: float) -> torch.dtype | None:
     return torch.complex128 if t.is_complex() else torch.float64
 
 
-def _rows(t: Tensor, p: float) -> list[Tensor]:
-    """Partial 1- or 2-norms of a CPU tensor by rows of ``ROW`` elements in memory order
-    (the order of a norm's terms does not matter), a half type's widened ``CHUNK``
-    elements at a time into a float32 scratch."""
-    if t.is_contiguous():
-        flat = t.view(-1)
-    else:  # a view where the elements are dense (channels-last, transposed)
-        order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
-        flat = t.permute(order).reshape(-1)
-    half = t.dtype in _HALF
-    step = CHUNK if half else flat.numel()
-    scratch = torch.empty(min(CHUNK, flat.numel())) if half else None
-    parts = []
-    for start in range(0, flat.numel(), step):
-        piece = flat[start : start + step]
-        if scratch is not None:
-            piece = scratch[: piece.numel()].copy_(piece)
-        body = piece.numel() - piece.numel() % ROW
-        parts.append(torch.linalg.vector_norm(piece[:body].view(-1, ROW), p, dim=1))
-        if body < piece.numel():
-            parts.append(torch.linalg.vector_norm(piece[body:], p).reshape(1))
-    return parts
-
-
 def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
-    """1-D partial norms of one (device, dtype) group of dense tensors. Unless a CPU
-    tensor is split (1- and 2-norms past ``ROWS_FROM`` elements), the last holds one
-    norm per non-empty tensor, in order."""
+    """1-D partial norms of one (device, dtype) group of dense tensors: one norm per
+    non-empty tensor, in order, unless a CPU tensor is split into views or rows (1- and
+    2-norms of ``ROWS_FROM`` elements or more; see the module's docstring)."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
@@ -139,19 +117,33 @@ def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Ten
         # No abs copy; NaN propagates. torch's CPU inf-norm reads 5 to 10 times slower.
         lows, highs = zip(*(torch.aminmax(t) for t in tensors), strict=True)
         return [torch.maximum(torch.stack(highs), -torch.stack(lows))]
+    acc = _accumulate(first, p)
     parts: list[Tensor] = []
     views: list[Tensor] = []
+    half = first.dtype in _HALF
     for t in tensors:
         if not cpu or p not in (1.0, 2.0) or t.numel() < ROWS_FROM:
             views.append(t)
-        elif first.dtype in _HALF or not t.is_contiguous():
-            parts += _rows(t, p)
-        elif t.numel() > SPLIT:
+            continue
+        if not half and t.is_contiguous():
             views += t.view(-1).split(SPLIT)  # type: ignore[no-untyped-call]
-        else:
-            views.append(t)
+            continue
+        if t.is_contiguous():
+            flat = t.view(-1)
+        else:  # in memory order: a view where the elements are dense (channels-last...)
+            order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+            flat = t.permute(order).reshape(-1)
+        step = CHUNK if half else flat.numel()
+        scratch = torch.empty(min(CHUNK, flat.numel())) if half else None
+        for start in range(0, flat.numel(), step):
+            piece = flat[start : start + step]
+            if scratch is not None:
+                piece = scratch[: piece.numel()].copy_(piece)
+            body = piece.numel() - piece.numel() % ROW
+            parts.append(torch.linalg.vector_norm(piece[:body].view(-1, ROW), p, dim=1))
+            if body < piece.numel():
+                parts.append(torch.linalg.vector_norm(piece[body:], p).reshape(1))
     if views:
-        acc = _accumulate(first, p)
         if foreach is False:
             norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in views]
         else:
