@@ -103,9 +103,8 @@ def get_total_norm(
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
       error_if_nonfinite: raise :class:`NonFiniteNormError` if the norm is NaN or inf.
         This reads the norm on the host, so it waits for the device.
-      foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest
-        available for each device (None). CPU float grads always take clipopt's C
-        kernels, whatever it says.
+      foreach: multi-tensor kernels (True or None) or per-tensor ops (False); on the
+        CPU, ``_foreach_norm`` is a C++ loop of torch's per-tensor kernels.
       process_group: the group plain ``tensors`` are split across (model parallel):
         ``norm**p`` is summed over it (max for inf). None: local tensors, or DTensors,
         which carry their mesh.
@@ -134,10 +133,10 @@ def get_total_norm(
     pp_group = _stages.stage_group(pp_mesh)
     present = [t for t in _as_list(tensors) if t is not None]
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
-    return _measure(present, p, error_if_nonfinite, foreach, process_group, shared, pp_group)
+    return _global_norm(present, p, error_if_nonfinite, foreach, process_group, shared, pp_group)
 
 
-def _measure(
+def _global_norm(
     tensors: list[Tensor],
     p: float,
     error_if_nonfinite: bool,
@@ -220,13 +219,12 @@ def _scale_by_norm_(
         _scale.scale_(_mesh.local_tensors(grads), coef, foreach)
 
 
-def _checked_params(
-    parameters: TensorOrTensors, max_norm: MaxNorm, foreach: bool | None
-) -> list[Tensor]:
-    """The parameters of a clip, read once, after ``max_norm`` and ``foreach`` are checked.
-
-    An empty generator warns, as torch does: it is usually one consumed earlier.
-    """
+def _checked(
+    parameters: TensorOrTensors, max_norm: MaxNorm, norm_type: NormType, foreach: bool | None
+) -> tuple[list[Tensor], float]:
+    """The parameters of a clip, read once, and the norm's order, after every argument
+    is checked. An empty generator warns, as torch does: it is usually one consumed
+    earlier."""
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
     params = _as_list(parameters)
@@ -235,29 +233,18 @@ def _checked_params(
             "`parameters` is an empty generator, no gradient clipping will occur.",
             stacklevel=user_stacklevel(),
         )
-    return params
+    return params, check_norm_type(norm_type)
 
 
-def _grads_norm(
-    params: list[Tensor],
-    norm_type: NormType,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    process_group: ProcessGroup | None,
-    replicated_params: TensorOrTensors | None,
-    pp_group: ProcessGroup | None,
-) -> Tensor:
-    """The global norm of ``params``' grads, as both clip_grad_norm measure it."""
-    replicated: list[Tensor] = []
-    if replicated_params is not None:
-        shared = _as_list(replicated_params)
-        _reduce.check_members("replicated_params", shared, params, "parameters")
-        replicated = _grads(shared)
-    p = check_norm_type(norm_type)
-    grads = _grads(params)
-    return _measure(
-        grads, p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
-    )
+def _replicated_grads(
+    params: list[Tensor], replicated_params: TensorOrTensors | None
+) -> list[Tensor]:
+    """The grads of ``replicated_params``, each of which must be one of ``params``."""
+    if replicated_params is None:
+        return []
+    shared = _as_list(replicated_params)
+    _reduce.check_members("replicated_params", shared, params, "parameters")
+    return _grads(shared)
 
 
 @torch.no_grad()
@@ -304,25 +291,23 @@ def clip_grad_norm_(
       >>> w.grad
       tensor([0.6000, 0.8000])
     """
-    params = _checked_params(parameters, max_norm, foreach)
+    params, p = _checked(parameters, max_norm, norm_type, foreach)
     pp_group = _stages.stage_group(pp_mesh)
     grads = _grads(params)
     # With no grad here, the parameters say whether other ranks reduce over a mesh.
     local = process_group is None and replicated_params is None and pp_group is None
-    if local and _mesh.all_plain(grads or params):
-        # One grouping for the norm and the scale.
-        p = check_norm_type(norm_type)
-        norm, groups = _norms.grouped_total_norm(grads, p, foreach)
-        if error_if_nonfinite:
-            _raise_if_nonfinite(norm, p)
-        if grads and not _measures_only(max_norm):
-            coef = _coefficient(max_norm, norm, error_if_nonfinite)
-            _scale.scale_groups_(groups, coef, foreach)
+    if not (local and _mesh.all_plain(grads or params)):
+        replicated = _replicated_grads(params, replicated_params)
+        norm = _global_norm(
+            grads, p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
+        )
+        _scale_by_norm_(grads, max_norm, norm, foreach, error_if_nonfinite)
         return norm
-    norm = _grads_norm(
-        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params, pp_group
-    )
-    _scale_by_norm_(grads, max_norm, norm, foreach, error_if_nonfinite)
+    norm, groups = _norms.grouped_total_norm(grads, p, foreach)  # one grouping for both
+    if error_if_nonfinite:
+        _raise_if_nonfinite(norm, p)
+    if grads and not _measures_only(max_norm):
+        _scale.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
     return norm
 
 
@@ -356,10 +341,11 @@ def clip_grad_norm(
       >>> clipped[0], norm, w.grad
       (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
     """
-    params = _checked_params(parameters, max_norm, foreach)
+    params, p = _checked(parameters, max_norm, norm_type, foreach)
     pp_group = _stages.stage_group(pp_mesh)
-    norm = _grads_norm(
-        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params, pp_group
+    replicated = _replicated_grads(params, replicated_params)
+    norm = _global_norm(
+        _grads(params), p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
     )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
     present = [c for c in copies if c is not None]
