@@ -272,13 +272,10 @@ def clip_grad_norm_(
       max_norm: the largest allowed total norm, > 0 (``inf``: measure only).
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
       error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN/inf norm (a sync).
-      foreach: as in :func:`get_total_norm`.
-      process_group: the group the parameters are split across (model parallel), as in
-        :func:`get_total_norm`; DTensor grads need none.
+      foreach, process_group, pp_mesh: as in :func:`get_total_norm` (``parameters`` are
+        this stage's, clipped by the whole model's norm).
       replicated_params: those of ``parameters`` that are identical on every rank of
         ``process_group``: their grads count once.
-      pp_mesh: the pipeline stages' 1-D mesh or group, as in :func:`get_total_norm`:
-        ``parameters`` are this stage's, clipped by the whole model's norm.
 
     Returns:
       The total norm before clipping, a 0-dim float32 tensor (float64 for double grads).

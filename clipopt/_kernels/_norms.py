@@ -8,16 +8,17 @@ partials, all combined by one ``vector_norm`` in :func:`combine_dtype`.
 
 - Off the CPU: one ``torch._foreach_norm`` per group (one ``vector_norm`` per grad with
   ``foreach=False``), half types accumulated and returned in float32.
-- CPU: the inf-norm by one ``aminmax`` per grad (torch's ``vector_norm(inf)`` reads 5
-  to 10 times slower). The 1- and 2-norm by one ``_foreach_norm`` per group, contiguous
-  grads past ``SPLIT`` elements split into views of that many, each read by torch's fast
-  flat kernel: float32 error grows with the view, not the grad (2e-7 relative at 40M
-  elements, where one flat ``vector_norm`` is off by 3e-3). Half-type and non-contiguous
-  grads of ``ROWS_FROM`` elements or more are reduced by rows of ``ROW`` in memory order
-  (a view where the elements are dense, a copy where there are gaps), a half type's
-  widened ``CHUNK`` elements at a time into one float32 scratch: a copy that torch's
-  clip, which rounds each grad's norm to bfloat16, skips (``vector_norm(dtype=float32)``
-  copies the whole grad, and its flat float32 sum of 64K bfloat16 values is 1e-6 off).
+- CPU: the inf-norm of grads of ``ROWS_FROM`` elements or more by one ``aminmax`` each
+  (torch's ``vector_norm(inf)`` reads 5 to 10 times slower). The 1- and 2-norm by one
+  ``_foreach_norm`` per group, contiguous grads past ``SPLIT`` elements split into views
+  of that many, each read by torch's fast flat kernel: float32 error grows with the
+  view, not the grad (2e-7 relative at 40M elements, where one flat ``vector_norm`` is
+  off by 3e-3). Half-type and non-contiguous grads of ``ROWS_FROM`` elements or more
+  are reduced by rows of ``ROW`` in memory order (a view where the elements are dense,
+  a copy where there are gaps), a half type's widened ``CHUNK`` elements at a time into
+  one float32 scratch: a copy that torch's clip, which rounds each grad's norm to
+  bfloat16, skips (``vector_norm(dtype=float32)`` copies the whole grad, and its flat
+  float32 sum of 64K bfloat16 values is 1e-6 off).
 - Orders other than 1, 2 and inf, and the CPU's 1-norm, accumulate float32 in float64
   (their sums lose float32's precision; for p > 2, its range).
 
@@ -106,24 +107,29 @@ def _accumulate(t: Tensor, p: float) -> torch.dtype | None:
 
 def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
     """1-D partial norms of one (device, dtype) group of dense tensors: one norm per
-    non-empty tensor, in order, unless a CPU tensor is split into views or rows (1- and
-    2-norms of ``ROWS_FROM`` elements or more; see the module's docstring)."""
+    non-empty tensor, in order, unless a CPU tensor has ``ROWS_FROM`` elements or more
+    (its 1- and 2-norms split into views or rows, its inf-norm by ``aminmax``)."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
     first = tensors[0]
     cpu = first.device.type == "cpu"
-    if p == math.inf and cpu and not first.is_complex():
-        # No abs copy; NaN propagates. torch's CPU inf-norm reads 5 to 10 times slower.
-        lows, highs = zip(*(torch.aminmax(t) for t in tensors), strict=True)
-        return [torch.maximum(torch.stack(highs), -torch.stack(lows))]
+    by_rows = cpu and p in (1.0, 2.0)
+    by_aminmax = cpu and p == math.inf and not first.is_complex()
+    half = first.dtype in _HALF
     acc = _accumulate(first, p)
     parts: list[Tensor] = []
     views: list[Tensor] = []
-    half = first.dtype in _HALF
+    lows: list[Tensor] = []
+    highs: list[Tensor] = []
     for t in tensors:
-        if not cpu or p not in (1.0, 2.0) or t.numel() < ROWS_FROM:
+        if t.numel() < ROWS_FROM or not (by_rows or by_aminmax):
             views.append(t)
+            continue
+        if by_aminmax:  # no abs copy; NaN propagates; torch's CPU inf-norm is 5-10x slower
+            low, high = torch.aminmax(t)
+            lows.append(low)
+            highs.append(high)
             continue
         if not half and t.is_contiguous():
             views += t.view(-1).split(SPLIT)  # type: ignore[no-untyped-call]
@@ -143,6 +149,8 @@ def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Ten
             parts.append(torch.linalg.vector_norm(piece[:body].view(-1, ROW), p, dim=1))
             if body < piece.numel():
                 parts.append(torch.linalg.vector_norm(piece[body:], p).reshape(1))
+    if highs:
+        parts.append(torch.maximum(torch.stack(highs), -torch.stack(lows)))
     if views:
         if foreach is False:
             norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in views]
@@ -211,7 +219,7 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
     groups = group([t for t in tensors if t.numel() > 0])
     found: dict[int, Tensor] = {}
     for members in (*groups.dense.values(), *groups.sparse.values()):
-        split = p in (1.0, 2.0) and members[0].device.type == "cpu"
+        split = p in (1.0, 2.0, math.inf) and members[0].device.type == "cpu"
         for t in members:
             if t.is_sparse or (split and t.numel() >= ROWS_FROM):
                 parts = _partials([t.coalesce().values() if t.is_sparse else t], p, foreach)
