@@ -1,21 +1,8 @@
-"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions.
-
-Same names and signatures, so switching is one import. What differs, and why:
-
-- Half-precision grads are reduced in float32 and the norm returned in float32: fp16
-  grads whose norm exceeds 65504 get their true norm instead of ``inf`` (which makes
-  torch zero every grad).
-- On CPU, the 1- and 2-norms of large float32 grads are summed in blocks (torch's ops
-  on views), accurate to ~2e-7 relative at 40M elements where one flat ``vector_norm``
-  drifts by ~3e-3; the inf-norm is read by ``aminmax``, faster than torch's.
-- Bad ``max_norm`` / ``norm_type`` / ``clip_value`` raise before any grad is touched
-  (torch flips the sign of every grad for a negative ``max_norm``).
-- Sparse COO and complex grads work; empty grads and None grads are skipped for every
-  norm type; a generator of parameters is consumed exactly once.
-- :func:`clip_grad_norm` (no trailing underscore) does not mutate: it returns clipped
-  copies. torch's function of that name is a deprecated in-place alias.
-
-Nothing here reads a tensor's value on the host unless ``error_if_nonfinite=True``.
+"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions: same names
+and signatures, plus half-type norms in float32, accurate large CPU norms, arguments
+checked before any grad is touched, sparse and complex grads, and an out-of-place
+:func:`clip_grad_norm` (docs/functional.md says what differs and why). Nothing here
+reads a tensor's value on the host unless ``error_if_nonfinite=True``.
 """
 
 from __future__ import annotations

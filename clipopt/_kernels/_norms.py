@@ -1,30 +1,20 @@
-"""Norms of lists of gradients by torch's own ops, grouped by device and dtype.
+"""Norms of lists of gradients by torch's own ops, grouped by device and dtype, with no
+host read (callers validate arguments). A total p-norm is the p-norm of partial
+p-norms: each (device, dtype) group gives 1-D partials (:func:`_partials`), all combined
+by one ``vector_norm`` in :func:`combine_dtype`.
 
-No value is read on the host and no Python branch depends on one. Callers validate
-arguments first.
+Off the CPU, one ``torch._foreach_norm`` per group, half types accumulated and returned
+in float32. On the CPU, grads of ``ROWS_FROM`` elements or more take faster or more
+accurate paths than torch's flat kernels: ``aminmax`` for the inf-norm (5-10x faster);
+views of ``SPLIT`` for a contiguous float32 grad's 1- and 2-norm, so that float32 error
+grows with the view, not the grad (2e-7 relative at 40M elements, against 3e-3); rows of
+``ROW`` in memory order for half-type and non-contiguous grads, a half type widened
+``CHUNK`` elements at a time into a float32 scratch (``vector_norm(dtype=float32)``
+copies the whole grad, and a flat float32 sum of 64K bfloat16 values is 1e-6 off).
+Orders other than 1, 2 and inf, and the CPU's 1-norm, accumulate float32 in float64.
 
-A total p-norm is the p-norm of partial p-norms: each (device, dtype) group gives 1-D
-partials, all combined by one ``vector_norm`` in :func:`combine_dtype`.
-
-- Off the CPU: one ``torch._foreach_norm`` per group (one ``vector_norm`` per grad with
-  ``foreach=False``), half types accumulated and returned in float32.
-- CPU: the inf-norm of grads of ``ROWS_FROM`` elements or more by one ``aminmax`` each
-  (torch's ``vector_norm(inf)`` reads 5 to 10 times slower). The 1- and 2-norm by one
-  ``_foreach_norm`` per group, contiguous grads past ``SPLIT`` elements split into views
-  of that many, each read by torch's fast flat kernel: float32 error grows with the
-  view, not the grad (2e-7 relative at 40M elements, where one flat ``vector_norm`` is
-  off by 3e-3). Half-type and non-contiguous grads of ``ROWS_FROM`` elements or more
-  are reduced by rows of ``ROW`` in memory order (a view where the elements are dense,
-  a copy where there are gaps), a half type's widened ``CHUNK`` elements at a time into
-  one float32 scratch: a copy that torch's clip, which rounds each grad's norm to
-  bfloat16, skips (``vector_norm(dtype=float32)`` copies the whole grad, and its flat
-  float32 sum of 64K bfloat16 values is 1e-6 off).
-- Orders other than 1, 2 and inf, and the CPU's 1-norm, accumulate float32 in float64
-  (their sums lose float32's precision; for p > 2, its range).
-
-Limit: squares are taken in float32 (bfloat16 and float32 grads) as torch takes them, so
-an element past about 1.8e19 makes the 2-norm inf, and elements all below about 1e-19
-make it 0, as in torch.
+Limit: squares are taken in float32 (bfloat16 and float32 grads) as torch takes them: an
+element past about 1.8e19 makes the 2-norm inf, elements all below about 1e-19 make it 0.
 """
 
 from __future__ import annotations
