@@ -90,8 +90,8 @@ def _accumulate(t: Tensor, p: float) -> torch.dtype | None:
         return None  # a max is exact in any dtype
     cpu = t.device.type == "cpu"
     exact = p == 2.0 or (p == 1.0 and not cpu) or t.dtype in _DOUBLE
-    if exact or combine_dtype(t.device) != torch.float64:
-        return accumulate_dtype(t.dtype)
+    if exact or not (cpu or t.device.type == "cuda"):  # no float64 there (MPS)
+        return torch.float32 if t.dtype in _HALF else None
     return torch.complex128 if t.is_complex() else torch.float64
 
 
