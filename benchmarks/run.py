@@ -140,13 +140,15 @@ def clip_contenders(params: list[Tensor], norm_type: float) -> Contenders:
 
 
 WIDENING = "widening to float32 alone"
+FLOAT32_NORM = "torch's float32-accumulating norm alone"
 
 
 def widening(grads: list[Tensor]) -> Contenders:
-    """Every bfloat16 grad copied into a float32 scratch, ``CHUNK`` elements at a time:
-    the part of clipopt's exact (float32) bfloat16 2-norm that torch's, rounded to
-    bfloat16, skips. torch ops have no bfloat16 norm with a float32 result that does not
-    copy (``vector_norm(dtype=float32)`` copies the whole grad first)."""
+    """What limits clipopt's exact (float32) bfloat16 2-norm on the CPU, which torch's
+    clip, rounded to bfloat16, skips: every grad copied into a float32 scratch ``CHUNK``
+    elements at a time (``WIDENING``), and torch's own float32-accumulating norm of every
+    grad, ``_foreach_norm(dtype=float32)`` (``FLOAT32_NORM``; it copies each grad first).
+    No torch op on the CPU takes a bfloat16 norm into float32 without a copy."""
     if grads[0].device.type != "cpu":
         return {}
     scratch = torch.empty(CHUNK)
@@ -158,7 +160,10 @@ def widening(grads: list[Tensor]) -> Contenders:
                 piece = flat[start : start + CHUNK]
                 scratch[: piece.numel()].copy_(piece)
 
-    return {WIDENING: run}
+    return {
+        WIDENING: run,
+        FLOAT32_NORM: lambda: torch._foreach_norm(grads, 2, dtype=torch.float32),
+    }
 
 
 def unclipped_contenders(params: list[Tensor]) -> Contenders:

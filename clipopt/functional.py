@@ -1,23 +1,8 @@
-"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions.
-
-Same names and signatures, so switching is one import. What differs, and why:
-
-- Half-precision grads are reduced in float32: fp16 grads whose norm exceeds 65504 get
-  their true norm instead of ``inf`` (which makes torch zero every grad).
-- On CPU, the 1-, 2- and inf-norms of float grads are read by one C kernel per dtype
-  at ``torch.sum``'s speed (float16's 1- and 2-norm at half of it without F16C), accurate
-  to ~1e-8 relative at 40M float32 elements where torch drifts by ~3e-3, and finite
-  wherever the norm fits in float32, even when the squares of the grads (or of the
-  norm) do not. The scale is one C call too, bit for bit ``mul_``'s result, and
-  writes nothing when the coefficient is exactly 1 (the norm is under ``max_norm``).
-- Bad ``max_norm`` / ``norm_type`` / ``clip_value`` raise before any grad is touched
-  (torch flips the sign of every grad for a negative ``max_norm``).
-- Sparse COO and complex grads work; empty grads and None grads are skipped for every
-  norm type; a generator of parameters is consumed exactly once.
-- :func:`clip_grad_norm` (no trailing underscore) does not mutate: it returns clipped
-  copies. torch's function of that name is a deprecated in-place alias.
-
-Nothing here reads a tensor's value on the host unless ``error_if_nonfinite=True``.
+"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions: same names
+and signatures, plus half-type norms in float32, accurate large CPU norms, arguments
+checked before any grad is touched, sparse and complex grads, and an out-of-place
+:func:`clip_grad_norm` (docs/functional.md says what differs and why). Nothing here
+reads a tensor's value on the host unless ``error_if_nonfinite=True``.
 """
 
 from __future__ import annotations
@@ -59,34 +44,14 @@ TensorOrTensors: TypeAlias = Tensor | Iterable[Tensor]
 MaybeTensors: TypeAlias = Tensor | Iterable[Tensor | None]
 
 
-def _as_list(tensors: TensorOrTensors) -> list[Tensor]:
+def _as_list(tensors: MaybeTensors) -> list[Tensor]:
     """Materialise a tensor, list or generator exactly once."""
-    if isinstance(tensors, Tensor):
-        return [tensors]
-    return list(tensors)
-
-
-def _present(tensors: MaybeTensors) -> list[Tensor]:
-    """Materialise a tensor, list or generator exactly once, dropping None entries."""
-    if isinstance(tensors, Tensor):
-        return [tensors]
-    return [t for t in tensors if t is not None]
+    return [tensors] if isinstance(tensors, Tensor) else list(tensors)  # type: ignore[arg-type]
 
 
 def _grads(parameters: list[Tensor]) -> list[Tensor]:
     every = [p.grad for p in parameters]  # read once each: a read costs a Python call
     return [g for g in every if g is not None]
-
-
-def _replicated_grads(
-    parameters: list[Tensor], replicated_params: TensorOrTensors | None
-) -> list[Tensor]:
-    """The grads of ``replicated_params``, each of which must be one of ``parameters``."""
-    if replicated_params is None:
-        return []
-    replicated = _as_list(replicated_params)
-    _reduce.check_members("replicated_params", replicated, parameters, "parameters")
-    return _grads(replicated)
 
 
 def _measures_only(max_norm: MaxNorm) -> bool:
@@ -96,9 +61,8 @@ def _measures_only(max_norm: MaxNorm) -> bool:
 
 def _raise_if_nonfinite(norm: Tensor, norm_type: float) -> None:
     if not torch.isfinite(norm).item():  # the caller asked for this sync
-        value = norm.item()  # raising, as the caller asked
         raise NonFiniteNormError(
-            f"The total norm of order {norm_type} for gradients is non-finite ({value}), "
+            f"The total norm of order {norm_type} for gradients is non-finite ({norm.item()}), "
             "so it cannot be clipped. To clip anyway, pass error_if_nonfinite=False."
         )
 
@@ -126,9 +90,8 @@ def get_total_norm(
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
       error_if_nonfinite: raise :class:`NonFiniteNormError` if the norm is NaN or inf.
         This reads the norm on the host, so it waits for the device.
-      foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest
-        available for each device (None). CPU float grads always take clipopt's C
-        kernels, whatever it says.
+      foreach: multi-tensor kernels (True or None) or per-tensor ops (False); on the
+        CPU, ``_foreach_norm`` is a C++ loop of torch's per-tensor kernels.
       process_group: the group plain ``tensors`` are split across (model parallel):
         ``norm**p`` is summed over it (max for inf). None: local tensors, or DTensors,
         which carry their mesh.
@@ -155,12 +118,12 @@ def get_total_norm(
     check_foreach(foreach)
     p = check_norm_type(norm_type)
     pp_group = _stages.stage_group(pp_mesh)
-    present = _present(tensors)
+    present = [t for t in _as_list(tensors) if t is not None]
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
-    return _measure(present, p, error_if_nonfinite, foreach, process_group, shared, pp_group)
+    return _global_norm(present, p, error_if_nonfinite, foreach, process_group, shared, pp_group)
 
 
-def _measure(
+def _global_norm(
     tensors: list[Tensor],
     p: float,
     error_if_nonfinite: bool,
@@ -222,10 +185,9 @@ def _coefficient(max_norm: MaxNorm, norm: Tensor, error_if_nonfinite: bool) -> T
     that is not > 0, an absurd ``norm / max_norm``) raises before any grad is written."""
     coef = _scale.clip_coefficient(max_norm, norm)
     if error_if_nonfinite and not torch.isfinite(coef).item():  # the caller asked for this
-        value = norm.item()  # raising, as the caller asked
         raise NonFiniteNormError(
             f"the clip coefficient for max_norm={max_norm!r} and a total norm of "
-            f"{value} is NaN: a tensor max_norm must be > 0, and norm / max_norm "
+            f"{norm.item()} is NaN: a tensor max_norm must be > 0, and norm / max_norm "
             "within the dtype's range. To clip anyway, pass error_if_nonfinite=False."
         )
     return coef
@@ -239,19 +201,17 @@ def _scale_by_norm_(
     error_if_nonfinite: bool = False,
 ) -> None:
     """Scale ``grads`` in place by the clip coefficient of ``total_norm``, if any could apply."""
-    if not grads or _measures_only(max_norm):
-        return
-    coef = _coefficient(max_norm, total_norm, error_if_nonfinite)
-    _scale.scale_(_mesh.local_tensors(grads), coef, foreach)
+    if grads and not _measures_only(max_norm):
+        coef = _coefficient(max_norm, total_norm, error_if_nonfinite)
+        _scale.scale_(_mesh.local_tensors(grads), coef, foreach)
 
 
-def _checked_params(
-    parameters: TensorOrTensors, max_norm: MaxNorm, foreach: bool | None
-) -> list[Tensor]:
-    """The parameters of a clip, read once, after ``max_norm`` and ``foreach`` are checked.
-
-    An empty generator warns, as torch does: it is usually one consumed earlier.
-    """
+def _checked(
+    parameters: TensorOrTensors, max_norm: MaxNorm, norm_type: NormType, foreach: bool | None
+) -> tuple[list[Tensor], float]:
+    """The parameters of a clip, read once, and the norm's order, after every argument
+    is checked. An empty generator warns, as torch does: it is usually one consumed
+    earlier."""
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
     params = _as_list(parameters)
@@ -260,24 +220,18 @@ def _checked_params(
             "`parameters` is an empty generator, no gradient clipping will occur.",
             stacklevel=user_stacklevel(),
         )
-    return params
+    return params, check_norm_type(norm_type)
 
 
-def _grads_norm(
-    params: list[Tensor],
-    norm_type: NormType,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    process_group: ProcessGroup | None,
-    replicated_params: TensorOrTensors | None,
-    pp_group: ProcessGroup | None,
-) -> Tensor:
-    """The global norm of ``params``' grads, as both clip_grad_norm measure it."""
-    replicated = _replicated_grads(params, replicated_params)
-    p = check_norm_type(norm_type)
-    return _measure(
-        _grads(params), p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
-    )
+def _replicated_grads(
+    params: list[Tensor], replicated_params: TensorOrTensors | None
+) -> list[Tensor]:
+    """The grads of ``replicated_params``, each of which must be one of ``params``."""
+    if replicated_params is None:
+        return []
+    shared = _as_list(replicated_params)
+    _reduce.check_members("replicated_params", shared, params, "parameters")
+    return _grads(shared)
 
 
 @torch.no_grad()
@@ -305,13 +259,10 @@ def clip_grad_norm_(
       max_norm: the largest allowed total norm, > 0 (``inf``: measure only).
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
       error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN/inf norm (a sync).
-      foreach: as in :func:`get_total_norm`.
-      process_group: the group the parameters are split across (model parallel), as in
-        :func:`get_total_norm`; DTensor grads need none.
+      foreach, process_group, pp_mesh: as in :func:`get_total_norm` (``parameters`` are
+        this stage's, clipped by the whole model's norm).
       replicated_params: those of ``parameters`` that are identical on every rank of
         ``process_group``: their grads count once.
-      pp_mesh: the pipeline stages' 1-D mesh or group, as in :func:`get_total_norm`:
-        ``parameters`` are this stage's, clipped by the whole model's norm.
 
     Returns:
       The total norm before clipping, a 0-dim float32 tensor (float64 for double grads).
@@ -324,31 +275,19 @@ def clip_grad_norm_(
       >>> w.grad
       tensor([0.6000, 0.8000])
     """
-    params = _checked_params(parameters, max_norm, foreach)
+    params, p = _checked(parameters, max_norm, norm_type, foreach)
     pp_group = _stages.stage_group(pp_mesh)
     grads = _grads(params)
     # With no grad here, the parameters say whether other ranks reduce over a mesh.
-    measured = grads or params
     local = process_group is None and replicated_params is None and pp_group is None
-    if local and _mesh.all_plain(measured):
-        return _clip_local_(grads, max_norm, norm_type, error_if_nonfinite, foreach)
-    norm = _grads_norm(
-        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params, pp_group
-    )
-    _scale_by_norm_(grads, max_norm, norm, foreach, error_if_nonfinite)
-    return norm
-
-
-def _clip_local_(
-    grads: list[Tensor],
-    max_norm: MaxNorm,
-    norm_type: NormType,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-) -> Tensor:
-    """:func:`clip_grad_norm_` of grads on this rank alone: one grouping for norm and scale."""
-    p = check_norm_type(norm_type)
-    norm, groups = _norms.grouped_total_norm(grads, p, foreach)
+    if not (local and _mesh.all_plain(grads or params)):
+        replicated = _replicated_grads(params, replicated_params)
+        norm = _global_norm(
+            grads, p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
+        )
+        _scale_by_norm_(grads, max_norm, norm, foreach, error_if_nonfinite)
+        return norm
+    norm, groups = _norms.grouped_total_norm(grads, p, foreach)  # one grouping for both
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
     if grads and not _measures_only(max_norm):
@@ -368,20 +307,11 @@ def clip_grad_norm(
     replicated_params: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> tuple[list[Tensor | None], Tensor]:
-    """The out-of-place twin of :func:`clip_grad_norm_`: no ``.grad`` is modified.
+    """The out-of-place twin of :func:`clip_grad_norm_`, with the same arguments: no
+    ``.grad`` is modified.
 
     Unlike torch's deprecated ``clip_grad_norm`` (an in-place alias), this follows the
     convention that a name without a trailing underscore does not mutate.
-
-    Args:
-      parameters: as in :func:`clip_grad_norm_`; their grads are read, not written.
-      max_norm: as in :func:`clip_grad_norm_`.
-      norm_type: as in :func:`clip_grad_norm_`.
-      error_if_nonfinite: as in :func:`clip_grad_norm_`.
-      foreach: as in :func:`clip_grad_norm_`.
-      process_group: as in :func:`clip_grad_norm_`.
-      replicated_params: as in :func:`clip_grad_norm_`.
-      pp_mesh: as in :func:`clip_grad_norm_`.
 
     Returns:
       ``(clipped, total_norm)``: ``clipped[i]`` is a new tensor holding the clipped grad
@@ -395,15 +325,15 @@ def clip_grad_norm(
       >>> clipped[0], norm, w.grad
       (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
     """
-    params = _checked_params(parameters, max_norm, foreach)
+    params, p = _checked(parameters, max_norm, norm_type, foreach)
     pp_group = _stages.stage_group(pp_mesh)
-    norm = _grads_norm(
-        params, norm_type, error_if_nonfinite, foreach, process_group, replicated_params, pp_group
+    replicated = _replicated_grads(params, replicated_params)
+    norm = _global_norm(
+        _grads(params), p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
     )
     copies = [None if q.grad is None else q.grad.clone() for q in params]
-    _scale_by_norm_(
-        [c for c in copies if c is not None], max_norm, norm, foreach, error_if_nonfinite
-    )
+    present = [c for c in copies if c is not None]
+    _scale_by_norm_(present, max_norm, norm, foreach, error_if_nonfinite)
     return copies, norm
 
 
@@ -440,15 +370,14 @@ def clip_grad_value_(
     for q in params:
         if q.grad is not None and q.grad.is_sparse:
             q.grad = q.grad.coalesce()  # clamping duplicates separately would be wrong
-    grads = _grads(params)
-    dense = [g for g in grads if not g.is_sparse]
-    for group in _norms.group(dense).dense.values():
+    groups = _norms.group(_grads(params))
+    for dense in groups.dense.values():
         if foreach is False:
-            for g in group:
+            for g in dense:
                 g.clamp_(-value, value)
         else:
-            torch._foreach_clamp_min_(group, -value)
-            torch._foreach_clamp_max_(group, value)
-    for g in grads:
-        if g.is_sparse:
+            torch._foreach_clamp_min_(dense, -value)
+            torch._foreach_clamp_max_(dense, value)
+    for sparse in groups.sparse.values():
+        for g in sparse:
             g.values().clamp_(-value, value)

@@ -44,7 +44,8 @@ def test_every_section_and_contender_is_reported(
                 case = ("clip", f"{layout} {dtype} p={p}")
                 assert case in cases
                 contenders = {r["contender"] for r in rows if (r["section"], r["case"]) == case}
-                limit = {run.WIDENING} if (dtype, p) == ("bfloat16", "2") else set()
+                limits = {run.WIDENING, run.FLOAT32_NORM}
+                limit = limits if (dtype, p) == ("bfloat16", "2") else set()
                 assert contenders == {"torch", "clipopt", "floor", *limit}
     step_contenders = {r["contender"] for r in rows if r["section"] == "step"}
     for optimizer in ("fused AdamW", "foreach SGD"):

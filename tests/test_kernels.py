@@ -1,9 +1,10 @@
 """Each path of :mod:`clipopt._kernels._norms` against a float64 reference.
 
-The CPU norm picks a path per tensor (rows of ``ROW`` for tensors of ``ROWS_FROM``
-elements or more, read through a permuted view where they are channels-last or
-transposed, copied where they have gaps, a half type's widened ``CHUNK`` elements at a
-time; ``aminmax`` for their inf-norm; ``_foreach_norm`` for smaller ones), so the cases
+The CPU norm picks a path per tensor (for tensors of ``ROWS_FROM`` elements or more,
+read in memory order through a permuted view where they are channels-last or
+transposed, copied where they have gaps: views of ``SPLIT``, or a half type's rows of
+``ROW`` widened ``CHUNK`` elements at a time; ``aminmax`` for the inf-norm;
+``_foreach_norm`` for smaller ones), so the cases
 below sit on each side of every threshold. The reference is built from ``abs``, ``pow``,
 ``sum`` and ``max`` in float64.
 """
@@ -23,6 +24,7 @@ from clipopt._kernels import _norms, _scale
 from clipopt._kernels._norms import CHUNK as _CHUNK
 from clipopt._kernels._norms import ROW as _ROW
 from clipopt._kernels._norms import ROWS_FROM as _PACK_BELOW
+from clipopt._kernels._norms import SPLIT as _SPLIT
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf]
 HALF = [torch.float16, torch.bfloat16]
@@ -67,6 +69,8 @@ BOUNDARY_SIZES = [
     _PACK_BELOW + 1,
     _PACK_BELOW + _ROW - 1,
     3 * _ROW * 7 + 5,
+    _SPLIT - 1,
+    _SPLIT + 1,
 ]
 
 
@@ -364,6 +368,18 @@ def test_scale_multiplies_every_kind_of_tensor(foreach: bool | None) -> None:
         torch.testing.assert_close(
             (t.to_dense() if t.is_sparse else t).double(), e, rtol=4e-3, atol=0
         )
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_sparse_half_grads_scale_as_dense_ones_by_a_tiny_coefficient(dtype: torch.dtype) -> None:
+    """A coefficient below float16's normal range (a 1-norm of a large grad, clipped to
+    1) scales a sparse grad's values bit for bit as a dense grad's: torch's sparse
+    ``mul_`` rounds it to the grad's dtype first (1.4% off in float16)."""
+    dense = randn(1000, dtype, seed=2)
+    sparse = dense.to_sparse()
+    coef = torch.tensor(1.234e-6)
+    _scale.scale_([dense, sparse], coef)
+    assert torch.equal(sparse.to_dense(), dense)
 
 
 @pytest.mark.parametrize("p", [2.0, math.inf])

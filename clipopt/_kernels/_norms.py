@@ -1,29 +1,20 @@
-"""Norms of lists of gradients by torch's own ops, grouped by device and dtype.
+"""Norms of lists of gradients by torch's own ops, grouped by device and dtype, with no
+host read (callers validate arguments). A total p-norm is the p-norm of partial
+p-norms: each (device, dtype) group gives 1-D partials (:func:`_partials`), all combined
+by one ``vector_norm`` in :func:`combine_dtype`.
 
-No value is read on the host and no Python branch depends on one. Callers validate
-arguments first.
+Off the CPU, one ``torch._foreach_norm`` per group, half types accumulated and returned
+in float32. On the CPU, grads of ``ROWS_FROM`` elements or more take faster or more
+accurate paths than torch's flat kernels: ``aminmax`` for the inf-norm (5-10x faster);
+views of ``SPLIT`` for a contiguous float32 grad's 1- and 2-norm, so that float32 error
+grows with the view, not the grad (2e-7 relative at 40M elements, against 3e-3); rows of
+``ROW`` in memory order for half-type and non-contiguous grads, a half type widened
+``CHUNK`` elements at a time into a float32 scratch (``vector_norm(dtype=float32)``
+copies the whole grad, and a flat float32 sum of 64K bfloat16 values is 1e-6 off).
+Orders other than 1, 2 and inf, and the CPU's 1-norm, accumulate float32 in float64.
 
-A total p-norm is the p-norm of partial p-norms: each (device, dtype) group gives a
-vector of partials, combined in :func:`combine_dtype` by one cascade ``sum``.
-
-- Off the CPU: one ``torch._foreach_norm`` per group (one ``vector_norm`` per grad with
-  ``foreach=False``), half types accumulated and returned in float32.
-- CPU: the inf-norm by one ``aminmax`` per grad (torch's ``vector_norm(inf)`` reads 5
-  to 10 times slower). The 1- and 2-norm by one ``_foreach_norm`` per group (a C++ loop,
-  where torch's clip loops in Python), grads past ``SPLIT`` elements split into views of
-  that many, each read by torch's fast flat kernel: float32 error grows with the view,
-  not the grad (2e-7 relative at 40M elements, where one flat ``vector_norm`` is off by
-  3e-3). Half types are accumulated and returned in float32 (past 65504, and with
-  float32's precision); since ``vector_norm(dtype=float32)`` first copies the whole grad,
-  a large one is widened ``CHUNK`` elements at a time into a float32 scratch and its
-  rows of ``ROW`` reduced there, a copy that torch's clip (which rounds each grad's norm
-  to bfloat16) does not make. Large non-contiguous grads are copied and reduced by rows.
-- Orders other than 1, 2 and inf, and the CPU's 1-norm, accumulate float32 in float64
-  (their sums lose float32's precision; for p > 2, its range).
-
-Limit: squares are taken in float32 (bfloat16 and float32 grads) as torch takes them, so
-an element past about 1.8e19 makes the 2-norm inf, and elements all below about 1e-19
-make it 0, as in torch.
+Limit: squares are taken in float32 (bfloat16 and float32 grads) as torch takes them: an
+element past about 1.8e19 makes the 2-norm inf, elements all below about 1e-19 make it 0.
 """
 
 from __future__ import annotations
@@ -53,6 +44,7 @@ ROWS_FROM = 1 << 12
 CHUNK = 1 << 18
 SPLIT = 1 << 16
 _HALF = (torch.float16, torch.bfloat16)
+_DOUBLE = (torch.float64, torch.complex128)
 
 
 @dataclass(frozen=True)
@@ -78,8 +70,7 @@ def group(tensors: Sequence[Tensor]) -> Groups:
 
 def result_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """float64 if any input is double precision, else float32: half types never overflow."""
-    wide = {torch.float64, torch.complex128}
-    return torch.float64 if any(d in wide for d in dtypes) else torch.float32
+    return torch.float64 if any(d in _DOUBLE for d in dtypes) else torch.float32
 
 
 def combine_dtype(device: torch.device) -> torch.dtype:
@@ -93,112 +84,78 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return torch.float32 if dtype in _HALF else None
 
 
-def _order_dtype(t: Tensor, p: float) -> torch.dtype | None:
+def _accumulate(t: Tensor, p: float) -> torch.dtype | None:
     """The dtype to accumulate ``t``'s ``p``-norm in (see the module's docstring)."""
     if p == math.inf:
         return None  # a max is exact in any dtype
-    if p == 2.0 or (p == 1.0 and t.device.type != "cpu"):
-        return accumulate_dtype(t.dtype)
-    if combine_dtype(t.device) != torch.float64 or t.dtype in (torch.float64, torch.complex128):
-        return accumulate_dtype(t.dtype)
+    cpu = t.device.type == "cpu"
+    exact = p == 2.0 or (p == 1.0 and not cpu) or t.dtype in _DOUBLE
+    if exact or not (cpu or t.device.type == "cuda"):  # no float64 there (MPS)
+        return torch.float32 if t.dtype in _HALF else None
     return torch.complex128 if t.is_complex() else torch.float64
 
 
-def _abs_maxes(tensors: list[Tensor]) -> Tensor:
-    """Each real CPU tensor's largest magnitude, by one ``aminmax`` a tensor (no ``abs``
-    copy; NaN propagates): torch's CPU inf-norm kernel reads 5 to 10 times slower."""
-    lows, highs = zip(*(torch.aminmax(t) for t in tensors), strict=True)
-    return torch.maximum(torch.stack(highs), -torch.stack(lows))
-
-
-def _flat(t: Tensor) -> Tensor:
-    """``t``'s elements in memory order, a view where they are dense (channels-last,
-    transposed): the order of a norm's terms does not matter. A copy where there are gaps."""
-    if t.is_contiguous():
-        return t.view(-1)
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
-    return t.permute(order).reshape(-1)
-
-
-def _row_norms(flat: Tensor, p: float) -> list[Tensor]:
-    """Norms of a 1-D float tensor's rows of ``ROW`` elements, and of its ragged tail."""
-    body = flat.numel() - flat.numel() % ROW
-    parts = [torch.linalg.vector_norm(flat[:body].view(-1, ROW), p, dim=1)]
-    if body < flat.numel():
-        parts.append(torch.linalg.vector_norm(flat[body:], p).reshape(1))
-    return parts
-
-
-def _rows(t: Tensor, p: float) -> list[Tensor]:
-    """Partial 1- or 2-norms of a large CPU tensor that is not contiguous or of a half
-    type: rows of ``ROW`` elements, a half type's widened ``CHUNK`` elements at a time
-    into a float32 scratch."""
-    flat = _flat(t)
-    if t.dtype not in _HALF:
-        return _row_norms(flat, p)
-    scratch = torch.empty(min(CHUNK, flat.numel()))
-    parts = []
-    for start in range(0, flat.numel(), CHUNK):
-        piece = flat[start : start + CHUNK]
-        wide = scratch[: piece.numel()]
-        wide.copy_(piece)
-        parts += _row_norms(wide, p)
-    return parts
-
-
-def _by_aminmax(t: Tensor, p: float) -> bool:
-    return p == math.inf and t.device.type == "cpu" and not t.is_complex()
-
-
-def _each_norm(
-    tensors: list[Tensor], p: float, acc: torch.dtype | None, foreach: bool | None
-) -> list[Tensor]:
-    """One ``_foreach_norm`` (a ``vector_norm`` per tensor with ``foreach=False``)."""
-    if foreach is False:
-        return [torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors]
-    return list(torch._foreach_norm(tensors, p, dtype=acc))
-
-
-def _cpu_partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
-    """1-D partial 1- or 2-norms of CPU tensors with values, of one dtype: large half
-    type or non-contiguous ones by :func:`_rows`, the rest (large ones split into
-    ``SPLIT``-element views, each read by torch's fast flat kernel) by one
-    ``_foreach_norm``."""
-    views: list[Tensor] = []
-    parts: list[Tensor] = []
-    for t in tensors:
-        if t.numel() >= ROWS_FROM and (t.dtype in _HALF or not t.is_contiguous()):
-            parts += _rows(t, p)
-        elif t.numel() > SPLIT:
-            views += _flat(t).split(SPLIT)  # type: ignore[no-untyped-call]
-        else:
-            views.append(t)
-    if views:
-        parts.append(torch.stack(_each_norm(views, p, _order_dtype(views[0], p), foreach)))
-    return parts
-
-
-def _group_partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
-    """1-D partial norms of one dense (device, dtype) group."""
+def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
+    """1-D partial norms of one (device, dtype) group of dense tensors: one norm per
+    non-empty tensor, in order, unless a CPU tensor has ``ROWS_FROM`` elements or more
+    (its 1- and 2-norms split into views or rows, its inf-norm by ``aminmax``)."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
-    if _by_aminmax(tensors[0], p):
-        return [_abs_maxes(tensors)]
-    if tensors[0].device.type == "cpu" and p in (1.0, 2.0):
-        return _cpu_partials(tensors, p, foreach)
-    return [torch.stack(_each_norm(tensors, p, _order_dtype(tensors[0], p), foreach))]
+    first = tensors[0]
+    cpu = first.device.type == "cpu"
+    by_rows = cpu and p in (1.0, 2.0)
+    by_aminmax = cpu and p == math.inf and not first.is_complex()
+    half = first.dtype in _HALF
+    acc = _accumulate(first, p)
+    parts: list[Tensor] = []
+    views: list[Tensor] = []
+    lows: list[Tensor] = []
+    highs: list[Tensor] = []
+    for t in tensors:
+        if t.numel() < ROWS_FROM or not (by_rows or by_aminmax):
+            views.append(t)
+            continue
+        if by_aminmax:  # no abs copy; NaN propagates; torch's CPU inf-norm is 5-10x slower
+            low, high = torch.aminmax(t)
+            lows.append(low)
+            highs.append(high)
+            continue
+        if not half and t.is_contiguous():
+            views += t.view(-1).split(SPLIT)  # type: ignore[no-untyped-call]
+            continue
+        if t.is_contiguous():
+            flat = t.view(-1)
+        else:  # in memory order: a view where the elements are dense (channels-last...)
+            order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+            flat = t.permute(order).reshape(-1)
+        step = CHUNK if half else flat.numel()
+        scratch = torch.empty(min(CHUNK, flat.numel())) if half else None
+        for start in range(0, flat.numel(), step):
+            piece = flat[start : start + step]
+            if scratch is not None:
+                piece = scratch[: piece.numel()].copy_(piece)
+            body = piece.numel() - piece.numel() % ROW
+            parts.append(torch.linalg.vector_norm(piece[:body].view(-1, ROW), p, dim=1))
+            if body < piece.numel():
+                parts.append(torch.linalg.vector_norm(piece[body:], p).reshape(1))
+    if highs:
+        parts.append(torch.maximum(torch.stack(highs), -torch.stack(lows)))
+    if views:
+        if foreach is False:
+            norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in views]
+        else:
+            norms = list(torch._foreach_norm(views, p, dtype=acc))
+        parts.append(torch.stack(norms))
+    return parts
 
 
-def _combine(partials: Tensor, p: float) -> Tensor:
-    """The p-norm of a vector of partial p-norms: a max, or a cascade sum of p-th powers."""
-    if p == math.inf:
-        return partials.amax()
-    if p == 2.0:
-        return partials.square().sum().sqrt()
-    if p == 1.0:
-        return partials.sum()
-    return partials.pow(p).sum().pow(1.0 / p)
+def _combine(partials: list[Tensor], p: float) -> Tensor:
+    """The p-norm of 1-D partial p-norms, in :func:`combine_dtype` on the first's device."""
+    device = partials[0].device
+    wide = combine_dtype(device)
+    norm: Tensor = torch.linalg.vector_norm(torch.cat([x.to(device, wide) for x in partials]), p)
+    return norm
 
 
 def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
@@ -208,8 +165,7 @@ def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None)
       tensors: dense or sparse COO tensors; may mix devices and dtypes. Empty tensors
         contribute nothing.
       p: a validated norm order, ``> 0`` or ``math.inf``.
-      foreach: multi-tensor kernels (True), per-tensor ones (False) or pick (None: foreach
-        everywhere; on the CPU it is a C++ loop of torch's per-tensor kernels).
+      foreach: multi-tensor kernels (True or None) or per-tensor ones (False).
 
     Returns:
       A 0-dim tensor on the first tensor with values' device, float32 (float64 if any
@@ -228,48 +184,40 @@ def grouped_total_norm(
     out_dtype = result_dtype([dtype for _, dtype in (*groups.dense, *groups.sparse)])
     partials: list[Tensor] = []
     for members in groups.dense.values():
-        partials += _group_partials(members, p, foreach)
+        partials += _partials(members, p, foreach)
     for members in groups.sparse.values():
-        partials += _group_partials([t.coalesce().values() for t in members], p, foreach)
+        partials += _partials([t.coalesce().values() for t in members], p, foreach)
     if not partials:
         device = tensors[0].device if tensors else None
         return torch.zeros((), dtype=out_dtype, device=device), groups
-    device = partials[0].device
-    wide = combine_dtype(device)
-    moved = [part.to(device=device, dtype=wide) for part in partials]
-    return _combine(torch.cat(moved), p).to(out_dtype), groups
+    return _combine(partials, p).to(out_dtype), groups
 
 
 def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
     """The p-norm of each tensor, in one 1-D tensor in the order given (for per-tensor rules).
 
     One ``_foreach_norm`` per (device, dtype) group (``vector_norm`` per tensor with
-    ``foreach=False``; sparse ones by their values), stacked on the first tensor's device
-    in float32 (float64 if any tensor is double). Empty tensors have norm 0.
+    ``foreach=False``), sparse tensors and large CPU ones as :func:`total_norm` measures
+    them, stacked on the first tensor's device in float32 (float64 if any tensor is
+    double). Empty tensors have norm 0.
     """
     if not tensors:
         raise ValueError("per_tensor_norms needs at least one tensor")
-    out_device = tensors[0].device
+    device = tensors[0].device
     out_dtype = result_dtype([t.dtype for t in tensors])
-    norms = [torch.zeros((), dtype=out_dtype, device=out_device)] * len(tensors)
-    grouped: dict[GroupKey, list[int]] = {}
-    for index, t in enumerate(tensors):
-        if t.is_sparse:
-            values = t.coalesce().values()
-            if values.numel():
-                norms[index] = torch.linalg.vector_norm(values, p, dtype=_order_dtype(t, p))
-        elif t.device.type == "cpu" and t.numel() > min(SPLIT, ROWS_FROM) and p in (1.0, 2.0):
-            norms[index] = _combine(torch.cat(_cpu_partials([t], p, foreach)).double(), p)
-        elif t.numel() > 0:
-            grouped.setdefault((t.device, t.dtype), []).append(index)
-    for indices in grouped.values():
-        members = [tensors[i] for i in indices]
-        if _by_aminmax(members[0], p):
-            found = list(_abs_maxes(members).unbind())
-        else:
-            found = _each_norm(members, p, _order_dtype(members[0], p), foreach)
-        for i, norm in zip(indices, found, strict=True):
-            norms[i] = norm
-    if len({(n.device, n.dtype) for n in norms}) == 1:  # one stack, one cast: not one a tensor
-        return torch.stack(norms).to(device=out_device, dtype=out_dtype)
-    return torch.stack([n.to(device=out_device, dtype=out_dtype) for n in norms])
+    zero = torch.zeros((), dtype=out_dtype, device=device)
+    groups = group([t for t in tensors if t.numel() > 0])
+    found: dict[int, Tensor] = {}
+    for members in (*groups.dense.values(), *groups.sparse.values()):
+        split = p in (1.0, 2.0, math.inf) and members[0].device.type == "cpu"
+        for t in members:
+            if t.is_sparse or (split and t.numel() >= ROWS_FROM):
+                parts = _partials([t.coalesce().values() if t.is_sparse else t], p, foreach)
+                found[id(t)] = _combine(parts, p) if parts else zero
+        rest = [t for t in members if id(t) not in found]
+        if rest:
+            found.update(zip(map(id, rest), _partials(rest, p, foreach)[0].unbind(), strict=True))
+    norms = [found.get(id(t), zero) for t in tensors]
+    if len({(n.device, n.dtype) for n in norms}) > 1:  # else one stack, one cast
+        norms = [n.to(device=device, dtype=out_dtype) for n in norms]
+    return torch.stack(norms).to(device=device, dtype=out_dtype)

@@ -3,7 +3,7 @@
 :func:`clip_coefficient` turns a norm into ``min(1, max_norm / (norm + EPS))`` without a
 host sync; :func:`scale_` and :func:`scale_groups_` multiply every grad by it, one
 ``torch._foreach_mul_`` with the 0-dim coefficient per (device, dtype) group (``mul_``
-per grad with ``foreach=False``), sparse grads one by one.
+per grad with ``foreach=False``), sparse grads' values one by one.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> 
         else:
             torch._foreach_mul_(tensors, coef_here)
     for sparse in groups.sparse.values():
-        for t in sparse:
-            t.mul_(coef_on.setdefault(t.device, coef.to(t.device)))
+        for t in sparse:  # a sparse mul_ would round coef to t's dtype: fp16 loses 1e-5
+            t._values().mul_(coef_on.setdefault(t.device, coef.to(t.device)))
 
 
 def grad_scale_of(max_norm: float | Tensor, norm: Tensor) -> Tensor:
