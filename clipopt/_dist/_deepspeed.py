@@ -68,12 +68,7 @@ class Watch:
 
     def call(self, param_groups: Sequence[dict[str, Any]]) -> tuple[ZeroStep | None, bool]:
         """This step's ZeRO call (None on whole parameters) and whether it is recorded:
-        not DeepSpeed's start-up step, nor a ZeRO call but its step's last.
-
-        Raises:
-          ValueError: foreign tensors in the param groups of an unattached wrapper, or
-            groups the attached engine does not keep.
-        """
+        not DeepSpeed's start-up step, nor a ZeRO call but its step's last."""
         if self.binding is not None:
             self.stepped = True
             zero = _zero_call(self.binding, param_groups)
@@ -121,13 +116,8 @@ def _zero_call(binding: Binding, param_groups: Sequence[dict[str, Any]]) -> Zero
 
 
 def bind(engine: Any, optimizer: Optimizer) -> Binding:
-    """Read how ``engine`` steps ``optimizer``; refuse what cannot give the true norm.
-
-    Raises:
-      ValueError: the engine does not step ``optimizer``, clips the grads itself, uses
-        fp16 dynamic loss scaling, or steps it from an optimizer clipopt has not tested;
-        each message names the setting to change.
-    """
+    """Read how ``engine`` steps ``optimizer``; a ValueError naming the setting to change
+    where it cannot give the true norm."""
     import deepspeed.runtime.fp16.unfused_optimizer as unfused  # type: ignore[import-untyped]
     import deepspeed.runtime.zero.stage_1_and_2 as zero12  # type: ignore[import-untyped]
 
@@ -184,13 +174,9 @@ def zero_source(
     measures_each_grad: bool,
 ) -> tuple[NormScope, Tensor | None]:
     """Where the norm of a step under ``call`` comes from: (DeepSpeed's data-parallel
-    group, None) with one param group, (``scope``, DeepSpeed's norm) with several.
-    ``measures_each_grad``: the wrapper measures grad by grad or unit by unit, which a
-    flat partition cannot give.
-
-    Raises:
-      ValueError: a setting that cannot give the right norm, naming the one to use.
-    """
+    group, None) with one param group, (``scope``, DeepSpeed's norm) with several; a
+    ValueError naming the setting to use where neither is right (``measures_each_grad``:
+    grad by grad or unit by unit, which a flat partition cannot give)."""
     if measures_each_grad:
         raise ValueError(
             f"under {call.caller} each param group is one flat partition of many "

@@ -257,11 +257,8 @@ def reduction_for(
 ) -> tuple[DeviceMesh, list[Any]] | None:
     """The mesh and groups to reduce DTensor ``tensors`` over, None for plain ones. The
     DTensor ``params`` that require grad decide the mesh with them, so a rank without
-    some grads, or any, joins the same collective.
-
-    Raises:
-      ValueError: DTensors mixed with plain tensors, meshes that cannot be reduced
-        together, or a ``process_group`` spanning other ranks than the mesh.
+    some grads, or any, joins the same collective. A ValueError for DTensors mixed with
+    plain tensors, meshes that cannot be reduced together, or a wrong ``process_group``.
     """
     found = dtensors(tensors)
     if tensors and not found:
