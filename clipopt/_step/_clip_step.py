@@ -1,19 +1,13 @@
 """One ``ClippedOptimizer.step()``, top to bottom: decide -> scale or fold -> apply -> commit.
 
-:func:`step` fires the step hooks in torch's order around the whole clipped step and
-evaluates a closure; :func:`decide` reads each group's settings (validated again only
-when they changed), collects the grads, measures them, turns the norms into what scales
-them and judges a spike and a non-finite norm, changing nothing (a raise there leaves
-everything as it was). The decision is then applied in exactly one of two ways: the
-grads are multiplied by their coefficients and the inner step runs, or the scale (and a
-skip decided on the device) rides into a fused torch optimizer's kernel
-(:mod:`clipopt._step._fold`). :func:`commit` keeps what the step leaves: the
-:class:`StepRecord` (norms, counters), a rule's and a spike skip's state.
-
-A fixed threshold over plain grads takes the shortest path: one grouped norm, one
-coefficient (or ``grad_scale``), one scale. Per-group, per-tensor, sharded, pipelined
-and rule-driven steps measure in :mod:`clipopt._step._measure` and decide by
-:mod:`clipopt._step._rule_step`; non-finite policies are :mod:`clipopt._step._nonfinite`'s.
+:func:`step` fires the step hooks around it all. :func:`decide` measures and chooses the
+scale, changing nothing (a raise there leaves everything as it was); the grads are then
+multiplied in place and the inner step runs, or the scale (and a skip decided on the
+device) rides into a fused torch optimizer's kernel (:mod:`clipopt._step._fold`);
+:func:`commit` keeps the :class:`StepRecord` and the rules' state. A fixed threshold over
+plain grads takes the shortest path: one grouped norm, one coefficient or ``grad_scale``,
+one scale; other steps measure in :mod:`clipopt._step._measure` and decide by
+:mod:`clipopt._step._rule_step`.
 """
 
 from __future__ import annotations
@@ -164,14 +158,8 @@ def decide(
     optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
 ) -> ClipDecision:
     """Measure, choose the scale and rule on a non-finite norm or a spike; change nothing.
-
-    Args:
-      optimizer: the inner optimizer: its param groups, defaults and fused kernel.
-      config: the wrapper's rules and settings.
-      record: the step record, whose skip streak a verdict reads.
-      may_fold: the decision may be folded into a fused kernel (no closure).
-      may_skip: a non-finite norm or a spike may skip the step (not in a re-evaluation
-        of the closure, once the step has started).
+    ``may_fold``: no closure; ``may_skip``: not a closure's re-evaluation (the step has
+    begun).
 
     Raises:
       NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
