@@ -396,12 +396,18 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
     DeepSpeed's watch about this call where it must be asked (attached, or the groups
     changed). Returns the ZeRO call (or None) and whether the call ends the step."""
     view, groups, defaults = config.view, optimizer.param_groups, optimizer.defaults
-    now: list[object] = [groups, defaults.get(MAX_NORM_KEY), defaults.get(NORM_TYPE_KEY)]
-    for g in groups:
-        now += [g, g["params"], len(g["params"]), g.get(MAX_NORM_KEY), g.get(NORM_TYPE_KEY)]
-    same = len(now) == len(view.seen)
-    if same:
-        for a, b in zip(now, view.seen, strict=True):
+    # Compiled, every check is traced into the graph's guards (free at run time) and the
+    # cache is neither read nor written: a cache filled by the first compiled step would
+    # send the second down another path, a recompile.
+    compiling = torch.compiler.is_compiling()
+    now: list[object] = []
+    same = False
+    if not compiling:
+        now = [groups, defaults.get(MAX_NORM_KEY), defaults.get(NORM_TYPE_KEY)]
+        for g in groups:
+            now += [g, g["params"], len(g["params"]), g.get(MAX_NORM_KEY), g.get(NORM_TYPE_KEY)]
+        same = len(now) == len(view.seen)
+        for a, b in zip(now, view.seen, strict=False):
             if a is not b and not (type(a) is int and a == b):
                 same = False
                 break
