@@ -136,19 +136,7 @@ def step(wrapper: _Clipped, closure: Closure | None = None) -> Any:
             with torch.enable_grad():
                 loss = closure()
         decision = decide(inner, config, record, closure is None, True)
-        latest = decision.measurement
-        if decision.skip:
-            result = loss
-        elif decision.fold:
-            if decision.streak_limit is not None:
-                _nonfinite.check_lagged_streak(record.lagged, decision.streak_limit)
-            result = _fold.apply_folded(inner, decision.grad_scale, decision.found_inf)
-        else:
-            scale(decision, config.foreach)
-            if closure is None:
-                result = inner_step(inner, None)
-            else:
-                result, latest = _step_with_closure(inner, config, record, closure, loss, latest)
+        result, latest = apply(inner, config, record, decision, closure, loss)
         commit(config, record, decision, latest)
         post_hooks(wrapper, args, kwargs)
     return result
@@ -245,6 +233,42 @@ def decide(
         )
 
 
+def apply(
+    optimizer: Optimizer,
+    config: ClipConfig,
+    record: StepRecord,
+    decision: ClipDecision,
+    closure: Closure | None,
+    loss: Any,
+) -> tuple[Any, Measurement]:
+    """Apply ``decision``: nothing (a skip decided on the host), the fused step with the
+    scale folded in, or the scale and the inner step. Returns what the inner step
+    returns (``loss`` when skipped) and the norms of the grads it stepped with."""
+    if decision.skip:
+        return _skipped(loss), decision.measurement
+    if decision.fold:
+        if decision.streak_limit is not None:
+            _nonfinite.check_lagged_streak(record.lagged, decision.streak_limit)
+        return _fold.apply_folded(optimizer, decision.grad_scale, decision.found_inf), (
+            decision.measurement
+        )
+    scale(decision, config.foreach)
+    if closure is None:
+        return inner_step(optimizer, None), decision.measurement
+    return _step_with_closure(optimizer, config, record, closure, loss, decision.measurement)
+
+
+def _skip(loss: Any) -> Any:
+    return loss
+
+
+# Compiled, a skipped step breaks the graph inside apply() as a stepped one does (the
+# inner step breaks it), so that commit() is traced in the same resumed frame either way
+# and its Python counters, made dynamic at warm-up, do not recompile at the first skips.
+_compiler: Any = torch.compiler  # its disable() is untyped
+_skipped: Any = _compiler.disable(_skip)
+
+
 @torch.no_grad()
 def scale(decision: ClipDecision, foreach: bool | None) -> None:
     """Multiply each group's grads by its coefficient in place.
@@ -291,9 +315,9 @@ def commit(
     does not end the step keeps nothing."""
     if not decision.final:
         return
-    skipped = decision.skip if decision.found_inf is None else decision.found_inf
-    if decision.skip_flag is not None:  # compiled: the same verdict, as a tensor
-        skipped = decision.skip_flag
+    skipped: bool | Tensor | None = decision.skip_flag  # compiled: the verdict, as a tensor
+    if skipped is None:
+        skipped = decision.skip if decision.found_inf is None else decision.found_inf
     record.record(latest, skipped, decision.streak, config.track_tensor_norms)
     if config.rule is not None and decision.rule_outcome is not None:
         config.rule.commit(*decision.rule_outcome)
