@@ -618,7 +618,10 @@ def _shared(
     for index, c in enumerate(coefficients):
         if grads is not None and not grads[index]:
             continue
-        if not any(c is seen for seen in found):  # identity, as above
+        for seen in found:  # identity, as above
+            if c is seen:
+                break
+        else:
             found.append(c)
     if not found:
         return None
