@@ -183,10 +183,15 @@ class OptimizerWrapper(Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
 
-        Everything the wrapper reads is validated before anything is changed, and if the
-        inner optimizer's own load raises, it is put back as it was. A dict without
-        ``EXTRA_KEY`` leaves the wrapper's own state as it is and warns, unless that
-        state travels apart (:meth:`_saved_apart`).
+        Everything is validated before anything is changed: a malformed or mismatched
+        dict raises and leaves this optimizer as it was, and if the inner optimizer's own
+        load raises, it is put back as it was. A dict without the wrapper's entry (a plain
+        inner dict, or one from ``torch.distributed.checkpoint.state_dict``'s functions,
+        which keep only ``"state"`` and ``"param_groups"``) keeps the wrapper's state
+        (settings, counters, rule state) and warns with a ``UserWarning`` naming
+        :class:`clipopt.distributed.ClippedOptimizerState`, unless one was made for this
+        optimizer (the entry then travels in it). Loaded settings replace the
+        constructor's, as for ``lr``; groups loaded without them get the defaults.
 
         Raises:
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
@@ -230,22 +235,19 @@ class OptimizerWrapper(Optimizer):
             self.optimizer.__dict__.update(snapshot)
             raise
 
-    def _warn_extra_missing(self) -> None:
-        """Say that a load found no entry of this wrapper's, and how to keep it."""
-        raise NotImplementedError
-
+    # What a subclass supplies: its entry (plain data), the check of a load before
+    # anything changes (returning what _finish_load installs once the inner optimizer
+    # has loaded, raising before it installs anything), and what a load without it says.
     def _extra_state(self) -> dict[str, Any]:
-        """This wrapper's entry of the state dict: tensors and plain values only."""
         raise NotImplementedError
 
     def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> Any:
-        """Validate a load (``extra`` is None without an entry) before anything changes;
-        return what :meth:`_finish_load` applies once the inner optimizer has loaded."""
         raise NotImplementedError
 
     def _finish_load(self, prepared: Any) -> None:
-        """Check what the inner optimizer loaded where only then it can be read, and apply
-        ``prepared``; raise before applying anything (the inner load is then undone)."""
+        raise NotImplementedError
+
+    def _warn_extra_missing(self) -> None:
         raise NotImplementedError
 
 

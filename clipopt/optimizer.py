@@ -385,26 +385,6 @@ class ClippedOptimizer(OptimizerWrapper):
             self._settings(), self._record.state(), config.rule, config.skip_spikes
         )
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
-
-        Everything is validated before anything is changed: a malformed or mismatched
-        dict raises ``TypeError``/``ValueError`` and leaves this optimizer as it was. A
-        dict without ``"clip"`` (a plain inner dict, or one that went through
-        ``torch.distributed.checkpoint.state_dict``'s functions, which keep only
-        ``"state"`` and ``"param_groups"``) keeps the current clip settings, counters and
-        rule state, and warns with a ``UserWarning`` naming
-        :class:`clipopt.distributed.ClippedOptimizerState`, unless one was made for this
-        optimizer (its clip state then travels in that entry); param groups it loads
-        without ``clip_max_norm``/``clip_norm_type`` get the defaults. As for ``lr``, the
-        loaded settings replace the constructor's.
-
-        Raises:
-          TypeError: a value has the wrong type.
-          ValueError: the dict does not match this optimizer's groups or holds bad values.
-        """
-        super().load_state_dict(state_dict)
-
     def _warn_extra_missing(self) -> None:
         warnings.warn(
             f"{type(self).__name__}.load_state_dict got a state dict without a "

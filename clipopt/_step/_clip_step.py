@@ -1,19 +1,13 @@
 """One ``ClippedOptimizer.step()``, top to bottom: decide -> scale or fold -> apply -> commit.
 
-:func:`step` fires the step hooks in torch's order around the whole clipped step and
-evaluates a closure; :func:`decide` reads each group's settings (validated again only
-when they changed), collects the grads, measures them, turns the norms into what scales
-them and judges a spike and a non-finite norm, changing nothing (a raise there leaves
-everything as it was). The decision is then applied in exactly one of two ways: the
-grads are multiplied by their coefficients and the inner step runs, or the scale (and a
-skip decided on the device) rides into a fused torch optimizer's kernel
-(:mod:`clipopt._step._fold`). :func:`commit` keeps what the step leaves: the
-:class:`StepRecord` (norms, counters), a rule's and a spike skip's state.
-
-A fixed threshold over plain grads takes the shortest path: one grouped norm, one
-coefficient (or ``grad_scale``), one scale. Per-group, per-tensor, sharded, pipelined
-and rule-driven steps measure in :mod:`clipopt._step._measure` and decide by
-:mod:`clipopt._step._rule_step`; non-finite policies are :mod:`clipopt._step._nonfinite`'s.
+:func:`step` fires the step hooks around it all. :func:`decide` measures and chooses the
+scale, changing nothing (a raise there leaves everything as it was); the grads are then
+multiplied in place and the inner step runs, or the scale (and a skip decided on the
+device) rides into a fused torch optimizer's kernel (:mod:`clipopt._step._fold`);
+:func:`commit` keeps the :class:`StepRecord` and the rules' state. A fixed threshold over
+plain grads takes the shortest path: one grouped norm, one coefficient or ``grad_scale``,
+one scale; other steps measure in :mod:`clipopt._step._measure` and decide by
+:mod:`clipopt._step._rule_step`.
 """
 
 from __future__ import annotations
@@ -142,19 +136,7 @@ def step(wrapper: _Clipped, closure: Closure | None = None) -> Any:
             with torch.enable_grad():
                 loss = closure()
         decision = decide(inner, config, record, closure is None, True)
-        latest = decision.measurement
-        if decision.skip:
-            result = loss
-        elif decision.fold:
-            if decision.streak_limit is not None:
-                _nonfinite.check_lagged_streak(record.lagged, decision.streak_limit)
-            result = _fold.apply_folded(inner, decision.grad_scale, decision.found_inf)
-        else:
-            scale(decision, config.foreach)
-            if closure is None:
-                result = inner_step(inner, None)
-            else:
-                result, latest = _step_with_closure(inner, config, record, closure, loss, latest)
+        result, latest = apply(inner, config, record, decision, closure, loss)
         commit(config, record, decision, latest)
         post_hooks(wrapper, args, kwargs)
     return result
@@ -164,14 +146,8 @@ def decide(
     optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
 ) -> ClipDecision:
     """Measure, choose the scale and rule on a non-finite norm or a spike; change nothing.
-
-    Args:
-      optimizer: the inner optimizer: its param groups, defaults and fused kernel.
-      config: the wrapper's rules and settings.
-      record: the step record, whose skip streak a verdict reads.
-      may_fold: the decision may be folded into a fused kernel (no closure).
-      may_skip: a non-finite norm or a spike may skip the step (not in a re-evaluation
-        of the closure, once the step has started).
+    ``may_fold``: no closure; ``may_skip``: not a closure's re-evaluation (the step has
+    begun).
 
     Raises:
       NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
@@ -257,6 +233,42 @@ def decide(
         )
 
 
+def apply(
+    optimizer: Optimizer,
+    config: ClipConfig,
+    record: StepRecord,
+    decision: ClipDecision,
+    closure: Closure | None,
+    loss: Any,
+) -> tuple[Any, Measurement]:
+    """Apply ``decision``: nothing (a skip decided on the host), the fused step with the
+    scale folded in, or the scale and the inner step. Returns what the inner step
+    returns (``loss`` when skipped) and the norms of the grads it stepped with."""
+    if decision.skip:
+        return _skipped(loss), decision.measurement
+    if decision.fold:
+        if decision.streak_limit is not None:
+            _nonfinite.check_lagged_streak(record.lagged, decision.streak_limit)
+        return _fold.apply_folded(optimizer, decision.grad_scale, decision.found_inf), (
+            decision.measurement
+        )
+    scale(decision, config.foreach)
+    if closure is None:
+        return inner_step(optimizer, None), decision.measurement
+    return _step_with_closure(optimizer, config, record, closure, loss, decision.measurement)
+
+
+def _skip(loss: Any) -> Any:
+    return loss
+
+
+# Compiled, a skipped step breaks the graph inside apply() as a stepped one does (the
+# inner step breaks it), so that commit() is traced in the same resumed frame either way
+# and its Python counters, made dynamic at warm-up, do not recompile at the first skips.
+_compiler: Any = torch.compiler  # its disable() is untyped
+_skipped: Any = _compiler.disable(_skip)
+
+
 @torch.no_grad()
 def scale(decision: ClipDecision, foreach: bool | None) -> None:
     """Multiply each group's grads by its coefficient in place.
@@ -303,9 +315,9 @@ def commit(
     does not end the step keeps nothing."""
     if not decision.final:
         return
-    skipped = decision.skip if decision.found_inf is None else decision.found_inf
-    if decision.skip_flag is not None:  # compiled: the same verdict, as a tensor
-        skipped = decision.skip_flag
+    skipped: bool | Tensor | None = decision.skip_flag  # compiled: the verdict, as a tensor
+    if skipped is None:
+        skipped = decision.skip if decision.found_inf is None else decision.found_inf
     record.record(latest, skipped, decision.streak, config.track_tensor_norms)
     if config.rule is not None and decision.rule_outcome is not None:
         config.rule.commit(*decision.rule_outcome)
@@ -408,12 +420,18 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
     DeepSpeed's watch about this call where it must be asked (attached, or the groups
     changed). Returns the ZeRO call (or None) and whether the call ends the step."""
     view, groups, defaults = config.view, optimizer.param_groups, optimizer.defaults
-    now: list[object] = [groups, defaults.get(MAX_NORM_KEY), defaults.get(NORM_TYPE_KEY)]
-    for g in groups:
-        now += [g, g["params"], len(g["params"]), g.get(MAX_NORM_KEY), g.get(NORM_TYPE_KEY)]
-    same = len(now) == len(view.seen)
-    if same:
-        for a, b in zip(now, view.seen, strict=True):
+    # Compiled, every check is traced into the graph's guards (free at run time) and the
+    # cache is neither read nor written: a cache filled by the first compiled step would
+    # send the second down another path, a recompile.
+    compiling = torch.compiler.is_compiling()
+    now: list[object] = []
+    same = False
+    if not compiling:
+        now = [groups, defaults.get(MAX_NORM_KEY), defaults.get(NORM_TYPE_KEY)]
+        for g in groups:
+            now += [g, g["params"], len(g["params"]), g.get(MAX_NORM_KEY), g.get(NORM_TYPE_KEY)]
+        same = len(now) == len(view.seen)
+        for a, b in zip(now, view.seen, strict=False):
             if a is not b and not (type(a) is int and a == b):
                 same = False
                 break
@@ -600,7 +618,10 @@ def _shared(
     for index, c in enumerate(coefficients):
         if grads is not None and not grads[index]:
             continue
-        if not any(c is seen for seen in found):  # identity, as above
+        for seen in found:  # identity, as above
+            if c is seen:
+                break
+        else:
             found.append(c)
     if not found:
         return None
