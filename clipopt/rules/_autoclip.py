@@ -157,9 +157,8 @@ class AutoClip(ClipRule):
         ranks = _ranks(filled, self.percentile / 100.0, buffer.dtype)
         below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
         some = filled > 0
-        low = torch.where(some, ordered.gather(1, below[:, None])[:, 0], 0.0)
-        high = torch.where(some, ordered.gather(1, above[:, None])[:, 0], 0.0)
-        value = torch.lerp(low, high, (ranks - below.to(ranks.dtype)).to(buffer.dtype))
+        ends = torch.where(some[:, None], ordered.gather(1, torch.stack((below, above), 1)), 0)
+        value = torch.lerp(ends[:, 0], ends[:, 1], (ranks - below.to(ranks.dtype)).to(buffer.dtype))
         thresholds = torch.where(some, value, math.inf).reshape(norms.shape)
         # The norm enters the ring and the sorted copy; a full row's oldest leaves (else a
         # +inf); a non-finite norm enters nowhere (what leaves comes back).
