@@ -1,19 +1,12 @@
 """The clip-rule protocol (:class:`ClipRule`) and what rules and SpikeSkip share.
 
-A rule is its settings (:meth:`~Stateful.config`), its state (``rule.state``: a dict of
-tensors on the grads' device, with the keys ``state_keys``) and a pure
-:meth:`ClipRule.evaluate` from this step's norms and the state before it to the
-thresholds and the state after it. The wrapper calls, once per ``step()``:
-
-1. ``coefficients, thresholds = rule.decide(norms, norm_type=p, total_norm=t)``: the
-   0-dim global norm, or with ``per_tensor = True`` one norm per grad; nothing changes.
-2. the step is applied (or skipped);
-3. ``rule.commit(norms, coefficients, thresholds)``: the state :meth:`ClipRule.decide`
-   evaluated is installed, and the counters move.
-
-``rule.prepare(norms)``, called once ahead of the first step with norms of the step's
-shape, dtype and device, makes the state, so a compiled step traces its final graph at
-once. See ``docs/adaptive.md``.
+A rule is its settings, its state (``rule.state``, tensors on the grads' device) and a
+pure :meth:`ClipRule.evaluate` from a step's norms and the state before it to the
+thresholds and the state after it. Per ``step()`` the wrapper calls
+``rule.decide(norms, norm_type=..., total_norm=...)`` for the coefficients and
+thresholds, and after the step ``rule.commit(norms, coefficients, thresholds)``, which
+installs the new state. ``rule.prepare(norms)`` makes the state ahead of the first step.
+See ``docs/adaptive.md``, "Writing a rule".
 """
 
 from __future__ import annotations
@@ -239,14 +232,10 @@ class Stateful:
 
 class ClipRule(Stateful):
     """The protocol of an adaptive clip rule; subclass it and pass an instance as
-    ``max_norm`` (see ``docs/adaptive.md``, "Writing a rule").
-
-    A subclass validates its settings in ``__init__`` and implements :meth:`config`,
-    :meth:`evaluate` and, where it has state, ``state_keys``, :meth:`init_state` and
-    :meth:`check_state`; ``per_tensor = True`` gives it one norm per grad. The base
-    class gives :meth:`decide`, :meth:`commit`, ``last_threshold``, ``clipped_count``,
-    :meth:`state_dict` and :meth:`load_state_dict`. One rule object belongs to one
-    optimizer: its state is that optimizer's history.
+    ``max_norm``. A subclass validates its settings in ``__init__`` and declares
+    ``settings``, :meth:`evaluate` and, where it has state, ``state_keys``,
+    :meth:`init_state` and :meth:`check_state`; ``per_tensor = True`` gives it one norm
+    per grad. One rule object belongs to one optimizer: its state is that history.
     """
 
     per_tensor: bool = False
