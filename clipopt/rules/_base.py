@@ -136,27 +136,17 @@ class Stateful:
 
     def saved_state(self) -> dict[str, Tensor]:
         """Copies of the state; empty before the first step."""
-        return (
-            {}
-            if not self._stepped
-            else {k: self.state[k].clone() for k in self.state_keys if k in self.state}
-        )
+        return {k: self.state[k].clone() for k in self.state_keys} if self._stepped else {}
 
     def loaded_state(self, state: Any) -> dict[str, Tensor]:
         """Copies of a saved state, checked (ValueError) before anything changes."""
-        names = (
-            " and ".join(self.state_keys)
-            if len(self.state_keys) <= 2
-            else ", ".join(self.state_keys)
-        )
-        if not isinstance(state, Mapping) or set(state) not in (set(), set(self.state_keys)):
-            has = f"state must have the keys {names}" if names else "has no state"
+        keys = set(state) if isinstance(state, Mapping) else None
+        if keys not in (set(), set(self.state_keys)) or not all(
+            isinstance(v, Tensor) for v in state.values()
+        ):
+            names = ", ".join(self.state_keys)
+            has = f"state must have the keys {names}, tensors" if names else "has no state"
             raise ValueError(f"{type(self).__name__} {has}, got {state!r}")
-        for key, value in state.items():
-            if not isinstance(value, Tensor):
-                raise ValueError(
-                    f"{type(self).__name__} state {key!r} must be a tensor, got {value!r}"
-                )
         if state:
             self.check_state(state)
         return {k: v.clone() for k, v in state.items()}
@@ -196,19 +186,15 @@ class Stateful:
         state = self.loaded_state(state_dict["state"])
         if state or self._stepped:
             self.state, self._stepped = state, bool(state)
-        self.set_extras(
-            {
-                k: v.clone() if isinstance(v, Tensor) else v
-                for k, v in state_dict.items()
-                if k in extras
-            }
-        )
+        saved = {k: state_dict[k] for k in extras}
+        self.set_extras({k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.items()})
 
     def rule_state(self) -> dict[str, Tensor]:  # compatibility: benchmarks/rules.py
         return self.saved_state()
 
     def load_rule_state(self, state: Any) -> None:  # compatibility: benchmarks/rules.py
-        self.install(self.loaded_state(state))
+        loaded = self.loaded_state(state)
+        self.state, self._stepped = loaded, bool(loaded)
 
     def to(self, device: torch.device) -> None:
         """Move the state and counters to ``device``, after a load."""
