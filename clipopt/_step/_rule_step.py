@@ -44,7 +44,6 @@ def rule_coefficients(
     Raises:
       ValueError: a per-tensor rule and a measurement without per-tensor norms.
     """
-    total = measured.norm if stages and rule.per_tensor else None
     if not rule.per_tensor:
         coefficient, threshold = rule.decide(measured.norm, norm_type=norm_type)
         shared: list[Coefficient] = [coefficient] * len(grads)
@@ -54,6 +53,7 @@ def rule_coefficients(
     norms = measured.tensor_norms
     if norms is None:
         raise ValueError(f"{rule!r} is per tensor, but the step measured no per-tensor norms")
+    total = measured.norm if stages else None
     coefficients, thresholds = rule.decide(norms, norm_type=norm_type, total_norm=total)
     parts = coefficients.unbind()
     per_group: list[Coefficient] = []

@@ -26,22 +26,6 @@ def _local_part(coefficients: Tensor, rows: Rows, dim: int) -> Tensor:
     return coefficients.narrow(0, rows.start, rows.count).reshape((rows.count,) + (1,) * (dim - 1))
 
 
-def _in_order(*placed: tuple[list[int], Sequence[Tensor]]) -> tuple[Tensor, ...]:
-    """The tensors of each ``(positions, tensors)`` pair at their positions, in one tuple."""
-    at = {i: t for positions, tensors in placed for i, t in zip(positions, tensors, strict=True)}
-    return tuple(at[i] for i in range(len(at)))
-
-
-def _check_grad(grad: Tensor | None, param: Tensor) -> None:
-    """A grad AGC clips must be dense and shaped as its parameter (None: none here)."""
-    if grad is not None and (grad.is_sparse or grad.shape != param.shape):
-        raise ValueError(
-            f"AGC needs dense grads shaped as their parameters, got a grad of "
-            f"shape {tuple(grad.shape)} (sparse: {grad.is_sparse}) for a "
-            f"parameter of shape {tuple(param.shape)}"
-        )
-
-
 def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -> Tensor:
     """The entries of ``values`` (every tensor's units, in order) of the tensors present."""
     if all(present):
@@ -69,9 +53,9 @@ class AGC(UnitWiseRule):
     Large-Scale Image Recognition Without Normalization*, the NFNets paper): each unit's
     grad is clipped against the norm of its weights.
 
-    A unit is a row of a linear weight, an output channel of a conv kernel (a slice along
-    dim 0 of any tensor of 2 dims or more), or the whole of a bias, gain or other 0- or
-    1-D parameter. With ``W`` a unit's weights and ``G`` its grad, the threshold is
+    A unit is a slice along dim 0 of a tensor of 2 dims or more (a row of a linear
+    weight, an output channel of a conv kernel), or the whole of a 0- or 1-D one. With
+    ``W`` a unit's weights and ``G`` its grad, the threshold is
     ``max_norm = clipping * max(||W||, eps)``, and where ``||G|| >= max_norm``, ``G`` is
     scaled by ``max_norm / max(||G||, 1e-6)``: timm's ``adaptive_clip_grad``, operation
     for operation (bit for bit in float32 on CPU).
@@ -81,19 +65,13 @@ class AGC(UnitWiseRule):
         paper's lambda; 0.01 is timm's default and the paper's choice at batch size 4096).
       eps: the smallest weight norm that counts, >= 0, so that zero-initialised units can
         move (the paper's 1e-3).
-      exclude: parameters left unclipped, matched by identity (the paper does not clip
-        the final classifier layer): e.g. ``model.fc.parameters()``; their grads are
-        measured whole, for the step's global norm. A copy of the optimizer excludes
-        its copies.
+      exclude: parameters left unclipped, matched by identity, e.g.
+        ``model.fc.parameters()`` (the paper does not clip the final classifier).
 
-    ``last_threshold`` is every unit's ``max_norm`` of the last step in one 1-D tensor,
-    grad after grad (excluded grads and params without one have none). Only the L2
-    norm is supported (``norm_type=2``, the paper's).
-
-    DTensor params and grads (FSDP2, HSDP, tensor parallel) are measured by the whole
-    unit across ranks in the step's one float64 ``all_reduce``, which gives its global
-    norm too; each rank scales the part of each unit it holds (see ``docs/adaptive.md``
-    and :mod:`clipopt._dist._units`).
+    ``last_threshold`` is every unit's ``max_norm``, grad after grad, in one 1-D tensor.
+    Only the L2 norm is supported (the paper's). DTensor grads (FSDP2, HSDP, tensor
+    parallel) are measured by the whole unit across ranks, in the step's one
+    ``all_reduce`` (:mod:`clipopt._dist._units`); each rank scales the rows it holds.
 
     Example:
       >>> import torch, clipopt
@@ -147,8 +125,13 @@ class AGC(UnitWiseRule):
         its units are measured across ranks, and have no coefficient here)."""
         excluded = {id(p) for p in self.exclude}
         chosen = [i for i, p in enumerate(params) if id(p) not in excluded]
-        for i in chosen:
-            _check_grad(grads[i], params[i])
+        for grad, param in ((grads[i], params[i]) for i in chosen):
+            if grad is not None and (grad.is_sparse or grad.shape != param.shape):
+                raise ValueError(
+                    f"AGC needs dense grads shaped as their parameters, got a grad of shape "
+                    f"{tuple(grad.shape)} (sparse: {grad.is_sparse}) for a parameter of "
+                    f"shape {tuple(param.shape)}"
+                )
         present = [grads[i] is not None for i in chosen]
         dtype = result_dtype([g.dtype for g in grads if g is not None])
         others = [i for i, p in enumerate(params) if id(p) in excluded]
@@ -169,9 +152,9 @@ class AGC(UnitWiseRule):
         parts = torch.split(coefficients, [r.units for r in rows])
         for i, w, r, part, here in zip(chosen, weights, rows, parts, present, strict=True):
             per_grad[i] = _local_part(part, r, w.dim()) if here else None
-        squares = _in_order(
-            (chosen, torch.split(found.grad_squares, [r.units for r in rows])),
-            (others, torch.split(found.whole_squares, [1] * len(others))),
-        )
+        shares = torch.split(found.grad_squares, [r.units for r in rows])
+        whole_shares = torch.split(found.whole_squares, [1] * len(others))
+        at = dict(zip(chosen + others, [*shares, *whole_shares], strict=True))
+        squares = tuple(at[i] for i in range(len(at)))
         held = [_held_units(t, rows, present) for t in (norms, coefficients, thresholds)]
         return UnitDecision(per_grad, held[0], held[1], held[2], squares, found.check)

@@ -14,14 +14,11 @@ from clipopt.rules._base import ClipRule, Evaluation, checked, integer, number
 __all__ = ["AutoClip", "replace_sorted", "sorted_history"]
 
 
-def _quantile_ranks_in_float64() -> bool:
-    """Whether this torch's quantile takes ``q * (n - 1)`` in float64 (2.14 on) rather
-    than in the values' dtype: read once from torch on values where the two differ."""
-    found = float(torch.quantile(torch.tensor([0.0, 0.0, 1.0, 1.0]), 0.4))
-    return found != float(torch.tensor(3.0) * 0.4 - 1.0)
-
-
-_RANKS_IN_FLOAT64 = _quantile_ranks_in_float64()
+# torch.quantile's rank q * (n - 1) is taken in float64 from torch 2.14 on, in the values'
+# dtype before: read once from torch, on values where the two differ.
+_RANKS_IN_FLOAT64 = float(torch.quantile(torch.tensor([0.0, 0.0, 1.0, 1.0]), 0.4)) != float(
+    torch.tensor(3.0) * 0.4 - 1.0
+)
 
 
 def _ranks(filled: Tensor, q: float, dtype: torch.dtype) -> Tensor:
@@ -46,10 +43,9 @@ def sorted_history(buffer: Tensor, count: Tensor) -> Tensor:
 
 
 def replace_sorted(ordered: Tensor, leaving: Tensor, entering: Tensor) -> Tensor:
-    """``ordered`` (ascending rows, at least one ``+inf`` a row once ``leaving[r]``, a
-    value of row ``r``, is out) with ``leaving`` taken out of each row and ``entering``
-    (not NaN) put in: two shifted copies instead of a sort; values are moved, never
-    computed, so the rows hold exactly what a sort would.
+    """``ordered`` (ascending rows) with ``leaving[r]``, a value of row ``r``, taken out
+    and ``entering[r]`` (not NaN) put in: two shifted copies instead of a sort, values
+    moved, never computed. A row needs a ``+inf`` once ``leaving`` is out.
 
     Example:
       >>> ordered = torch.tensor([[1.0, 2.0, 3.0], [5.0, math.inf, math.inf]])
@@ -157,9 +153,8 @@ class AutoClip(ClipRule):
         ranks = _ranks(filled, self.percentile / 100.0, buffer.dtype)
         below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
         some = filled > 0
-        low = torch.where(some, ordered.gather(1, below[:, None])[:, 0], 0.0)
-        high = torch.where(some, ordered.gather(1, above[:, None])[:, 0], 0.0)
-        value = torch.lerp(low, high, (ranks - below.to(ranks.dtype)).to(buffer.dtype))
+        ends = torch.where(some[:, None], ordered.gather(1, torch.stack((below, above), 1)), 0)
+        value = torch.lerp(ends[:, 0], ends[:, 1], (ranks - below.to(ranks.dtype)).to(buffer.dtype))
         thresholds = torch.where(some, value, math.inf).reshape(norms.shape)
         # The norm enters the ring and the sorted copy; a full row's oldest leaves (else a
         # +inf); a non-finite norm enters nowhere (what leaves comes back).

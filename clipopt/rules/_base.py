@@ -1,19 +1,12 @@
 """The clip-rule protocol (:class:`ClipRule`) and what rules and SpikeSkip share.
 
-A rule is its settings (:meth:`~Stateful.config`), its state (``rule.state``: a dict of
-tensors on the grads' device, with the keys ``state_keys``) and a pure
-:meth:`ClipRule.evaluate` from this step's norms and the state before it to the
-thresholds and the state after it. The wrapper calls, once per ``step()``:
-
-1. ``coefficients, thresholds = rule.decide(norms, norm_type=p, total_norm=t)``: the
-   0-dim global norm, or with ``per_tensor = True`` one norm per grad; nothing changes.
-2. the step is applied (or skipped);
-3. ``rule.commit(norms, coefficients, thresholds)``: the state :meth:`ClipRule.decide`
-   evaluated is installed, and the counters move.
-
-``rule.prepare(norms)``, called once ahead of the first step with norms of the step's
-shape, dtype and device, makes the state, so a compiled step traces its final graph at
-once. See ``docs/adaptive.md``.
+A rule is its settings, its state (``rule.state``, tensors on the grads' device) and a
+pure :meth:`ClipRule.evaluate` from a step's norms and the state before it to the
+thresholds and the state after it. Per ``step()`` the wrapper calls
+``rule.decide(norms, norm_type=..., total_norm=...)`` for the coefficients and
+thresholds, and after the step ``rule.commit(norms, coefficients, thresholds)``, which
+installs the new state. ``rule.prepare(norms)`` makes the state ahead of the first step.
+See ``docs/adaptive.md``, "Writing a rule".
 """
 
 from __future__ import annotations
@@ -143,27 +136,17 @@ class Stateful:
 
     def saved_state(self) -> dict[str, Tensor]:
         """Copies of the state; empty before the first step."""
-        return (
-            {}
-            if not self._stepped
-            else {k: self.state[k].clone() for k in self.state_keys if k in self.state}
-        )
+        return {k: self.state[k].clone() for k in self.state_keys} if self._stepped else {}
 
     def loaded_state(self, state: Any) -> dict[str, Tensor]:
         """Copies of a saved state, checked (ValueError) before anything changes."""
-        names = (
-            " and ".join(self.state_keys)
-            if len(self.state_keys) <= 2
-            else ", ".join(self.state_keys)
-        )
-        if not isinstance(state, Mapping) or set(state) not in (set(), set(self.state_keys)):
-            has = f"state must have the keys {names}" if names else "has no state"
+        keys = set(state) if isinstance(state, Mapping) else None
+        if keys not in (set(), set(self.state_keys)) or not all(
+            isinstance(v, Tensor) for v in state.values()
+        ):
+            names = ", ".join(self.state_keys)
+            has = f"state must have the keys {names}, tensors" if names else "has no state"
             raise ValueError(f"{type(self).__name__} {has}, got {state!r}")
-        for key, value in state.items():
-            if not isinstance(value, Tensor):
-                raise ValueError(
-                    f"{type(self).__name__} state {key!r} must be a tensor, got {value!r}"
-                )
         if state:
             self.check_state(state)
         return {k: v.clone() for k, v in state.items()}
@@ -203,19 +186,15 @@ class Stateful:
         state = self.loaded_state(state_dict["state"])
         if state or self._stepped:
             self.state, self._stepped = state, bool(state)
-        self.set_extras(
-            {
-                k: v.clone() if isinstance(v, Tensor) else v
-                for k, v in state_dict.items()
-                if k in extras
-            }
-        )
+        saved = {k: state_dict[k] for k in extras}
+        self.set_extras({k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.items()})
 
     def rule_state(self) -> dict[str, Tensor]:  # compatibility: benchmarks/rules.py
         return self.saved_state()
 
     def load_rule_state(self, state: Any) -> None:  # compatibility: benchmarks/rules.py
-        self.install(self.loaded_state(state))
+        loaded = self.loaded_state(state)
+        self.state, self._stepped = loaded, bool(loaded)
 
     def to(self, device: torch.device) -> None:
         """Move the state and counters to ``device``, after a load."""
@@ -239,14 +218,10 @@ class Stateful:
 
 class ClipRule(Stateful):
     """The protocol of an adaptive clip rule; subclass it and pass an instance as
-    ``max_norm`` (see ``docs/adaptive.md``, "Writing a rule").
-
-    A subclass validates its settings in ``__init__`` and implements :meth:`config`,
-    :meth:`evaluate` and, where it has state, ``state_keys``, :meth:`init_state` and
-    :meth:`check_state`; ``per_tensor = True`` gives it one norm per grad. The base
-    class gives :meth:`decide`, :meth:`commit`, ``last_threshold``, ``clipped_count``,
-    :meth:`state_dict` and :meth:`load_state_dict`. One rule object belongs to one
-    optimizer: its state is that optimizer's history.
+    ``max_norm``. A subclass validates its settings in ``__init__`` and declares
+    ``settings``, :meth:`evaluate` and, where it has state, ``state_keys``,
+    :meth:`init_state` and :meth:`check_state`; ``per_tensor = True`` gives it one norm
+    per grad. One rule object belongs to one optimizer: its state is that history.
     """
 
     per_tensor: bool = False

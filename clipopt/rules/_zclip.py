@@ -46,14 +46,11 @@ class ZClip(ClipRule):
       changes nothing.
 
     Args:
-      alpha: the EMA factor, in (0, 1).
-      z_thresh: > 0.
+      alpha: the EMA factor, in (0, 1). z_thresh: > 0. eps: added to the std, >= 0.
       max_grad_norm: a cap > 0 on every threshold, warm-up included, or None.
-      eps: added to the std, >= 0.
       warmup_steps: >= 1 (the package treats 0 as 1).
-      mode: ``"zscore"`` or ``"percentile"``.
-      clip_option: ``"adaptive_scaling"`` or ``"mean"`` (``"zscore"`` mode only).
-      clip_factor: > 0.
+      mode: ``"zscore"`` or ``"percentile"``; clip_option: ``"adaptive_scaling"`` or
+        ``"mean"`` (``"zscore"`` mode only); clip_factor: > 0.
       skip_update_on_spike: leave the EMAs unchanged on a spike.
 
     Example:
