@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import clipopt
-from clipopt._dist._unit_rows import unit_shape
+from clipopt._dist._units import unit_shape
 from clipopt._step import _monitor
 
 STEPS = 200

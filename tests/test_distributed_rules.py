@@ -999,11 +999,11 @@ def test_strided_rows_are_ranges_only_as_fsdp2_over_tp_makes_them() -> None:
     strided = _StridedShard(0, split_factor=2)
     for rows in (8, 7, 5, 4, 1, 0):
         shape = (rows, 3)
-        assert _units._rows_are_ranges(shape, (2, 2), (strided, Shard(0)), [0, 0])
+        assert _units.rows_at(shape, (2, 2), (0, 0), (strided, Shard(0))) is not None
         if rows >= 4:  # rows {0, 2} and {1, 3} of 4, {0, 1, 3} and {2, 4} of 5
-            assert not _units._rows_are_ranges(shape, (2,), (strided,), [0])
+            assert _units.rows_at(shape, (2,), (0,), (strided,)) is None
         if rows >= 7:  # each half cut as the 4 rows above
-            assert not _units._rows_are_ranges(shape, (2, 2), (Shard(0), strided), [0, 0])
+            assert _units.rows_at(shape, (2, 2), (0, 0), (Shard(0), strided)) is None
 
 
 def pieces(ids: Tensor, count: int) -> list[Tensor]:
@@ -1103,18 +1103,6 @@ def test_placed_shares_of_four_or_six_ranks_sum_to_each_rows_norm(
         total += _units._placed(share, rows, replicas)
     expected = torch.linalg.vector_norm(whole, dim=1).square()
     torch.testing.assert_close(total, expected, rtol=1e-12, atol=0.0)
-
-
-@given(size=st.integers(0, 40), chunks=st.integers(1, 9), data=st.data())
-def test_chunks_are_torch_chunks(size: int, chunks: int, data: Any) -> None:
-    """Each rank's rows, as torch.chunk cuts them (the missing last chunks empty)."""
-    index = data.draw(st.integers(0, chunks - 1))
-    pieces = list(torch.arange(size).chunk(chunks)) if size else []
-    piece = pieces[index] if index < len(pieces) else torch.zeros(0)
-    start, count = _units._chunk(size, chunks, index)
-    assert count == piece.numel()
-    if count:
-        assert start == int(piece[0])
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and NCCL")

@@ -33,13 +33,13 @@ UNIT_LAYERS: list[set[str]] = [
 WING_FLOORS: dict[str, list[set[str]]] = {
     # the norms, then the scales that use them
     "_kernels": [{"_norms"}, {"_scale"}],
-    # collectives and meshes; the pipeline stages; the reductions and AGC's units (and
-    # their re-export); where a step under DeepSpeed's ZeRO optimizer is reduced
+    # collectives and meshes; the pipeline stages; the reductions and AGC's units; where a
+    # step under DeepSpeed's ZeRO optimizer is reduced
     "_dist": [
         {"_mesh"},
         {"_stages"},
         {"_per_tensor", "_reduce", "_units"},
-        {"_unit_rows", "_deepspeed"},
+        {"_deepspeed"},
     ],
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],

@@ -24,8 +24,6 @@ from clipopt._dist._reduce import NormScope
 
 __all__ = ["Binding", "Watch", "ZeroStep", "bind", "ds_global_norm", "zero_source"]
 
-ATTACH = "opt.attach_deepspeed(engine) after deepspeed.initialize"
-
 
 @dataclass(frozen=True)
 class Binding:
@@ -81,22 +79,15 @@ class Watch:
         first, self.stepped = bool(foreign) and not self.stepped, True
         if not foreign:
             return None, True
-        if first and _copies(tensors, self.params):
+        if first and [t.shape for t in tensors] == [p.shape for p in self.params]:
             return None, False  # DeepSpeed's start-up step on zero grads
         raise ValueError(
             f"ClippedOptimizer's param groups hold {len(foreign)} tensor(s) that are not "
-            "the parameters it was built with (first of shape "
-            f"{tuple(foreign[0].shape)}): DeepSpeed's flat ZeRO partitions or its fp32 "
-            "copies, or another mixed-precision optimizer's, whose norm the wrapper "
-            f"cannot know from them alone. Under DeepSpeed call {ATTACH}; another "
+            f"its parameters (first of shape {tuple(foreign[0].shape)}), as DeepSpeed's "
+            "flat partitions or fp32 copies, whose norm it cannot know: under DeepSpeed "
+            "call opt.attach_deepspeed(engine) after deepspeed.initialize; another "
             "optimizer that replaces the parameters is not supported"
         )
-
-
-def _copies(tensors: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
-    return len(tensors) == len(params) and all(
-        t.shape == p.shape for t, p in zip(tensors, params, strict=True)
-    )
 
 
 def _zero_call(binding: Binding, param_groups: Sequence[dict[str, Any]]) -> ZeroStep | None:
@@ -108,8 +99,7 @@ def _zero_call(binding: Binding, param_groups: Sequence[dict[str, Any]]) -> Zero
     index = next((i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]), None)
     if index is None:
         raise ValueError(
-            f"{binding.caller} steps ClippedOptimizer one param group at a time, from "
-            "engine.step(); this step saw other groups: step the engine, not the wrapper"
+            f"{binding.caller} steps one param group: step the engine, not the wrapper"
         )
     dp_group = owner.real_dp_process_group[index]
     return ZeroStep(binding.caller, index, len(partitions), dp_group, owner)
@@ -124,41 +114,33 @@ def bind(engine: Any, optimizer: Optimizer) -> Binding:
     basic: object = getattr(engine, "basic_optimizer", None)
     if basic is not optimizer:
         raise ValueError(
-            f"the engine steps {type(basic).__name__}, not this ClippedOptimizer: pass the "
-            "wrapper as deepspeed.initialize(optimizer=...)"
+            f"the engine steps {type(basic).__name__}: pass deepspeed.initialize(optimizer=opt)"
         )
     stage = int(engine.zero_optimization_stage())
     caller = f"DeepSpeed ZeRO-{stage}"
     clipping = float(engine.gradient_clipping() or 0.0)
     if clipping > 0:
         raise ValueError(
-            f"{caller} clips the grads itself (gradient_clipping={clipping}) before it "
-            "steps ClippedOptimizer, which would clip twice and record the clipped norm "
-            "as last_norm: set 'gradient_clipping': 0 in the DeepSpeed config"
+            f"{caller} clips the grads itself (gradient_clipping={clipping}), so they "
+            "would be clipped twice: set 'gradient_clipping': 0 in the DeepSpeed config"
         )
     if engine.fp16_enabled() and engine.dynamic_loss_scale():
         raise ValueError(
-            f"{caller} with fp16 dynamic loss scaling unscales the grads by the loss scale "
-            "after it updates it, so at a step where the scale grows the wrapper sees "
-            "grads scaled by a factor that is not 1 and measures the wrong norm: set a "
-            "static 'fp16': {'loss_scale': <a power of 2>}, or use bf16"
+            f"{caller}'s fp16 dynamic loss scale changes before the grads are unscaled, "
+            "so some norms are wrong: set a static 'fp16': {'loss_scale': <a power of "
+            "2>}, or use bf16"
         )
     owner = engine.optimizer
     if owner is optimizer or isinstance(owner, unfused.FP16_UnfusedOptimizer):
         return Binding(caller)  # whole, averaged grads
     if type(owner) is not zero12.DeepSpeedZeroOptimizer or owner.cpu_offload:
+        offload = " with CPU offload" if getattr(owner, "cpu_offload", False) else ""
         raise ValueError(
-            f"ClippedOptimizer is stepped by DeepSpeed's {type(owner).__name__}"
-            f"{' with CPU offload' if getattr(owner, 'cpu_offload', False) else ''}, which "
-            "clipopt has not tested: use ZeRO-0, -1 or -2 without offload, or DeepSpeed's "
-            "own gradient_clipping with a bare optimizer"
+            f"DeepSpeed's {type(owner).__name__}{offload} steps ClippedOptimizer, which "
+            "clipopt has not tested: use ZeRO-0, -1 or -2 without offload"
         )
     if owner.has_moe_layers:
-        raise ValueError(
-            f"{caller} holds MoE expert layers, whose partitions lie on the expert "
-            "data-parallel ranks: not supported; give DeepSpeed a bare optimizer and its "
-            "own gradient_clipping"
-        )
+        raise ValueError(f"{caller} with MoE expert layers is not supported")
     return Binding(caller, owner)
 
 
@@ -179,37 +161,26 @@ def zero_source(
     grad by grad or unit by unit, which a flat partition cannot give)."""
     if measures_each_grad:
         raise ValueError(
-            f"under {call.caller} each param group is one flat partition of many "
-            "parameters, so grads cannot be measured one by one: track_tensor_norms, "
-            "per-tensor and unit-wise rules (AGC) are not available; use a global rule "
-            "or a number as max_norm"
+            f"{call.caller} steps flat partitions, whose grads cannot be measured one by "
+            "one: track_tensor_norms, per-tensor and unit-wise rules are not available"
         )
+    flat = f"{call.caller} steps flat partitions of one data-parallel group: remove"
     if scope.pp_group is not None:
-        raise ValueError(
-            f"pp_mesh combines pipeline stages' norms, but {call.caller} steps flat "
-            "partitions of one data-parallel group (DeepSpeed's pipeline engine is not "
-            "supported): remove pp_mesh"
-        )
+        raise ValueError(f"{flat} pp_mesh (DeepSpeed's pipeline engine is not supported)")
     if scope.replicated_params:
-        raise ValueError(
-            f"replicated_params name model parameters, but {call.caller} steps flat "
-            "partitions of them, partitioned once over the data-parallel group: remove "
-            "replicated_params"
-        )
+        raise ValueError(f"{flat} replicated_params")
     dp_ranks = _ranks(call.dp_group)
     if scope.process_group is not None and _ranks(scope.process_group) != dp_ranks:
         raise ValueError(
             f"process_group spans ranks {_ranks(scope.process_group)}, but {call.caller} "
-            f"partitions param group {call.group_index} over ranks {dp_ranks}: remove "
-            "process_group (the wrapper reduces over DeepSpeed's data-parallel group)"
+            f"partitions param group {call.group_index} over ranks {dp_ranks}: remove it"
         )
     if call.group_count == 1:
         return NormScope(call.dp_group), None
     if per_group or any(p != 2.0 for p in norm_types):
         raise ValueError(
-            f"{call.caller} steps ClippedOptimizer once per param group "
-            f"({call.group_count} groups), so the global norm is DeepSpeed's own, an L2 "
-            "norm over all groups: use norm_type=2 and per_group=False, or one param group"
+            f"{call.caller} steps each of {call.group_count} param groups apart, so the "
+            "norm is DeepSpeed's L2 one: use norm_type=2 and per_group=False, or one group"
         )
     return scope, ds_global_norm(call)
 
@@ -222,7 +193,6 @@ def ds_global_norm(call: ZeroStep) -> Tensor:
     if isinstance(norm, float) and not math.isnan(norm) and norm >= 0:
         return torch.tensor(norm, dtype=torch.float32)
     raise ValueError(
-        f"{call.caller} steps ClippedOptimizer once per param group ({call.group_count} "
-        f"groups) and computed no global grad norm this step (got {norm!r}): set "
-        "'zero_optimization': {'compute_grad_norm': true} (its default), or use one param group"
+        f"{call.caller} computed no grad norm this step (got {norm!r}): set "
+        "'zero_optimization': {'compute_grad_norm': true}, or use one param group"
     )

@@ -145,8 +145,7 @@ def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str
     if len(found) != len(tensors):
         raise ValueError(
             f"{len(found)} of {len(tensors)} {what} are DTensors: DTensor and plain {what} "
-            "cannot be reduced together (the plain ones have no placement saying whether "
-            "they are sharded or replicated); shard every parameter or none"
+            "cannot be reduced together; shard every parameter or none"
         )
 
 
@@ -156,18 +155,13 @@ def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
     lacks. A Partial grad (summands, not a shard) raises a ValueError."""
     mesh = grad.device_mesh
     count, rest = divmod(reduction_mesh.size(), mesh.size())
-    if rest:
+    if rest or any(p.is_partial() for p in grad.placements):
         raise ValueError(
-            f"a gradient of shape {tuple(grad.shape)} lives on {mesh}, whose size does not "
-            f"divide that of the mesh it is reduced over, {reduction_mesh}"
+            f"a gradient of shape {tuple(grad.shape)} with placements {grad.placements} "
+            f"on {mesh} cannot be reduced over {reduction_mesh}: a Partial one has no "
+            "norm until redistributed to Shard or Replicate, and the mesh sizes must divide"
         )
     for dim, placement in enumerate(grad.placements):
-        if placement.is_partial():
-            raise ValueError(
-                f"a gradient of shape {tuple(grad.shape)} has placements {grad.placements} "
-                f"on {mesh}: a Partial grad has no norm until it is reduced; "
-                "redistribute it to Shard or Replicate first"
-            )
         if placement.is_replicate():
             count *= mesh.size(dim)
     return count
@@ -222,9 +216,8 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
         names = mesh.mesh_dim_names
         if root is None or _root_mesh(mesh) != root or not set(names or [None]) <= set(root_names):
             raise ValueError(
-                f"DTensor grads live on {meshes}: they can be reduced together only when "
-                "one of the meshes holds the ranks of all the others, or they are named "
-                "sub-meshes of one root mesh; compute one norm per mesh instead"
+                f"DTensor grads on {meshes} reduce together only where one mesh holds "
+                "the ranks of all the others, or all are named sub-meshes of one root"
             )
     assert root is not None
     used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
@@ -240,9 +233,9 @@ def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> li
         ranks = mesh_ranks(mesh)
         if group_ranks(process_group) != ranks:
             raise ValueError(
-                f"process_group spans ranks {list(group_ranks(process_group))} but the grads' "
-                f"device mesh {mesh} spans ranks {list(ranks)}; pass a group over exactly the "
-                "mesh's ranks, or None (for pipeline stages, pass their group as pp_mesh)"
+                f"process_group spans ranks {list(group_ranks(process_group))}, the grads' "
+                f"mesh {list(ranks)}: pass one over the same ranks, or None (pipeline "
+                "stages go in pp_mesh)"
             )
         return [process_group]
     if mesh.size() == dist.get_world_size():

@@ -45,11 +45,6 @@ def check_process_group(process_group: object) -> None:
         )
 
 
-def _check_group_for(name: str, replicated: Collection[Tensor], process_group: object) -> None:
-    if replicated and process_group is None:
-        raise ValueError(f"{name} need a process_group to be replicated across")
-
-
 def _local_contribution(
     classes: Sequence[tuple[float, list[Tensor]]],
     p: float,
@@ -92,11 +87,10 @@ def global_norms(
       pp_group: the pipeline stages' group, sharing no other rank with the stage's.
     """
     check_process_group(process_group)
-    if len(buckets) != len(norm_types):
-        raise ValueError(f"got {len(buckets)} buckets but {len(norm_types)} norm types")
     flat = [t for bucket in buckets for t in bucket]
     if replicated:
-        _check_group_for("replicated tensors", replicated, process_group)
+        if process_group is None:
+            raise ValueError("replicated tensors need a process_group to be replicated across")
         check_members("replicated", replicated, flat, "the tensors to measure")
     reduction = _mesh.reduction_for(flat, params, process_group)
     if reduction is None and process_group is None and pp_group is None:
@@ -170,7 +164,8 @@ class NormScope:
         for t in replicated:
             if not isinstance(t, Tensor):
                 raise TypeError(f"replicated_params must hold tensors, got {t!r}")
-        _check_group_for("replicated_params", replicated, process_group)
+        if replicated and process_group is None:
+            raise ValueError("replicated_params need a process_group to be replicated across")
         if params is not None:
             check_members("replicated_params", replicated, params, "the optimizer's parameters")
         self.process_group = process_group

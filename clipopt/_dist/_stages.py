@@ -32,10 +32,7 @@ def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
     if mesh_type is not None and isinstance(pp_mesh, mesh_type):
         mesh: Any = pp_mesh
         if mesh.ndim != 1:
-            raise ValueError(
-                f"pp_mesh must be a 1-D DeviceMesh over the pipeline stages, got {mesh} "
-                f"with {mesh.ndim} dims; pass the stages' dimension, mesh['pp']"
-            )
+            raise ValueError(f"pp_mesh must be a 1-D DeviceMesh (as mesh['pp']), got {mesh}")
         group = mesh.get_group()
     elif dist.is_available() and isinstance(pp_mesh, dist.ProcessGroup):
         group = pp_mesh
@@ -54,9 +51,8 @@ def check_disjoint(pp_group: Any, stage_ranks: Sequence[int], what: str) -> None
     shared = sorted(set(pp_ranks) & set(stage_ranks))
     if shared != [dist.get_rank()]:
         raise ValueError(
-            f"pp_mesh spans ranks {list(pp_ranks)}, which share {shared} with {what} "
-            f"{sorted(stage_ranks)}: pp_mesh must hold one rank of each pipeline stage, "
-            "this one and no other rank of its stage"
+            f"pp_mesh spans ranks {list(pp_ranks)}, sharing {shared} with {what} "
+            f"{sorted(stage_ranks)}: it must hold this rank and one of each other stage"
         )
 
 
@@ -88,24 +84,17 @@ def check_layout(
         bounds[i] != -bounds[i + 1] for i in (0, 2, 4)
     )
     if per_group_differs:
-        raise ValueError(
-            f"pp_mesh: per_group is {per_group} on this pipeline stage and "
-            f"{not per_group} on another; pass the same per_group on every stage"
-        )
+        raise ValueError(f"pp_mesh: per_group is {per_group} on this stage, not on another")
     if per_group and counts_differ:
         raise ValueError(
-            f"pp_mesh with per_group=True: the pipeline stages' optimizers hold "
-            f"{int(-bounds[3])} and {int(bounds[2])} param groups (this stage "
-            f"{len(norm_types)}); per_group combines the stages' groups by position, so "
-            "give every stage as many param groups, with the same clip settings in the "
-            "same order, or pass per_group=False"
+            f"pp_mesh with per_group=True: the stages hold {int(-bounds[3])} and "
+            f"{int(bounds[2])} param groups (this one {len(norm_types)}); give each as "
+            "many, with the same clip settings in the same order, or pass per_group=False"
         )
     if layouts_differ:
         raise ValueError(
-            f"pp_mesh: the pipeline stages' clip settings differ (this stage: {layout}); "
-            "the stages' norms are combined by position, so every stage needs the same "
-            "clip_norm_type and, with per_group=True, its param groups' clip settings in "
-            "the same order"
+            f"pp_mesh: the stages' clip settings differ (this stage: {layout}); the norms "
+            "combine by position, so every stage needs the same ones in the same order"
         )
 
 

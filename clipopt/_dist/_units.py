@@ -7,7 +7,7 @@ count, at the units' global positions: one float64 ``all_reduce`` gives every un
 from __future__ import annotations
 
 import functools
-import math
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -53,66 +53,45 @@ class Rows:
     count: int
 
 
-def _plain_rows(t: Tensor) -> Rows:
-    units = t.shape[0] if t.dim() >= 2 else 1
-    return Rows(units, 0, units)
-
-
-def _strided_shard_types() -> tuple[type, ...]:
-    """``(_StridedShard,)``, the placement FSDP2 gives dim 0 over TP; ``()`` if absent."""
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:
-        return ()
-    return (_StridedShard,)
-
-
-def _layout_error(t: DTensor, why: str) -> str:
-    return (
+def _layout_error(t: DTensor, why: str) -> ValueError:
+    return ValueError(
         f"AGC cannot measure the units of a parameter of shape {tuple(t.shape)} with "
         f"placements {t.placements} on {t.device_mesh}: {why}"
     )
 
 
+def _sharding() -> tuple[type, type]:
+    """Shard and FSDP2's strided shard (the placement it gives dim 0 over TP)."""
+    from torch.distributed.tensor import placement_types as kinds
+
+    return kinds.Shard, getattr(kinds, "_StridedShard", kinds.Shard)
+
+
+def _shard_dim(placement: Placement) -> int | None:
+    """The tensor dim a Shard or strided shard splits, None for another placement."""
+    return int(cast(Any, placement).dim) if isinstance(placement, _sharding()) else None
+
+
 def local_rows(t: Tensor) -> Rows:
     """This rank's units of ``t`` (all of a plain tensor's); a ValueError for a DTensor
-    whose rows are not one range, or placed otherwise than Shard, _StridedShard or
-    Replicate."""
+    placed otherwise than Shard or Replicate, or whose rows are not one range."""
     if not _mesh.dtensors([t]):
-        return _plain_rows(t)
+        units = t.shape[0] if t.dim() >= 2 else 1
+        return Rows(units, 0, units)
     grad = cast("DTensor", t)
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-
     for placement in grad.placements:
-        if type(placement) not in (Shard, Replicate, *_strided_shard_types()):
-            why = "only Shard and Replicate say where its units are"
-            if placement.is_partial():
-                why = "a Partial tensor has no norm until it is reduced; redistribute it first"
-            elif type(placement).__name__ == "_StridedShard":
-                why = f"torch {torch.__version__} has no layout rule for a strided shard"
-            raise ValueError(_layout_error(grad, why))
+        if placement.is_partial():
+            why = "a Partial tensor has no norm until it is reduced; redistribute it first"
+            raise _layout_error(grad, why)
+        if not placement.is_replicate() and _shard_dim(placement) is None:
+            raise _layout_error(grad, "only Shard and Replicate say where its units are")
     if grad.dim() <= 1:
         return Rows(1, 0, 1)
     rows = _dtensor_rows(tuple(grad.shape), grad.device_mesh, tuple(grad.placements))
     if grad._local_tensor.shape[0] != rows.count:
         held = grad._local_tensor.shape[0]
-        raise ValueError(_layout_error(grad, f"its shard holds {held} rows, not {rows.count}"))
+        raise _layout_error(grad, f"its shard holds {held} rows, not {rows.count}")
     return rows
-
-
-def _shard_dim(placement: Placement) -> int | None:
-    """The tensor dim a Shard or strided shard splits, None for Replicate."""
-    from torch.distributed.tensor.placement_types import Shard
-
-    sharding = (Shard, *_strided_shard_types())
-    return int(cast(Shard, placement).dim) if isinstance(placement, sharding) else None
-
-
-def _chunk(size: int, chunks: int, index: int) -> tuple[int, int]:
-    """The start and length of chunk ``index`` of ``size`` rows, as ``torch.chunk`` cuts."""
-    length = -(-size // chunks)
-    start = min(index * length, size)
-    return start, min(start + length, size) - start
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,13 +99,12 @@ def _dtensor_rows(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
 ) -> Rows:
     """This rank's rows of a DTensor of ``shape`` (2 dims or more), once per layout."""
-    coordinate = tuple(cast(list[int], mesh.get_coordinate()))
-    rows = rows_at(shape, tuple(mesh.shape), coordinate, placements)
+    rows = rows_at(shape, tuple(mesh.shape), tuple(mesh.get_coordinate() or ()), placements)
     if rows is None:
         raise ValueError(
-            f"AGC needs each rank's rows of a parameter to be one contiguous range; a "
-            f"parameter of shape {shape} with placements {placements} on {mesh} has "
-            "rows strided across ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
+            f"AGC needs each rank's rows of a parameter to be one range; a parameter of "
+            f"shape {shape} with placements {placements} on {mesh} has rows strided across "
+            "ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
         )
     return rows
 
@@ -135,14 +113,8 @@ class _MeshAt:
     """What torch 2.6's ``compute_local_shape_and_global_offset`` reads of a mesh."""
 
     def __init__(self, shape: tuple[int, ...], coordinate: list[int]) -> None:
-        self._shape, self._coordinate = shape, coordinate
-        self.ndim = len(shape)
-
-    def size(self, mesh_dim: int) -> int:
-        return self._shape[mesh_dim]
-
-    def get_coordinate(self) -> list[int]:
-        return self._coordinate
+        self.size, self.ndim = shape.__getitem__, len(shape)
+        self.get_coordinate = lambda: coordinate
 
 
 def _local_shape_and_offset(
@@ -153,7 +125,7 @@ def _local_shape_and_offset(
 
     compute = getattr(_utils, "_compute_local_shape_and_global_offset", None)  # 2.7 on
     if compute is not None:
-        local, offset = compute(shape, mesh_shape, list(coordinate), placements)
+        local, offset = compute(shape, mesh_shape, coordinate, placements)
     else:
         at: Any = _MeshAt(mesh_shape, coordinate)
         local, offset = _utils.compute_local_shape_and_global_offset(shape, at, placements)
@@ -167,58 +139,30 @@ def rows_at(
     placements: tuple[Placement, ...],
 ) -> Rows | None:
     """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` of a
-    mesh of ``mesh_shape`` holds, or None when some rank's rows are not one range."""
-    strided = _strided_shard_types()
-    dims = [_shard_dim(p) for p in placements]
-    if any(isinstance(p, strided) and d == 0 for p, d in zip(placements, dims, strict=True)):
-        if not _rows_are_ranges(shape, mesh_shape, placements, dims):
-            return None
-        local, offset = _local_shape_and_offset(shape, mesh_shape, list(coordinate), placements)
-        return Rows(shape[0], offset[0] if local[0] else shape[0], local[0])
-    start, count = 0, shape[0]
-    for mesh_dim, dim in enumerate(dims):  # left to right, as DTensor places them
-        if dim == 0:
-            begin, count = _chunk(count, mesh_shape[mesh_dim], coordinate[mesh_dim])
-            start += begin
-    return Rows(shape[0], start, count)
-
-
-def _rows_are_ranges(
-    shape: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    dims: list[int | None],
-) -> bool:
-    """Whether torch's ``[offset, offset + count)`` of every rank splitting dim 0 tile
-    the rows (then each rank's rows are that range)."""
-    splitting = [m for m, d in enumerate(dims) if d == 0]
-    ranges = []
-    for flat in range(math.prod(mesh_shape[m] for m in splitting)):
-        coordinate = [0] * len(mesh_shape)
-        for m in reversed(splitting):
-            flat, coordinate[m] = divmod(flat, mesh_shape[m])
-        local, offset = _local_shape_and_offset(shape, mesh_shape, coordinate, placements)
+    mesh of ``mesh_shape`` holds; None when some rank's rows are not one range. Shards cut
+    as ``torch.chunk``, left to right; with a strided shard, by torch's rule (which reads
+    the host), when the ranges ``[offset, offset + count)`` of all ranks tile the rows."""
+    splitting = [m for m, p in enumerate(placements) if _shard_dim(p) == 0]
+    if not any(isinstance(placements[m], _sharding()[1]) for m in splitting):
+        start, count = 0, shape[0]
+        for m in splitting:
+            length = -(-count // mesh_shape[m])
+            begin = min(coordinate[m] * length, count)
+            start, count = start + begin, min(begin + length, count) - begin
+        return Rows(shape[0], start, count)
+    ranges: list[tuple[int, int]] = []
+    for at in itertools.product(*(range(mesh_shape[m]) for m in splitting)):
+        other = list(coordinate)
+        for m, index in zip(splitting, at, strict=True):
+            other[m] = index
+        local, offset = _local_shape_and_offset(shape, mesh_shape, other, placements)
         if local[0]:
             ranges.append((offset[0], offset[0] + local[0]))
-    if not ranges:
-        return True  # no rows at all
-    ranges.sort()
-    starts, ends = [start for start, _ in ranges], [end for _, end in ranges]
-    return starts[:1] == [0] and starts[1:] == ends[:-1] and ends[-1:] == [shape[0]]
-
-
-def _check_pairs(grads: Sequence[DTensor], weights: Sequence[DTensor]) -> None:
-    """Each grad must be laid out as its weight: their units are matched shard by shard."""
-    for g, w in zip(grads, weights, strict=True):
-        if tuple(g.placements) != tuple(w.placements) or g.device_mesh != w.device_mesh:
-            why = f"its grad has placements {g.placements} on {g.device_mesh}"
-            raise ValueError(_layout_error(w, why))
-        if g._local_tensor.shape != w._local_tensor.shape:
-            why = (
-                f"its grad's shard is {tuple(g._local_tensor.shape)}, not "
-                f"{tuple(w._local_tensor.shape)}"
-            )
-            raise ValueError(_layout_error(w, why))
+    edges = [edge for pair in sorted(ranges) for edge in pair]
+    if edges[1:-1:2] != edges[2::2] or edges[:1] + edges[-1:] not in ([], [0, shape[0]]):
+        return None
+    local, offset = _local_shape_and_offset(shape, mesh_shape, list(coordinate), placements)
+    return Rows(shape[0], offset[0] if local[0] else shape[0], local[0])
 
 
 def unit_norms(
@@ -231,22 +175,21 @@ def unit_norms(
     each, a sparse one by its values), 1-D in order, on ``device`` in ``dtype``. Half
     types accumulate in float32, others in their own dtype, as timm's ``unitwise_norm``."""
     every = [*tensors, *whole]
-    parts: list[Tensor | None] = [None] * len(every)
+    parts: dict[int, Tensor] = {}
     batched: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(every):
         one = i >= len(tensors) or t.dim() <= 1
         if t.is_sparse:  # only a whole one: AGC refuses sparse grads it clips
             parts[i] = _norms.per_tensor_norms([t], 2.0)
-        elif one and t.numel() > 0:
+        elif one and t.numel() > 0:  # one foreach norm per device and dtype
             batched.setdefault((t.device, t.dtype), []).append(i)
         else:
             dims = None if one else tuple(range(1, t.dim()))
             parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
-    for (_, kind), indices in batched.items():
-        norms = torch._foreach_norm([every[i] for i in indices], 2.0, dtype=accumulate_dtype(kind))
-        for i, norm in zip(indices, norms, strict=True):
-            parts[i] = norm
-    found = [cast(Tensor, part).reshape(-1) for part in parts]
+    for (_, kind), at in batched.items():
+        norms = torch._foreach_norm([every[i] for i in at], 2.0, dtype=accumulate_dtype(kind))
+        parts.update(zip(at, norms, strict=True))
+    found = [parts[i].reshape(-1) for i in range(len(every))]
     if len({(part.device, part.dtype) for part in found}) == 1:  # one cast, not one a tensor
         return torch.cat(found).to(device=device, dtype=dtype)
     return torch.cat([part.to(device=device, dtype=dtype) for part in found])
@@ -292,42 +235,48 @@ def whole_unit_norms(
     before anything is sent.
     """
     present = [g for g in grads if g is not None]
-    tensors = [*present, *weights, *(t for t in whole if t is not None)]
+    tensors = [*present, *(w.detach() for w in weights), *(t for t in whole if t is not None)]
+    measured = len(present) + len(weights)
     found = _mesh.dtensors(tensors)
-    if strict and not found:
-        raise ValueError("slot_unit_norms measures DTensor parameters, got plain ones")
     if not found:
+        if strict:
+            raise ValueError("slot_unit_norms measures DTensor parameters, got plain ones")
         device = tensors[0].device
-        rows = [_plain_rows(g) for g in present]
-        measured = [*present, *(w.detach() for w in weights)]
-        norms = unit_norms(measured, device, combine_dtype(device), tensors[len(measured) :])
+        rows = [local_rows(g) for g in present]
+        norms = unit_norms(tensors[:measured], device, combine_dtype(device), tensors[measured:])
         own, theirs, rest = _split_units(norms, rows, len(whole))
         return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     _mesh.check_unmixed(tensors, found, "grads and weights")
-    pairs = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
-    _check_pairs(_mesh.dtensors([g for g, _ in pairs]), _mesh.dtensors([w for _, w in pairs]))
+    for g, w in zip(grads, cast("list[DTensor]", weights), strict=True):
+        grad = cast("DTensor | None", g)
+        if grad is None:
+            continue
+        if grad.placements != w.placements or grad.device_mesh != w.device_mesh:
+            why = f"its grad has placements {grad.placements} on {grad.device_mesh}"
+            raise _layout_error(w, why)
+        mine, its = tuple(grad._local_tensor.shape), tuple(w._local_tensor.shape)
+        if mine != its:
+            raise _layout_error(w, f"its grad's shard is {mine}, not {its}")
     rows = [local_rows(w) for w in weights]
+    mesh = _mesh.reduction_mesh(found)
+    device = found[0].device
+    shards = [t._local_tensor for t in found]
+    squares = unit_norms(shards[:measured], device, REDUCE_DTYPE, shards[measured:]).square()
     slots = [*grads, *weights, *whole]
     placed = [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)]
-    device = found[0].device
-    mesh = _mesh.reduction_mesh(found)
-    groups = _mesh.mesh_groups(mesh, None)
-    shards = [t._local_tensor.detach() for t in found]
-    measured_count = len(present) + len(weights)
-    squares = unit_norms(shards[:measured_count], device, REDUCE_DTYPE, shards[measured_count:])
-    counts = [r.count for t, r in zip(slots, placed, strict=True) if t is not None]
-    parts = iter(torch.split(squares.square(), counts))
+    parts = iter(
+        torch.split(squares, [r.count for t, r in zip(slots, placed, strict=True) if t is not None])
+    )
     shares = [
         squares.new_zeros(r.units)
         if t is None
         else _placed(next(parts), r, _mesh.replica_count(cast("DTensor", t), mesh))
         for t, r in zip(slots, placed, strict=True)
     ]
-    count = len(present) + len(found) - measured_count if strict else None
-    at = _mesh.collective_device(shares, groups)
-    reduced = _mesh.all_reduce(shares, True, groups, at, count, mesh.size())
+    count = len(tensors) - len(weights) if strict else None
+    groups = _mesh.mesh_groups(mesh, None)
+    reduced = _mesh.all_reduce(shares, True, groups, device, count, mesh.size())
     wide = combine_dtype(device)
-    check = reduced[-1].to(device=device, dtype=wide) if strict else None
     own, theirs, rest = _split_units(reduced[:-1] if strict else reduced, rows, len(whole))
     return UnitNorms(
         own.sqrt().to(device=device, dtype=dtype),
@@ -335,7 +284,7 @@ def whole_unit_norms(
         rows,
         own.to(device=device, dtype=wide),
         rest.to(device=device, dtype=wide),
-        check,
+        reduced[-1].to(device=device, dtype=wide) if strict else None,
     )
 
 

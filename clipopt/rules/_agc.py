@@ -8,8 +8,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from clipopt._dist._unit_rows import Rows
-from clipopt._dist._units import slot_unit_norms, whole_unit_norms
+from clipopt._dist._units import Rows, slot_unit_norms, whole_unit_norms
 from clipopt._kernels._norms import result_dtype
 from clipopt._kernels._scale import EPS
 from clipopt.rules._base import number
