@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from clipopt._errors import user_stacklevel
 from clipopt.optimizer import ClippedOptimizer
@@ -26,21 +25,11 @@ from clipopt.optimizer import ClippedOptimizer
 __all__ = ["ClippedOptimizerState"]
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()  # saving a checkpoint, as the user asked: not a step
-    if isinstance(value, Mapping):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
 def _encode(entry: Mapping[str, Any]) -> bytes:
-    """The clip entry ``torch.save``-d to bytes, its tensors on the CPU: one leaf that DCP
-    saves and loads whole (a fresh optimizer has no template of the same shapes)."""
+    """The clip entry ``torch.save``-d to bytes: one leaf that DCP saves and loads whole
+    (a fresh optimizer has no template of the same shapes)."""
     buffer = io.BytesIO()
-    torch.save(_to_cpu(entry), buffer)
+    torch.save(entry, buffer)
     return buffer.getvalue()
 
 
@@ -50,7 +39,7 @@ def _decode(blob: object, key: str) -> Any:
             f"ClippedOptimizerState's {key!r} must be the bytes its state_dict wrote, got "
             f"{type(blob).__name__}; nothing was loaded"
         )
-    entry = torch.load(io.BytesIO(blob), weights_only=True)
+    entry = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     if not isinstance(entry, dict):
         raise TypeError(
             f"ClippedOptimizerState's {key!r} must hold a dict, got {type(entry).__name__}; "

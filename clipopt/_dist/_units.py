@@ -113,8 +113,13 @@ class _MeshAt:
     """What torch 2.6's ``compute_local_shape_and_global_offset`` reads of a mesh."""
 
     def __init__(self, shape: tuple[int, ...], coordinate: list[int]) -> None:
-        self.size, self.ndim = shape.__getitem__, len(shape)
-        self.get_coordinate = lambda: coordinate
+        self._shape, self._coordinate, self.ndim = shape, coordinate, len(shape)
+
+    def size(self, mesh_dim: int) -> int:
+        return self._shape[mesh_dim]
+
+    def get_coordinate(self) -> list[int]:
+        return self._coordinate
 
 
 def _local_shape_and_offset(
