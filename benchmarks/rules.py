@@ -199,7 +199,8 @@ def autoclip_pair(
     rule = clipopt.AutoClip(90.0, AUTOCLIP_HISTORY, per_tensor=True)
     ours = clipopt.ClippedOptimizer(NoStep(ours_params), max_norm=rule)
     count = torch.full((len(histories),), AUTOCLIP_STEP, dtype=torch.int64, device=config.device)
-    rule.load_rule_state({"buffer": torch.stack(histories), "count": count})
+    prefilled = {"buffer": torch.stack(histories), "count": count}
+    rule.load_state_dict({**rule.state_dict(), "state": prefilled})
 
     theirs = QuantileClip(their_params)  # quantile=0.9, history_length=1000, per parameter
     for param, history in zip(their_params, histories, strict=True):

@@ -189,13 +189,6 @@ class Stateful:
         saved = {k: state_dict[k] for k in extras}
         self.set_extras({k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.items()})
 
-    def rule_state(self) -> dict[str, Tensor]:  # compatibility: benchmarks/rules.py
-        return self.saved_state()
-
-    def load_rule_state(self, state: Any) -> None:  # compatibility: benchmarks/rules.py
-        loaded = self.loaded_state(state)
-        self.state, self._stepped = loaded, bool(loaded)
-
     def to(self, device: torch.device) -> None:
         """Move the state and counters to ``device``, after a load."""
         self.state = {k: v.to(device) for k, v in self.state.items()}
