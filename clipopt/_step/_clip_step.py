@@ -136,6 +136,8 @@ def step(wrapper: _Clipped, closure: Closure | None = None) -> Any:
             with torch.enable_grad():
                 loss = closure()
         decision = decide(inner, config, record, closure is None, True)
+        if not (decision.skip or decision.fold):
+            scale(decision, config.foreach)  # in the graph that measured (see apply)
         result, latest = apply(inner, config, record, decision, closure, loss)
         commit(config, record, decision, latest)
         post_hooks(wrapper, args, kwargs)
@@ -242,8 +244,15 @@ def apply(
     loss: Any,
 ) -> tuple[Any, Measurement]:
     """Apply ``decision``: nothing (a skip decided on the host), the fused step with the
-    scale folded in, or the scale and the inner step. Returns what the inner step
-    returns (``loss`` when skipped) and the norms of the grads it stepped with."""
+    scale folded in, or the inner step on the grads :func:`scale` scaled. Returns what
+    the inner step returns (``loss`` when skipped) and the norms of the grads it stepped
+    with.
+
+    Compiled, each way breaks the graph in here (the inner step breaks it; a skip breaks
+    it on purpose), so that what follows is traced in one resumed frame, and nothing
+    here precedes the break (dynamo compiles the code of a call that breaks before the
+    break as a graph of its own: the scale is made before the call).
+    """
     if decision.skip:
         return _skipped(loss), decision.measurement
     if decision.fold:
@@ -252,7 +261,6 @@ def apply(
         return _fold.apply_folded(optimizer, decision.grad_scale, decision.found_inf), (
             decision.measurement
         )
-    scale(decision, config.foreach)
     if closure is None:
         return inner_step(optimizer, None), decision.measurement
     return _step_with_closure(optimizer, config, record, closure, loss, decision.measurement)
@@ -262,9 +270,9 @@ def _skip(loss: Any) -> Any:
     return loss
 
 
-# Compiled, a skipped step breaks the graph inside apply() as a stepped one does (the
-# inner step breaks it), so that commit() is traced in the same resumed frame either way
-# and its Python counters, made dynamic at warm-up, do not recompile at the first skips.
+# A compiled skipped step breaks the graph in apply() as a stepped one does, so that
+# commit() is traced in one frame and its Python counters, made dynamic at warm-up, do
+# not recompile at the first skips.
 _compiler: Any = torch.compiler  # its disable() is untyped
 _skipped: Any = _compiler.disable(_skip)
 
