@@ -14,12 +14,14 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from clipopt._dist._deepspeed import Watch, bind
 from clipopt._dist._reduce import NormScope
 from clipopt._errors import user_stacklevel
+from clipopt._kernels._norms import result_dtype
 from clipopt._step import _clip_step, _saved
 from clipopt._step._clip_step import ClipConfig, GroupView, StepRecord, check_rule_groups
 from clipopt._validation import (
@@ -185,6 +187,7 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         self._apply_settings(settings)
         self._record = StepRecord()
+        _prepare(params, rule, skip_spikes)
 
     step = _clip_step.step
 
@@ -493,3 +496,17 @@ def _check_config(
         )
     if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
         raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
+
+
+def _prepare(params: list[Tensor], rule: ClipRule | None, skip_spikes: SpikeSkip | None) -> None:
+    """Make the rules' state for the norms the step will give them, so that a compiled
+    step compiles once; a wrong guess (grads on another device) costs one recompile."""
+    trained = [p for p in params if p.requires_grad]
+    if not trained:
+        return
+    dtype, device = result_dtype([p.dtype for p in trained]), trained[0].device
+    if rule is not None:
+        shape = (len(trained),) if rule.per_tensor else ()
+        rule.prepare(torch.zeros(shape, dtype=dtype, device=device))
+    if skip_spikes is not None:
+        skip_spikes.prepare(torch.zeros((), dtype=dtype, device=device))

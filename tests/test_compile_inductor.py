@@ -62,8 +62,9 @@ class Setting:
     ``host_read``: the step reads a flag on the host, as documented (a graph break
     there, never a recompile), so its graphs are not bounded by torch's; only on a
     non-fused inner optimizer, unless ``host_read_fused``. ``state_graphs``: graphs
-    compiled once more at the second step, because state the first step makes (a rule's
-    history, SpikeSkip's) was None when the first was traced. ``fused_first_graphs``: on
+    compiled once more at the second step, because state the first step changes
+    (SpikeSkip's count of steps seen, a host int) was guarded on when the first was
+    traced; the rules' state is made at construction and adds none. ``fused_first_graphs``: on
     a fused optimizer, graphs of a first step that could skip, decided on the host
     (torch makes the optimizer's state in it, which ``found_inf`` would leave unmade).
     """
@@ -89,13 +90,13 @@ SETTINGS: dict[str, Setting] = {
     "raise": Setting(kwargs=lambda: {"nonfinite": "raise"}, host_read=True, host_read_fused=True),
     "group-thresholds": Setting(group_thresholds=(0.3, 2.0)),
     "per-group": Setting(kwargs=lambda: {"per_group": True}, group_thresholds=(0.3, 2.0)),
-    "autoclip": Setting(max_norm=lambda: clipopt.AutoClip(50.0, 16), spike=True, state_graphs=2),
+    "autoclip": Setting(max_norm=lambda: clipopt.AutoClip(50.0, 16), spike=True),
     "autoclip-per-tensor": Setting(
-        max_norm=lambda: clipopt.AutoClip(50.0, 16, per_tensor=True), spike=True, state_graphs=2
+        max_norm=lambda: clipopt.AutoClip(50.0, 16, per_tensor=True), spike=True
     ),
-    "zclip": Setting(max_norm=lambda: clipopt.ZClip(warmup_steps=4), spike=True, state_graphs=2),
-    "adagc": Setting(max_norm=lambda: clipopt.AdaGC(warmup_steps=4), spike=True, state_graphs=2),
-    "agc": Setting(max_norm=lambda: clipopt.AGC(clipping=0.05), state_graphs=1),
+    "zclip": Setting(max_norm=lambda: clipopt.ZClip(warmup_steps=4), spike=True),
+    "adagc": Setting(max_norm=lambda: clipopt.AdaGC(warmup_steps=4), spike=True),
+    "agc": Setting(max_norm=lambda: clipopt.AGC(clipping=0.05)),
     "spike-skip": Setting(
         kwargs=lambda: {"skip_spikes": clipopt.SpikeSkip(8, 3.0, 4)},
         spike=True,

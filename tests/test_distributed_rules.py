@@ -678,7 +678,7 @@ def test_a_dtensor_step_measurement_matches_float64(
     """Each grad's norm, each group's and the total, in groups with grads missing ("none"),
     from the reduced sums of powers: one all_reduce (a MAX as well where inf and finite
     orders mix across groups), each norm to 1e-6 of float64."""
-    from clipopt._step import _monitor, _parts
+    from clipopt._step import _measure
 
     gen = torch.Generator().manual_seed(len(sizes) * 7 + len(sizes[0]))
     locals_ = [(torch.randn(tuple(s), generator=gen) * 3).to(dtype) for s in sizes]
@@ -694,9 +694,9 @@ def test_a_dtensor_step_measurement_matches_float64(
     if not per_group:
         orders = [orders[0]] * 3
     groups = [{"params": group} for group in split]
-    grads = _parts.collect_grads(groups)
+    grads = _measure.collect_grads(groups)
     with CountAllReduce() as counter:
-        measured = _monitor.measure_per_tensor(
+        measured = _measure.measure_per_tensor(
             grads, None, orders, 2.0, per_group, None, lambda: split, strict=True
         )
     finite = {p != math.inf for p in orders}

@@ -43,11 +43,10 @@ WING_FLOORS: dict[str, list[set[str]]] = {
     ],
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],
-    # how a step measures, non-finite verdicts, the fold, the saved entry; re-exports of
-    # moved names; a rule's coefficients; the step top to bottom
+    # how a step measures, non-finite verdicts, the fold, the saved entry; a rule's
+    # coefficients; the step top to bottom
     "_step": [
         {"_measure", "_nonfinite", "_fold", "_saved"},
-        {"_parts", "_monitor"},
         {"_rule_step"},
         {"_clip_step"},
     ],

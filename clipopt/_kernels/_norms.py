@@ -206,18 +206,26 @@ def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None =
     device = tensors[0].device
     out_dtype = result_dtype([t.dtype for t in tensors])
     zero = torch.zeros((), dtype=out_dtype, device=device)
-    groups = group([t for t in tensors if t.numel() > 0])
-    found: dict[int, Tensor] = {}
-    for members in (*groups.dense.values(), *groups.sparse.values()):
-        split = p in (1.0, 2.0, math.inf) and members[0].device.type == "cpu"
-        for t in members:
-            if t.is_sparse or (split and t.numel() >= ROWS_FROM):
-                parts = _partials([t.coalesce().values() if t.is_sparse else t], p, foreach)
-                found[id(t)] = _combine(parts, p) if parts else zero
-        rest = [t for t in members if id(t) not in found]
+    norms = [zero] * len(tensors)
+    # Positions, not ids: a compiled step would guard on each grad's identity.
+    at: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() > 0:
+            at.setdefault((t.device, t.dtype, t.is_sparse), []).append(i)
+    for (where, _, sparse), index in at.items():
+        split = p in (1.0, 2.0, math.inf) and where.type == "cpu"
+        rest = []
+        for i in index:
+            t = tensors[i]
+            if sparse or (split and t.numel() >= ROWS_FROM):
+                parts = _partials([t.coalesce().values() if sparse else t], p, foreach)
+                norms[i] = _combine(parts, p) if parts else zero
+            else:
+                rest.append(i)
         if rest:
-            found.update(zip(map(id, rest), _partials(rest, p, foreach)[0].unbind(), strict=True))
-    norms = [found.get(id(t), zero) for t in tensors]
+            each = _partials([tensors[i] for i in rest], p, foreach)[0].unbind()
+            for i, norm in zip(rest, each, strict=True):
+                norms[i] = norm
     if len({(n.device, n.dtype) for n in norms}) > 1:  # else one stack, one cast
         norms = [n.to(device=device, dtype=out_dtype) for n in norms]
     return torch.stack(norms).to(device=device, dtype=out_dtype)

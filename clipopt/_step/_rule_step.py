@@ -1,8 +1,8 @@
 """A rule's decision in a step: per-tensor and unit-wise coefficients.
 
 A clip rule (:class:`clipopt.ClipRule`) turns the step's measurement into one
-:data:`clipopt._step._parts.Coefficient` per param group, in
-:func:`clipopt._step._parts.threshold_coefficients`' place: :func:`rule_coefficients` from the
+:data:`clipopt._step._measure.Coefficient` per param group, in place of the
+fixed threshold's: :func:`rule_coefficients` from the
 norms the step measured, :func:`unit_rule_coefficients` from the parameters and their
 grads for a unit-wise rule (:class:`clipopt.UnitWiseRule`), which decides before the
 step measures. Each also returns what the rule decided, for it to commit once the step
@@ -17,7 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from clipopt._dist import _mesh
-from clipopt._step._parts import Coefficient, Measurement
+from clipopt._step._measure import Coefficient, Measurement
 from clipopt.rules._base import ClipRule
 from clipopt.rules._unit import UnitDecision, UnitWiseRule
 
@@ -36,7 +36,7 @@ def rule_coefficients(
     A global rule gives one shared 0-dim coefficient (so it can fold); a per-tensor
     rule one per grad, from each whole grad's norm: ``measured.tensor_norms``, which
     the step measured with the global norm (one pass, and for DTensor grads one
-    collective: :func:`clipopt._step._monitor.measure_per_tensor`).
+    collective: :func:`clipopt._step._measure.measure_per_tensor`).
 
     With ``stages`` (pipeline stages), a per-tensor rule's norms are this stage's grads'
     and ``measured.norm`` is the whole model's: the rule gets it as ``total_norm``.
