@@ -259,8 +259,10 @@ def clip_grad_norm_(
       max_norm: the largest allowed total norm, > 0 (``inf``: measure only).
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
       error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN/inf norm (a sync).
-      foreach, process_group, pp_mesh: as in :func:`get_total_norm` (``parameters`` are
-        this stage's, clipped by the whole model's norm).
+      foreach: as in :func:`get_total_norm`.
+      process_group: as in :func:`get_total_norm`.
+      pp_mesh: as in :func:`get_total_norm` (``parameters`` are this stage's, clipped by
+        the whole model's norm).
       replicated_params: those of ``parameters`` that are identical on every rank of
         ``process_group``: their grads count once.
 

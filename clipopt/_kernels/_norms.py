@@ -154,7 +154,9 @@ def _combine(partials: list[Tensor], p: float) -> Tensor:
     """The p-norm of 1-D partial p-norms, in :func:`combine_dtype` on the first's device."""
     device = partials[0].device
     wide = combine_dtype(device)
-    norm: Tensor = torch.linalg.vector_norm(torch.cat([x.to(device, wide) for x in partials]), p)
+    wide_partials = [x.to(device, wide) for x in partials]
+    joined = wide_partials[0] if len(wide_partials) == 1 else torch.cat(wide_partials)
+    norm: Tensor = torch.linalg.vector_norm(joined, p)
     return norm
 
 
