@@ -304,11 +304,12 @@ def scale(decision: ClipDecision, foreach: bool | None) -> None:
             pairs = zip(group_grads, coefficient, strict=True)
             each.extend((grad, own) for grad, own in pairs if own is not None)
         elif coefficient is not None and group_grads:
-            found = next((held for held in buckets if held[0] is coefficient), None)
-            if found is None:
-                found = (coefficient, [])
-                buckets.append(found)
-            found[1].extend(group_grads)
+            for held, tensors in buckets:  # not next(..., None): torch 2.6's dynamo
+                if held is coefficient:
+                    tensors.extend(group_grads)
+                    break
+            else:
+                buckets.append((coefficient, list(group_grads)))
     for coefficient, tensors in buckets:
         _scale.scale_(_local(tensors), coefficient, foreach)
     if each:
@@ -467,7 +468,7 @@ def _plain(config: ClipConfig, zero: Any, flat: list[Tensor]) -> bool:
     scope = config.norm_scope
     simple = config.rule is None and not config.per_group and not config.track_tensor_norms
     local = zero is None and scope.process_group is None and scope.pp_group is None
-    return simple and local and bool(flat) and all(type(g) is Tensor for g in flat)
+    return simple and local and len(flat) > 0 and all(type(g) is Tensor for g in flat)
 
 
 def _measure_and_rule(
