@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from clipopt._errors import user_stacklevel
 from clipopt.optimizer import ClippedOptimizer
 
 __all__ = ["ClippedOptimizerState"]
@@ -96,7 +95,7 @@ class ClippedOptimizerState:
                 "dcp.load got back the template's own bytes): the clip state is kept as it "
                 "is; save ClippedOptimizerState(optimizer) beside the model and optimizer",
                 UserWarning,
-                stacklevel=user_stacklevel(),
+                stacklevel=2,
             )
             return
         self.optimizer._load_extra(_decode(state_dict[key], key))

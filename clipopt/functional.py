@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from clipopt._dist import _mesh, _reduce, _stages
-from clipopt._errors import NonFiniteNormError, user_stacklevel
+from clipopt._errors import NonFiniteNormError
 from clipopt._kernels import _norms, _scale
 from clipopt._validation import (
     MaxNorm,
@@ -218,7 +218,7 @@ def _checked(
     if not params and isinstance(parameters, types.GeneratorType):
         warnings.warn(
             "`parameters` is an empty generator, no gradient clipping will occur.",
-            stacklevel=user_stacklevel(),
+            stacklevel=4,  # past this, the entry point and torch.no_grad's wrapper
         )
     return params, check_norm_type(norm_type)
 

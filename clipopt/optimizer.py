@@ -20,7 +20,6 @@ from torch.optim import Optimizer
 
 from clipopt._dist._deepspeed import Watch, bind
 from clipopt._dist._reduce import NormScope
-from clipopt._errors import user_stacklevel
 from clipopt._kernels._norms import result_dtype
 from clipopt._step import _clip_step, _saved
 from clipopt._step._clip_step import ClipConfig, GroupView, StepRecord, check_rule_groups
@@ -397,7 +396,7 @@ class ClippedOptimizer(OptimizerWrapper):
             "save clipopt.distributed.ClippedOptimizerState(optimizer) beside the "
             "optimizer",
             UserWarning,
-            stacklevel=user_stacklevel(),
+            stacklevel=3,  # the caller of load_state_dict
         )
 
     def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> _saved.ClipState | None:

@@ -6,6 +6,7 @@
 - A skipped first step of fused Adam/AdamW left optimizer state behind.
 - Resuming changed when ``max_consecutive_skips`` raises on the fused path.
 - An empty generator of parameters clipped nothing without a word.
+- A load that keeps the clip state as it was says so, at the caller's line.
 - A step that raised (parameters on the meta device) left the wrapper unusable.
 """
 
@@ -23,6 +24,7 @@ from helpers import assert_same
 from torch import nn
 
 import clipopt
+from clipopt.distributed import ClippedOptimizerState
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -191,6 +193,20 @@ def test_an_empty_generator_warns_as_torch_does() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         clipopt.clip_grad_norm_([], 1.0)  # an empty list is not a spent generator
+
+
+def test_a_load_without_the_clip_state_warns_at_the_callers_line() -> None:
+    """Both loads that keep the clip state as it was say so, pointing at the line that
+    called them (their stacklevel is fixed: no stack is read)."""
+    w = _param(3.0, 4.0)
+    opt = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.1), max_norm=1.0)
+    with pytest.warns(UserWarning, match="without a 'clip' entry") as caught:
+        opt.load_state_dict(opt.optimizer.state_dict())
+    assert caught[0].filename == __file__
+    carrier = ClippedOptimizerState(opt)
+    with pytest.warns(UserWarning, match="has no 'stage0'") as caught:
+        carrier.load_state_dict(carrier.state_dict())  # a partial dcp.load hands it back
+    assert caught[0].filename == __file__
 
 
 # --- A step that raises leaves the wrapper as it was ---------------------------------------
