@@ -207,11 +207,16 @@ def _scale_by_norm_(
 
 
 def _checked(
-    parameters: TensorOrTensors, max_norm: MaxNorm, norm_type: NormType, foreach: bool | None
-) -> tuple[list[Tensor], float]:
-    """The parameters of a clip, read once, and the norm's order, after every argument
-    is checked. An empty generator warns, as torch does: it is usually one consumed
-    earlier."""
+    parameters: TensorOrTensors,
+    max_norm: MaxNorm,
+    norm_type: NormType,
+    foreach: bool | None,
+    replicated_params: TensorOrTensors | None,
+    pp_mesh: DeviceMesh | ProcessGroup | None,
+) -> tuple[list[Tensor], float, list[Tensor], ProcessGroup | None]:
+    """A clip's arguments, each checked: the parameters (read once), the norm's order,
+    the grads of ``replicated_params`` (each one of the parameters) and the stages'
+    group. An empty generator warns, as torch does: it is usually one consumed earlier."""
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
     params = _as_list(parameters)
@@ -220,18 +225,12 @@ def _checked(
             "`parameters` is an empty generator, no gradient clipping will occur.",
             stacklevel=4,  # past this, the entry point and torch.no_grad's wrapper
         )
-    return params, check_norm_type(norm_type)
-
-
-def _replicated_grads(
-    params: list[Tensor], replicated_params: TensorOrTensors | None
-) -> list[Tensor]:
-    """The grads of ``replicated_params``, each of which must be one of ``params``."""
-    if replicated_params is None:
-        return []
-    shared = _as_list(replicated_params)
-    _reduce.check_members("replicated_params", shared, params, "parameters")
-    return _grads(shared)
+    p, pp_group, replicated = check_norm_type(norm_type), _stages.stage_group(pp_mesh), []
+    if replicated_params is not None:
+        shared = _as_list(replicated_params)
+        _reduce.check_members("replicated_params", shared, params, "parameters")
+        replicated = _grads(shared)
+    return params, p, replicated, pp_group
 
 
 @torch.no_grad()
@@ -277,13 +276,12 @@ def clip_grad_norm_(
       >>> w.grad
       tensor([0.6000, 0.8000])
     """
-    params, p = _checked(parameters, max_norm, norm_type, foreach)
-    pp_group = _stages.stage_group(pp_mesh)
+    checked = _checked(parameters, max_norm, norm_type, foreach, replicated_params, pp_mesh)
+    params, p, replicated, pp_group = checked
     grads = _grads(params)
     # With no grad here, the parameters say whether other ranks reduce over a mesh.
     local = process_group is None and replicated_params is None and pp_group is None
     if not (local and _mesh.all_plain(grads or params)):
-        replicated = _replicated_grads(params, replicated_params)
         norm = _global_norm(
             grads, p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
         )
@@ -327,9 +325,8 @@ def clip_grad_norm(
       >>> clipped[0], norm, w.grad
       (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
     """
-    params, p = _checked(parameters, max_norm, norm_type, foreach)
-    pp_group = _stages.stage_group(pp_mesh)
-    replicated = _replicated_grads(params, replicated_params)
+    checked = _checked(parameters, max_norm, norm_type, foreach, replicated_params, pp_mesh)
+    params, p, replicated, pp_group = checked
     norm = _global_norm(
         _grads(params), p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
     )

@@ -146,6 +146,25 @@ def test_autoclip_per_tensor_matches_quantileclip(percentile: float, history: in
     assert 0 < int(rule.clipped_count) < STEPS
 
 
+def test_autoclip_zeroes_a_grad_whose_past_norms_were_zero_as_the_package_does() -> None:
+    """A grad that was zero leaves a threshold of 0: the next non-zero grad is scaled to
+    0, as torch's clip at ``max_norm=0`` does (not to NaN, as a tensor ``max_norm`` of 0
+    given by a user is)."""
+    ours, theirs = fresh_params(), fresh_params()
+    rule = clipopt.AutoClip(percentile=0.0, history=5, per_tensor=True)
+    opt = clipopt.ClippedOptimizer(torch.optim.SGD(ours, lr=0.0), max_norm=rule)
+    ref = QuantileClip(theirs, quantile=0.0, history_length=5)
+    for step, grads in enumerate(grad_stream(steps=3, seed=2)):
+        if step == 0:
+            grads[1] = torch.zeros_like(grads[1])
+        set_grads(ours, grads)
+        set_grads(theirs, grads)
+        ref.step()
+        opt.step()
+        assert_same(_flat_grads(ours), _flat_grads(theirs))
+    assert ours[1].grad is not None and torch.equal(ours[1].grad, torch.zeros(SHAPES[1]))
+
+
 def test_autoclip_keeps_a_nan_out_of_its_history_where_the_package_does_not() -> None:
     """autoclip 0.2.1 appends a NaN norm to its history, and every later threshold is
     then NaN: every later grad turns NaN. clipopt skips the step (nonfinite="skip") and

@@ -34,7 +34,6 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import clipopt
-from clipopt._dist._units import unit_shape
 from clipopt._step import _measure
 
 STEPS = 200
@@ -395,7 +394,7 @@ class RowClip(clipopt.UnitWiseRule):
         norms = torch.cat(rows)
         coefficients = 1.0 / norms.clamp(min=1.0)
         parts = coefficients.split([r.numel() for r in rows])
-        shapes = [unit_shape(g) for g in grads]
+        shapes = [(-1,) + (1,) * (g.dim() - 1) if g.dim() >= 2 else () for g in grads]
         per_grad = [c.reshape(shape) for c, shape in zip(parts, shapes, strict=True)]
         squares = self.squares(rows)
         return clipopt.UnitDecision(per_grad, norms, coefficients, coefficients, squares)

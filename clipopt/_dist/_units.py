@@ -31,17 +31,9 @@ __all__ = [
     "UnitNorms",
     "local_rows",
     "rows_at",
-    "slot_unit_norms",
     "unit_norms",
-    "unit_shape",
     "whole_unit_norms",
 ]
-
-
-def unit_shape(t: Tensor) -> tuple[int, ...]:
-    """One coefficient per unit of ``t``, broadcastable to it: ``(rows, 1, ...)`` for 2
-    dims or more, ``()`` for 0 or 1."""
-    return (t.shape[0],) + (1,) * (t.dim() - 1) if t.dim() >= 2 else ()
 
 
 @dataclass(frozen=True)
@@ -245,7 +237,7 @@ def whole_unit_norms(
     found = _mesh.dtensors(tensors)
     if not found:
         if strict:
-            raise ValueError("slot_unit_norms measures DTensor parameters, got plain ones")
+            raise ValueError("strict whole_unit_norms measures DTensor parameters, got plain ones")
         device = tensors[0].device
         rows = [local_rows(g) for g in present]
         norms = unit_norms(tensors[:measured], device, combine_dtype(device), tensors[measured:])
@@ -291,16 +283,6 @@ def whole_unit_norms(
         rest.to(device=device, dtype=wide),
         reduced[-1].to(device=device, dtype=wide) if strict else None,
     )
-
-
-def slot_unit_norms(
-    grads: Sequence[Tensor | None],
-    weights: Sequence[Tensor],
-    dtype: torch.dtype,
-    whole: Sequence[Tensor | None] = (),
-) -> UnitNorms:
-    """:func:`whole_unit_norms` of DTensor parameters, ``strict``."""
-    return whole_unit_norms(grads, weights, dtype, whole, strict=True)
 
 
 def _split_units(values: Tensor, rows: Sequence[Rows], whole: int) -> tuple[Tensor, ...]:

@@ -74,8 +74,8 @@ def result_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 
 def combine_dtype(device: torch.device) -> torch.dtype:
-    """float64 on CPU and CUDA, float32 elsewhere (MPS has no double): partial norms'
-    squares leave float32's range though the norm does not."""
+    """float64 on CPU and CUDA, float32 elsewhere (MPS has no double): for partial norms,
+    whose squares leave float32's range though the norm does not, and rules' state."""
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 

@@ -16,14 +16,20 @@ from torch import Tensor
 
 from clipopt._kernels._norms import Groups, group
 
-__all__ = ["EPS", "clip_coefficient", "grad_scale_of", "scale_", "scale_groups_"]
+__all__ = ["EPS", "clip_coefficient", "coefficient", "grad_scale_of", "scale_", "scale_groups_"]
 
 EPS = 1e-6
 """Added to the norm before dividing, as torch.nn.utils does."""
 
 
+def coefficient(threshold: float | Tensor, norm: Tensor) -> Tensor:
+    """torch's ``min(1, threshold / (norm + EPS))``, unguarded: a rule's thresholds, for
+    which 0 (AutoClip's after zero norms) zeroes the grads, as torch's clip does."""
+    return torch.clamp(threshold / (norm + EPS), max=1.0)
+
+
 def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:
-    """``min(1, max_norm / (norm + EPS))`` on ``norm``'s device, without a host sync.
+    """:func:`coefficient` for a user's ``max_norm``, on ``norm``'s device, no host sync.
 
     A tensor ``max_norm`` of inf gives exactly 1.0, as a float inf scales nothing:
     ``inf / (inf + EPS)`` would otherwise turn an inf norm's grads into NaN. Two
@@ -38,7 +44,7 @@ def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:
 
     An infinite norm still gives 0, as in torch.
     """
-    coef: Tensor = torch.clamp(max_norm / (norm + EPS), max=1.0)
+    coef = coefficient(max_norm, norm)
     invalid = (coef > 0) & (coef < torch.finfo(coef.dtype).tiny)
     if isinstance(max_norm, Tensor):
         limit = _beside(max_norm, coef)

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from clipopt.rules._base import ClipRule, Evaluation, checked, integer, number, state_dtype
+from clipopt._kernels._norms import combine_dtype
+from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, number, same_grads
 
 __all__ = ["AdaGC"]
 
@@ -81,10 +82,10 @@ class AdaGC(ClipRule):
         self.warmup_max_norm = number("warmup_max_norm", warmup_max_norm, "(0, inf)")
         self.eps = number("eps", eps, "[0, inf)")
 
-    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
+    def init_state(self, norms: Tensor) -> State:
         if norms.dim() != 1:
             raise ValueError("AdaGC is a per-tensor rule: it takes one norm per grad")
-        dtype = state_dtype(norms.device)
+        dtype = combine_dtype(norms.device)
         gamma = torch.full(norms.shape, math.inf, dtype=dtype, device=norms.device)
         return {"gamma": gamma, "count": torch.zeros((), dtype=torch.int64, device=norms.device)}
 
@@ -97,19 +98,10 @@ class AdaGC(ClipRule):
         checked("count", state["count"], (), floating=False)
 
     def evaluate(
-        self,
-        norms: Tensor,
-        state: dict[str, Tensor],
-        *,
-        norm_type: float,
-        total_norm: Tensor | None,
+        self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
         gamma, count = state["gamma"], state["count"]
-        if gamma.shape != norms.shape:
-            raise ValueError(
-                f"AdaGC has a state for {gamma.shape[0]} grads but this step has "
-                f"{norms.shape[0]}: a per-tensor rule needs the same grads every step"
-            )
+        same_grads(self, gamma.numel(), norms.numel())
         n = norms.to(gamma.dtype)
         warming = count < self.warmup_steps
         # Warm-up: the total p-norm clipped at warmup_max_norm; each tensor's threshold is

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from clipopt._dist._units import Rows, slot_unit_norms, whole_unit_norms
+from clipopt._dist._units import Rows, whole_unit_norms
 from clipopt._kernels._norms import result_dtype
 from clipopt._kernels._scale import EPS
 from clipopt.rules._base import number
@@ -136,11 +136,7 @@ class AGC(UnitWiseRule):
         others = [i for i, p in enumerate(params) if id(p) in excluded]
         weights = [params[i] for i in chosen]
         own, whole = [grads[i] for i in chosen], [grads[i] for i in others]
-        if slotted:
-            found = slot_unit_norms(own, weights, dtype, whole)
-        else:
-            given = cast("list[Tensor]", own), cast("list[Tensor]", whole)  # all grads here
-            found = whole_unit_norms(given[0], weights, dtype, whole=given[1])
+        found = whole_unit_norms(own, weights, dtype, whole, strict=slotted)
         norms, rows = found.grads, found.rows
         # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
         # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from clipopt.rules._base import ClipRule, Evaluation, checked, integer, number
+from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, number, same_grads
 
 __all__ = ["AutoClip", "replace_sorted", "sorted_history"]
 
@@ -109,7 +109,7 @@ class AutoClip(ClipRule):
             raise TypeError(f"per_tensor must be a bool, got {per_tensor!r}")
         self.per_tensor = per_tensor
 
-    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
+    def init_state(self, norms: Tensor) -> State:
         buffer = norms.new_zeros((norms.numel() if self.per_tensor else 1, self.history))
         count = torch.zeros(buffer.shape[0], dtype=torch.int64, device=norms.device)
         return {"buffer": buffer, "count": count, "sorted": torch.full_like(buffer, math.inf)}
@@ -131,20 +131,11 @@ class AutoClip(ClipRule):
             )
 
     def evaluate(
-        self,
-        norms: Tensor,
-        state: dict[str, Tensor],
-        *,
-        norm_type: float,
-        total_norm: Tensor | None,
+        self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
         buffer, count = state["buffer"], state["count"]
         rows = norms.reshape(-1).to(buffer.dtype)
-        if rows.shape[0] != buffer.shape[0]:
-            raise ValueError(
-                f"AutoClip(per_tensor=True) has a history for {buffer.shape[0]} grads but this "
-                f"step has {rows.shape[0]}: a per-tensor rule needs the same grads every step"
-            )
+        same_grads(self, buffer.shape[0], rows.shape[0])
         ordered = state["sorted"] if "sorted" in state else sorted_history(buffer, count)
         filled = torch.clamp(count, max=self.history)
         # torch.quantile's interpolation: rank = q * (n - 1), the values at its floor and

@@ -1,12 +1,7 @@
-"""The clip-rule protocol (:class:`ClipRule`) and what rules and SpikeSkip share.
-
-A rule is its settings, its state (``rule.state``, tensors on the grads' device) and a
-pure :meth:`ClipRule.evaluate` from a step's norms and the state before it to the
-thresholds and the state after it. Per ``step()`` the wrapper calls
-``rule.decide(norms, norm_type=..., total_norm=...)`` for the coefficients and
-thresholds, and after the step ``rule.commit(norms, coefficients, thresholds)``, which
-installs the new state. ``rule.prepare(norms)`` makes the state ahead of the first step.
-See ``docs/adaptive.md``, "Writing a rule".
+"""The clip-rule protocol (:class:`ClipRule`) and the state handling rules and SpikeSkip
+share. Per ``step()`` the wrapper calls ``rule.decide(norms, norm_type=...,
+total_norm=...)``, then ``rule.commit(norms, coefficients, thresholds)`` after the step;
+see ``docs/adaptive.md``, "Writing a rule".
 """
 
 from __future__ import annotations
@@ -14,21 +9,26 @@ from __future__ import annotations
 import copy
 import numbers
 from collections.abc import Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor
 
-from clipopt._kernels._scale import EPS
+from clipopt._kernels._scale import coefficient
 
-__all__ = ["ClipRule", "Evaluation", "Stateful", "checked", "integer", "number", "state_dtype"]
+__all__ = [
+    "ClipRule",
+    "Evaluation",
+    "State",
+    "Stateful",
+    "checked",
+    "integer",
+    "number",
+    "same_grads",
+]
 
 _Self = TypeVar("_Self", bound="Stateful")
-
-
-def state_dtype(device: torch.device) -> torch.dtype:
-    """float64 where the device has it (scalars: the cost is nothing), else float32."""
-    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+State: TypeAlias = dict[str, Tensor]
 
 
 def number(name: str, value: Any, interval: str) -> float:
@@ -61,6 +61,15 @@ def checked(name: str, value: Tensor, shape: tuple[int, ...] | None, floating: b
         raise ValueError(f"state {name!r} must be a {kind} tensor of shape {shape}, got {value!r}")
 
 
+def same_grads(rule: object, held: int, given: int) -> None:
+    """Refuse a per-tensor rule's step on other grads than its state's (ValueError)."""
+    if held != given:
+        raise ValueError(
+            f"{type(rule).__name__} has a state for {held} grads but this step has {given}: "
+            "a per-tensor rule needs the same grads every step"
+        )
+
+
 def _check_extra(name: str, value: Any, now: Any) -> None:
     """A saved counter (an int, or an int64 0-dim tensor) or last value (a float tensor or
     None) of the kind the current one is, else ValueError."""
@@ -85,7 +94,7 @@ class Evaluation(NamedTuple):
     ``min(1, threshold / (norm + 1e-6))`` (None)."""
 
     thresholds: Tensor
-    state: dict[str, Tensor]
+    state: State
     coefficients: Tensor | None = None
 
 
@@ -97,7 +106,7 @@ class Stateful:
     state_keys: tuple[str, ...] = ()
 
     def __init__(self) -> None:
-        self.state: dict[str, Tensor] = {}
+        self.state: State = {}
         self._made_for: tuple[Any, ...] | None = None  # prepare()'s norms: shape, dtype, device
         self._stepped = False
 
@@ -106,7 +115,7 @@ class Stateful:
         The default: the attributes named in ``settings``."""
         return {name: getattr(self, name) for name in self.settings}
 
-    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
+    def init_state(self, norms: Tensor) -> State:
         """The state before the first step, on ``norms``' device."""
         return {}
 
@@ -121,7 +130,7 @@ class Stateful:
             self.state = self.init_state(norms)
             self._made_for = (tuple(norms.shape), norms.dtype, norms.device)
 
-    def current(self, norms: Tensor) -> dict[str, Tensor]:
+    def current(self, norms: Tensor) -> State:
         """The state to evaluate ``norms`` on: new where none is made, or where the one
         :meth:`prepare` made is for norms of another shape, dtype or device."""
         here = (tuple(norms.shape), norms.dtype, norms.device)
@@ -131,25 +140,8 @@ class Stateful:
             return self.init_state(norms)
         return self.state
 
-    def install(self, state: dict[str, Tensor]) -> None:
+    def install(self, state: State) -> None:
         self.state, self._stepped = state, True
-
-    def saved_state(self) -> dict[str, Tensor]:
-        """Copies of the state; empty before the first step."""
-        return {k: self.state[k].clone() for k in self.state_keys} if self._stepped else {}
-
-    def loaded_state(self, state: Any) -> dict[str, Tensor]:
-        """Copies of a saved state, checked (ValueError) before anything changes."""
-        keys = set(state) if isinstance(state, Mapping) else None
-        if keys not in (set(), set(self.state_keys)) or not all(
-            isinstance(v, Tensor) for v in state.values()
-        ):
-            names = ", ".join(self.state_keys)
-            has = f"state must have the keys {names}, tensors" if names else "has no state"
-            raise ValueError(f"{type(self).__name__} {has}, got {state!r}")
-        if state:
-            self.check_state(state)
-        return {k: v.clone() for k, v in state.items()}
 
     def extras(self) -> dict[str, Any]:
         """What :meth:`state_dict` saves beside the state: counters, last values."""
@@ -161,8 +153,9 @@ class Stateful:
     def state_dict(self) -> dict[str, Any]:
         """``{"type", "config", "state"}`` and :meth:`extras`: tensors and plain values,
         so ``torch.load(weights_only=True)`` reads it."""
-        mine = {"type": type(self).__name__, "config": self.config()}
-        return {**mine, "state": self.saved_state(), **self.extras()}
+        state = {k: self.state[k].clone() for k in self.state_keys} if self._stepped else {}
+        mine = {"type": type(self).__name__, "config": self.config(), "state": state}
+        return {**mine, **self.extras()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`state_dict`'s output, all checked before anything changes.
@@ -183,7 +176,15 @@ class Stateful:
             )
         for name, now in extras.items():
             _check_extra(name, state_dict[name], now)
-        state = self.loaded_state(state_dict["state"])
+        state = state_dict["state"]
+        ok = isinstance(state, Mapping) and set(state) in (set(), set(self.state_keys))
+        if not (ok and all(isinstance(v, Tensor) for v in state.values())):
+            names = ", ".join(self.state_keys)
+            has = f"state must have the keys {names}, tensors" if names else "has no state"
+            raise ValueError(f"{type(self).__name__} {has}, got {state!r}")
+        if state:
+            self.check_state(state)
+        state = {k: v.clone() for k, v in state.items()}
         if state or self._stepped:
             self.state, self._stepped = state, bool(state)
         saved = {k: state_dict[k] for k in extras}
@@ -224,15 +225,10 @@ class ClipRule(Stateful):
         self.last_threshold: Tensor | None = None
         """The threshold of the last step (per-tensor rules: one per grad), None before."""
         self._clipped: Tensor | None = None
-        self._next: dict[str, Tensor] | None = None
+        self._next: State | None = None
 
     def evaluate(
-        self,
-        norms: Tensor,
-        state: dict[str, Tensor],
-        *,
-        norm_type: float,
-        total_norm: Tensor | None,
+        self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
         """This step's thresholds and the state after it; pure, no host read.
 
@@ -260,7 +256,7 @@ class ClipRule(Stateful):
         thresholds, self._next, *given = found  # a plain (thresholds, state) tuple too
         coefficients = given[0] if given and given[0] is not None else None
         if coefficients is None:
-            coefficients = torch.clamp(thresholds / (norms + EPS), max=1.0)
+            coefficients = coefficient(thresholds, norms)
         return coefficients.to(norms.dtype), thresholds.to(norms.dtype)
 
     def commit(self, norms: Tensor, coefficients: Tensor, thresholds: Tensor) -> None:

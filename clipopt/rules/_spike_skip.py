@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt.rules._base import Stateful, checked, integer, number, state_dtype
+from clipopt._kernels._norms import combine_dtype
+from clipopt.rules._base import State, Stateful, checked, integer, number
 
 __all__ = ["SpikeSkip"]
 
@@ -56,8 +57,8 @@ class SpikeSkip(Stateful):
         self._spikes: Tensor | None = None
         self.steps_seen = 0  # on the host: an upper bound of the finite norms seen
 
-    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
-        buffer = torch.zeros(self.window, dtype=state_dtype(norms.device), device=norms.device)
+    def init_state(self, norms: Tensor) -> State:
+        buffer = torch.zeros(self.window, dtype=combine_dtype(norms.device), device=norms.device)
         return {"buffer": buffer, "count": torch.zeros((), dtype=torch.int64, device=norms.device)}
 
     def check_state(self, state: Mapping[str, Tensor]) -> None:

@@ -9,8 +9,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from clipopt._kernels._scale import EPS
-from clipopt.rules._base import ClipRule, Evaluation, checked, integer, number, state_dtype
+from clipopt._kernels._norms import combine_dtype
+from clipopt._kernels._scale import coefficient
+from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, number
 
 __all__ = ["ZClip", "ZClipMode", "ZClipOption"]
 
@@ -96,10 +97,10 @@ class ZClip(ClipRule):
             raise TypeError(f"skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
         self.skip_update_on_spike = skip_update_on_spike
 
-    def init_state(self, norms: Tensor) -> dict[str, Tensor]:
+    def init_state(self, norms: Tensor) -> State:
         if norms.dim() != 0:
             raise ValueError("ZClip is a global rule: it takes the 0-dim global norm")
-        zero = torch.zeros((), dtype=state_dtype(norms.device), device=norms.device)
+        zero = torch.zeros((), dtype=combine_dtype(norms.device), device=norms.device)
         buffer = zero.new_zeros(self.warmup_steps)
         count = torch.zeros((), dtype=torch.int64, device=norms.device)
         return {"buffer": buffer, "count": count, "mean": zero, "var": zero}
@@ -111,12 +112,7 @@ class ZClip(ClipRule):
         checked("var", state["var"], (), floating=True)
 
     def evaluate(
-        self,
-        norms: Tensor,
-        state: dict[str, Tensor],
-        *,
-        norm_type: float,
-        total_norm: Tensor | None,
+        self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
         buffer, count, mean, var = (state[k] for k in self.state_keys)
         norm = norms.to(mean.dtype)
@@ -133,9 +129,9 @@ class ZClip(ClipRule):
         spike = torch.logical_and(spike, torch.logical_not(warming))
         cap = math.inf if self.max_grad_norm is None else self.max_grad_norm
         threshold = torch.clamp(torch.where(spike, clip_val, math.inf), max=cap)
-        torch_rule = torch.clamp(threshold / (norm + EPS), max=1.0)  # clip_grad_norm_
-        strict = torch.where(norm > threshold, threshold / (norm + EPS), 1.0)
-        coefficient = torch.where(warming, torch_rule, strict)
+        # Warm-up clips as clip_grad_norm_ does; after it, only a norm above the threshold.
+        scaled = torch.logical_or(warming, norm > threshold)
+        coefficients = torch.where(scaled, coefficient(threshold, norm), 1.0)
         # Warm-up collects the finite norm; its last step starts the EMAs.
         finite = torch.isfinite(norm)
         slot = torch.clamp(count, max=self.warmup_steps - 1).reshape(1)
@@ -158,4 +154,4 @@ class ZClip(ClipRule):
             "mean": torch.where(starts, first_mean, torch.where(moves, ema_mean, mean)),
             "var": torch.where(starts, first_var, torch.where(moves, ema_var, var)),
         }
-        return Evaluation(threshold, after, coefficient)
+        return Evaluation(threshold, after, coefficients)
