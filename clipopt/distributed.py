@@ -24,29 +24,6 @@ from clipopt.optimizer import ClippedOptimizer
 __all__ = ["ClippedOptimizerState"]
 
 
-def _encode(entry: Mapping[str, Any]) -> bytes:
-    """The clip entry ``torch.save``-d to bytes: one leaf that DCP saves and loads whole
-    (a fresh optimizer has no template of the same shapes)."""
-    buffer = io.BytesIO()
-    torch.save(entry, buffer)
-    return buffer.getvalue()
-
-
-def _decode(blob: object, key: str) -> Any:
-    if not isinstance(blob, bytes):
-        raise TypeError(
-            f"ClippedOptimizerState's {key!r} must be the bytes its state_dict wrote, got "
-            f"{type(blob).__name__}; nothing was loaded"
-        )
-    entry = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    if not isinstance(entry, dict):
-        raise TypeError(
-            f"ClippedOptimizerState's {key!r} must hold a dict, got {type(entry).__name__}; "
-            "nothing was loaded"
-        )
-    return entry
-
-
 class ClippedOptimizerState:
     """The clip state of a :class:`clipopt.ClippedOptimizer` as a DCP ``Stateful``.
 
@@ -77,8 +54,11 @@ class ClippedOptimizerState:
         return f"stage{0 if group is None else dist.get_rank(group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        # Kept to recognise it handed back by a partial dcp.load of a checkpoint without it.
-        self._template = _encode(self.optimizer._extra_state())
+        # Bytes: one leaf that DCP saves and loads whole (a fresh optimizer has no template
+        # of the same shapes); kept to recognise it handed back by a partial dcp.load.
+        buffer = io.BytesIO()
+        torch.save(self.optimizer._extra_state(), buffer)
+        self._template = buffer.getvalue()
         return {self._key(): self._template}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -98,4 +78,16 @@ class ClippedOptimizerState:
                 stacklevel=2,
             )
             return
-        self.optimizer._load_extra(_decode(state_dict[key], key))
+        blob = state_dict[key]
+        if not isinstance(blob, bytes):
+            raise TypeError(
+                f"ClippedOptimizerState's {key!r} must be the bytes its state_dict wrote, got "
+                f"{type(blob).__name__}; nothing was loaded"
+            )
+        entry = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if not isinstance(entry, dict):
+            raise TypeError(
+                f"ClippedOptimizerState's {key!r} must hold a dict, got {type(entry).__name__}; "
+                "nothing was loaded"
+            )
+        self.optimizer._load_extra(entry)

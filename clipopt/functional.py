@@ -206,17 +206,20 @@ def _scale_by_norm_(
         _scale.scale_(_mesh.local_tensors(grads), coef, foreach)
 
 
-def _checked(
+def _clip(
     parameters: TensorOrTensors,
     max_norm: MaxNorm,
     norm_type: NormType,
+    error_if_nonfinite: bool,
     foreach: bool | None,
+    process_group: ProcessGroup | None,
     replicated_params: TensorOrTensors | None,
     pp_mesh: DeviceMesh | ProcessGroup | None,
-) -> tuple[list[Tensor], float, list[Tensor], ProcessGroup | None]:
-    """A clip's arguments, each checked: the parameters (read once), the norm's order,
-    the grads of ``replicated_params`` (each one of the parameters) and the stages'
-    group. An empty generator warns, as torch does: it is usually one consumed earlier."""
+    in_place: bool,
+) -> tuple[list[Tensor | None], Tensor]:
+    """:func:`clip_grad_norm_` (``in_place``; no copies) or :func:`clip_grad_norm`: the
+    clipped copies of the grads and the pre-clip norm. Every argument is checked first;
+    an empty generator warns, as torch does: it is usually one consumed earlier."""
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
     params = _as_list(parameters)
@@ -230,7 +233,23 @@ def _checked(
         shared = _as_list(replicated_params)
         _reduce.check_members("replicated_params", shared, params, "parameters")
         replicated = _grads(shared)
-    return params, p, replicated, pp_group
+    grads = _grads(params)
+    # With no grad here, the parameters say whether other ranks reduce over a mesh.
+    local = process_group is None and replicated_params is None and pp_group is None
+    if in_place and local and _mesh.all_plain(grads or params):
+        norm, groups = _norms.grouped_total_norm(grads, p, foreach)  # one grouping for both
+        if error_if_nonfinite:
+            _raise_if_nonfinite(norm, p)
+        if grads and not _measures_only(max_norm):
+            _scale.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
+        return [], norm
+    norm = _global_norm(
+        grads, p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
+    )
+    copies = [] if in_place else [None if q.grad is None else q.grad.clone() for q in params]
+    targets = grads if in_place else [c for c in copies if c is not None]
+    _scale_by_norm_(targets, max_norm, norm, foreach, error_if_nonfinite)
+    return copies, norm
 
 
 @torch.no_grad()
@@ -276,23 +295,8 @@ def clip_grad_norm_(
       >>> w.grad
       tensor([0.6000, 0.8000])
     """
-    checked = _checked(parameters, max_norm, norm_type, foreach, replicated_params, pp_mesh)
-    params, p, replicated, pp_group = checked
-    grads = _grads(params)
-    # With no grad here, the parameters say whether other ranks reduce over a mesh.
-    local = process_group is None and replicated_params is None and pp_group is None
-    if not (local and _mesh.all_plain(grads or params)):
-        norm = _global_norm(
-            grads, p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
-        )
-        _scale_by_norm_(grads, max_norm, norm, foreach, error_if_nonfinite)
-        return norm
-    norm, groups = _norms.grouped_total_norm(grads, p, foreach)  # one grouping for both
-    if error_if_nonfinite:
-        _raise_if_nonfinite(norm, p)
-    if grads and not _measures_only(max_norm):
-        _scale.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
-    return norm
+    args = (parameters, max_norm, norm_type, error_if_nonfinite, foreach, process_group)
+    return _clip(*args, replicated_params, pp_mesh, in_place=True)[1]
 
 
 @torch.no_grad()
@@ -325,15 +329,8 @@ def clip_grad_norm(
       >>> clipped[0], norm, w.grad
       (tensor([0.6000, 0.8000]), tensor(50.), tensor([30., 40.]))
     """
-    checked = _checked(parameters, max_norm, norm_type, foreach, replicated_params, pp_mesh)
-    params, p, replicated, pp_group = checked
-    norm = _global_norm(
-        _grads(params), p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
-    )
-    copies = [None if q.grad is None else q.grad.clone() for q in params]
-    present = [c for c in copies if c is not None]
-    _scale_by_norm_(present, max_norm, norm, foreach, error_if_nonfinite)
-    return copies, norm
+    args = (parameters, max_norm, norm_type, error_if_nonfinite, foreach, process_group)
+    return _clip(*args, replicated_params, pp_mesh, in_place=False)
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from clipopt._kernels._norms import combine_dtype
-from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, number, same_grads
+from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, number
 
 __all__ = ["AdaGC"]
 
@@ -101,7 +101,7 @@ class AdaGC(ClipRule):
         self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
         gamma, count = state["gamma"], state["count"]
-        same_grads(self, gamma.numel(), norms.numel())
+        self._same_grads(gamma.numel(), norms.numel())
         n = norms.to(gamma.dtype)
         warming = count < self.warmup_steps
         # Warm-up: the total p-norm clipped at warmup_max_norm; each tensor's threshold is

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, number, same_grads
+from clipopt.rules._base import ClipRule, Evaluation, State, checked, flag, integer, number
 
 __all__ = ["AutoClip", "replace_sorted", "sorted_history"]
 
@@ -105,9 +105,7 @@ class AutoClip(ClipRule):
         super().__init__()
         self.percentile = number("percentile", percentile, "[0, 100]")
         self.history = integer("history", history, 1)
-        if not isinstance(per_tensor, bool):
-            raise TypeError(f"per_tensor must be a bool, got {per_tensor!r}")
-        self.per_tensor = per_tensor
+        self.per_tensor = flag("per_tensor", per_tensor)
 
     def init_state(self, norms: Tensor) -> State:
         buffer = norms.new_zeros((norms.numel() if self.per_tensor else 1, self.history))
@@ -135,7 +133,7 @@ class AutoClip(ClipRule):
     ) -> Evaluation:
         buffer, count = state["buffer"], state["count"]
         rows = norms.reshape(-1).to(buffer.dtype)
-        same_grads(self, buffer.shape[0], rows.shape[0])
+        self._same_grads(buffer.shape[0], rows.shape[0])
         ordered = state["sorted"] if "sorted" in state else sorted_history(buffer, count)
         filled = torch.clamp(count, max=self.history)
         # torch.quantile's interpolation: rank = q * (n - 1), the values at its floor and

@@ -16,16 +16,7 @@ from torch import Tensor
 
 from clipopt._kernels._scale import coefficient
 
-__all__ = [
-    "ClipRule",
-    "Evaluation",
-    "State",
-    "Stateful",
-    "checked",
-    "integer",
-    "number",
-    "same_grads",
-]
+__all__ = ["ClipRule", "Evaluation", "State", "Stateful", "checked", "flag", "integer", "number"]
 
 _Self = TypeVar("_Self", bound="Stateful")
 State: TypeAlias = dict[str, Tensor]
@@ -53,21 +44,19 @@ def integer(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
+def flag(name: str, value: Any) -> bool:
+    """``value``, a bool; TypeError naming it otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
 def checked(name: str, value: Tensor, shape: tuple[int, ...] | None, floating: bool) -> None:
     """Refuse a saved tensor of the wrong kind (or shape, where given) with ValueError."""
     ok = value.is_floating_point() if floating else value.dtype == torch.int64
     if not ok or (shape is not None and tuple(value.shape) != shape):
         kind = "floating-point" if floating else "int64"
         raise ValueError(f"state {name!r} must be a {kind} tensor of shape {shape}, got {value!r}")
-
-
-def same_grads(rule: object, held: int, given: int) -> None:
-    """Refuse a per-tensor rule's step on other grads than its state's (ValueError)."""
-    if held != given:
-        raise ValueError(
-            f"{type(rule).__name__} has a state for {held} grads but this step has {given}: "
-            "a per-tensor rule needs the same grads every step"
-        )
 
 
 def _check_extra(name: str, value: Any, now: Any) -> None:
@@ -241,6 +230,14 @@ class ClipRule(Stateful):
         """
         raise NotImplementedError
 
+    def _same_grads(self, held: int, given: int) -> None:
+        """Refuse a per-tensor step on other grads than the state's (ValueError)."""
+        if held != given:
+            raise ValueError(
+                f"{type(self).__name__} has a state for {held} grads but this step has "
+                f"{given}: a per-tensor rule needs the same grads every step"
+            )
+
     def prepare(self, norms: Tensor) -> None:
         super().prepare(norms)
         if self._clipped is None:
@@ -254,9 +251,8 @@ class ClipRule(Stateful):
         state = self.current(norms)
         found = self.evaluate(norms, state, norm_type=norm_type, total_norm=total_norm)
         thresholds, self._next, *given = found  # a plain (thresholds, state) tuple too
-        coefficients = given[0] if given and given[0] is not None else None
-        if coefficients is None:
-            coefficients = coefficient(thresholds, norms)
+        own = given[0] if given else None
+        coefficients = coefficient(thresholds, norms) if own is None else own
         return coefficients.to(norms.dtype), thresholds.to(norms.dtype)
 
     def commit(self, norms: Tensor, coefficients: Tensor, thresholds: Tensor) -> None:

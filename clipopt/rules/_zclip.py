@@ -11,7 +11,7 @@ from torch import Tensor
 
 from clipopt._kernels._norms import combine_dtype
 from clipopt._kernels._scale import coefficient
-from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, number
+from clipopt.rules._base import ClipRule, Evaluation, State, checked, flag, integer, number
 
 __all__ = ["ZClip", "ZClipMode", "ZClipOption"]
 
@@ -93,9 +93,7 @@ class ZClip(ClipRule):
         self.mode = _choice("mode", mode, ("zscore", "percentile"))
         self.clip_option = _choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
         self.clip_factor = number("clip_factor", clip_factor, "(0, inf]")
-        if not isinstance(skip_update_on_spike, bool):
-            raise TypeError(f"skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
-        self.skip_update_on_spike = skip_update_on_spike
+        self.skip_update_on_spike = flag("skip_update_on_spike", skip_update_on_spike)
 
     def init_state(self, norms: Tensor) -> State:
         if norms.dim() != 0:
@@ -106,10 +104,8 @@ class ZClip(ClipRule):
         return {"buffer": buffer, "count": count, "mean": zero, "var": zero}
 
     def check_state(self, state: Mapping[str, Tensor]) -> None:
-        checked("buffer", state["buffer"], (self.warmup_steps,), floating=True)
-        checked("count", state["count"], (), floating=False)
-        checked("mean", state["mean"], (), floating=True)
-        checked("var", state["var"], (), floating=True)
+        for key, shape in zip(self.state_keys, ((self.warmup_steps,), (), (), ()), strict=True):
+            checked(key, state[key], shape, floating=key != "count")
 
     def evaluate(
         self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
