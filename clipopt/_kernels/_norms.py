@@ -161,19 +161,10 @@ def _combine(partials: list[Tensor], p: float) -> Tensor:
 
 
 def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
-    """The p-norm of all ``tensors`` taken together, as one 0-dim tensor.
-
-    Args:
-      tensors: dense or sparse COO tensors; may mix devices and dtypes. Empty tensors
-        contribute nothing.
-      p: a validated norm order, ``> 0`` or ``math.inf``.
-      foreach: multi-tensor kernels (True or None) or per-tensor ones (False).
-
-    Returns:
-      A 0-dim tensor on the first tensor with values' device, float32 (float64 if any
-      input is double precision). With no values at all, a zero on the first tensor's
-      device (CPU if none).
-    """
+    """The ``p``-norm of all ``tensors`` (dense or sparse COO, any devices and dtypes)
+    together: 0-dim in :func:`result_dtype`, on the device of the first with values; with
+    none, a zero on the first tensor's device (CPU if none). ``foreach=False``: per-tensor
+    kernels."""
     return grouped_total_norm(tensors, p, foreach)[0]
 
 
