@@ -19,13 +19,7 @@ from torch import Tensor
 from clipopt._dist import _mesh, _reduce, _stages
 from clipopt._errors import NonFiniteNormError
 from clipopt._kernels import _norms, _scale
-from clipopt._validation import (
-    MaxNorm,
-    NormType,
-    check_foreach,
-    check_norm_type,
-    check_positive,
-)
+from clipopt._validation import MaxNorm, NormType, check_foreach, check_norm_type, check_positive
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -152,10 +146,7 @@ def _global_norm(
 
 @torch.no_grad()
 def clip_grads_with_norm_(
-    parameters: TensorOrTensors,
-    max_norm: MaxNorm,
-    total_norm: Tensor,
-    foreach: bool | None = None,
+    parameters: TensorOrTensors, max_norm: MaxNorm, total_norm: Tensor, foreach: bool | None = None
 ) -> None:
     """Scale grads in place by ``min(1, max_norm / (total_norm + 1e-6))``.
 
@@ -335,9 +326,7 @@ def clip_grad_norm(
 
 @torch.no_grad()
 def clip_grad_value_(
-    parameters: TensorOrTensors,
-    clip_value: float,
-    foreach: bool | None = None,
+    parameters: TensorOrTensors, clip_value: float, foreach: bool | None = None
 ) -> None:
     """Clamp every grad element into ``[-clip_value, clip_value]`` in place.
 

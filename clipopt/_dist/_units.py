@@ -26,14 +26,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
 
-__all__ = [
-    "Rows",
-    "UnitNorms",
-    "local_rows",
-    "rows_at",
-    "unit_norms",
-    "whole_unit_norms",
-]
+__all__ = ["Rows", "UnitNorms", "local_rows", "rows_at", "unit_norms", "whole_unit_norms"]
 
 
 @dataclass(frozen=True)
