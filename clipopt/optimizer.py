@@ -25,7 +25,9 @@ from clipopt._kernels._norms import result_dtype
 from clipopt._step import _clip_step, _saved
 from clipopt._step._clip_step import ClipConfig, GroupView, StepRecord, check_rule_groups
 from clipopt._validation import (
+    CLIP_GROUP_KEY,
     CLIP_KEY,
+    DEFAULT_CLIP_GROUP,
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
     NonFinite,
@@ -33,6 +35,7 @@ from clipopt._validation import (
     check_foreach,
     check_groups,
     check_not_skip_step,
+    clip_layout,
     validated_settings,
 )
 from clipopt._wrapper import OptimizerWrapper
@@ -81,8 +84,15 @@ class ClippedOptimizer(OptimizerWrapper):
         into a fused kernel like a number does. See ``docs/adaptive.md``.
       norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
         Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
+
+    A param group's ``"clip_group"`` (a str or an int) names its clip group: the groups
+    of one clip group share one norm and one threshold (their ``clip_max_norm`` and
+    ``clip_norm_type`` must be equal), each clip group has its own; a group without one
+    is in the clip group ``"default"``, and one with None is neither measured nor
+    scaled. A rule clips one clip group (the others None).
       per_group: clip each param group by its own norm instead of one global norm over
-        all groups; the per-group norms are in :attr:`last_group_norms`.
+        all groups; the per-group norms are in :attr:`last_group_norms`. The shorthand
+        for one clip group per param group: not with ``"clip_group"`` names.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest for
         each device (None), as in :func:`clipopt.clip_grad_norm_`.
       nonfinite: what a NaN/inf norm does. ``"propagate"`` (torch's behaviour, no
@@ -171,6 +181,7 @@ class ClippedOptimizer(OptimizerWrapper):
         check_groups(groups, settings.max_norm, settings.norm_type, settings.per_group)
         check_rule_groups(groups, rule)
         params = [p for group in groups for p in group["params"]]
+        clipped = [p for g in groups if g.get(CLIP_GROUP_KEY, 0) is not None for p in g["params"]]
         scope = NormScope(process_group, replicated_params, params=params, pp_mesh=pp_mesh)
         # Nothing has been touched above this line.
         super().__init__(optimizer)
@@ -187,7 +198,7 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         self._apply_settings(settings)
         self._record = StepRecord()
-        _prepare(params, rule, skip_spikes)
+        _prepare(clipped, rule, skip_spikes)
 
     step = _clip_step.step
 
@@ -221,16 +232,17 @@ class ClippedOptimizer(OptimizerWrapper):
 
         Missing ``clip_max_norm`` / ``clip_norm_type`` are filled from :attr:`defaults`,
         like every other hyperparameter; given ones are validated first, and without
-        ``per_group`` the group's ``clip_norm_type`` must be the one the others use.
+        ``per_group`` the group's ``clip_norm_type`` must be the one the others (of its
+        clip group) use. A ``clip_group`` is validated as in the constructor.
 
         Raises:
-          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``; nothing is
-            added.
+          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``/``clip_group``;
+            nothing is added.
         """
         if isinstance(param_group, dict):
             s = self._settings()
             check_groups([*self.param_groups, param_group], s.max_norm, s.norm_type, s.per_group)
-            check_rule_groups([param_group], self._clip.rule)
+            check_rule_groups([*self.param_groups, param_group], self._clip.rule)
         self.optimizer.add_param_group(param_group)
         self._clip.deepspeed.add(self.param_groups[-1]["params"])
 
@@ -345,8 +357,20 @@ class ClippedOptimizer(OptimizerWrapper):
 
     @property
     def last_group_norms(self) -> Tensor | None:
-        """With ``per_group=True``, the pre-clip norm of each group (1-D); else None."""
+        """With ``per_group=True``, the pre-clip norm of each group (1-D); with more than
+        one clip group, of each clip group, in the order of :attr:`clip_groups`; else
+        None."""
         return self._record.last_group_norms
+
+    @property
+    def clip_groups(self) -> tuple[str | int, ...]:
+        """The clip groups' names, in order of first appearance in the param groups (those
+        ``"clip_group": None`` names are left out): ``("default",)`` where no group names
+        one, each group's index with ``per_group=True``."""
+        layout = clip_layout(self.param_groups)
+        if layout is not None:
+            return tuple(layout[1])
+        return tuple(range(len(self.param_groups))) if self.per_group else (DEFAULT_CLIP_GROUP,)
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
@@ -402,10 +426,17 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> _saved.ClipState | None:
         config = self._clip
+        # last_group_norms holds a norm of each saved clip group (the inner optimizer
+        # judges saved groups that do not line up with these)
+        groups: Any = inner_state.get("param_groups")
+        readable = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+        if not readable or len(groups) != len(self.param_groups):
+            groups = self.param_groups
+        layout = clip_layout(groups)
         return _saved.check_load(
             extra,
             inner_state,
-            len(self.param_groups),
+            len(groups) if layout is None else len(layout[1]),
             self._settings(),
             config.rule,
             config.skip_spikes,
