@@ -142,6 +142,21 @@ def test_per_group_equals_naming_each_group() -> None:
         assert torch.equal(a, b)
 
 
+def test_tracked_tensor_norms_leave_out_the_none_group() -> None:
+    params = _params()
+    named = [{"params": [p], "param_names": [f"p{i}"]} for i, p in enumerate(params)]
+    for group, name in zip(named, ["a", None, "b", "a", None], strict=True):
+        group["clip_group"] = name
+    opt = clipopt.ClippedOptimizer(torch.optim.SGD(named, lr=0.1), 1.0, track_tensor_norms=True)
+    _set_grads(params, seed=0)
+    grads = {f"p{i}": p.grad.clone() for i, p in enumerate(params)}  # type: ignore[union-attr]
+    opt.step()
+    tracked = opt.last_tensor_norms
+    assert tracked is not None and sorted(tracked) == ["p0", "p2", "p3"]
+    for name, norm in tracked.items():
+        assert math.isclose(float(norm), _float64_norm([grads[name]], 2.0), rel_tol=1e-6)
+
+
 RULES: dict[str, Callable[[], clipopt.ClipRule]] = {
     "zclip": lambda: clipopt.ZClip(warmup_steps=2),
     "autoclip-per-tensor": lambda: clipopt.AutoClip(50.0, 8, per_tensor=True),
