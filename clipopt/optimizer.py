@@ -72,6 +72,12 @@ class ClippedOptimizer(OptimizerWrapper):
     :func:`clipopt.clip_grad_norm_` followed by ``optimizer.step()``, in one object that
     schedulers and checkpoints treat like the optimizer it wraps (Pascanu et al., 2013).
 
+    A param group's ``"clip_group"`` (a str or an int) names its clip group: the groups
+    of one clip group share one norm and one threshold (their ``clip_max_norm`` and
+    ``clip_norm_type`` must be equal), each clip group has its own; a group without one
+    is in the clip group ``"default"``, and one with None is neither measured nor
+    scaled. A rule clips one clip group (the others None).
+
     Args:
       optimizer: the optimizer to wrap; it keeps its param groups and state.
       max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
@@ -84,12 +90,6 @@ class ClippedOptimizer(OptimizerWrapper):
         into a fused kernel like a number does. See ``docs/adaptive.md``.
       norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
         Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
-
-    A param group's ``"clip_group"`` (a str or an int) names its clip group: the groups
-    of one clip group share one norm and one threshold (their ``clip_max_norm`` and
-    ``clip_norm_type`` must be equal), each clip group has its own; a group without one
-    is in the clip group ``"default"``, and one with None is neither measured nor
-    scaled. A rule clips one clip group (the others None).
       per_group: clip each param group by its own norm instead of one global norm over
         all groups; the per-group norms are in :attr:`last_group_norms`. The shorthand
         for one clip group per param group: not with ``"clip_group"`` names.
@@ -131,8 +131,9 @@ class ClippedOptimizer(OptimizerWrapper):
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
         a setting has the wrong type.
-      ValueError: ``optimizer`` has no parameters, a setting is out of range, or
-        param groups use different ``norm_type`` values without ``per_group``.
+      ValueError: ``optimizer`` has no parameters, a setting is out of range, param
+        groups use different ``norm_type`` values without ``per_group`` or clip groups,
+        or the groups of one clip group different settings.
 
     Example:
       >>> import torch, clipopt
@@ -181,7 +182,12 @@ class ClippedOptimizer(OptimizerWrapper):
         check_groups(groups, settings.max_norm, settings.norm_type, settings.per_group)
         check_rule_groups(groups, rule)
         params = [p for group in groups for p in group["params"]]
-        clipped = [p for g in groups if g.get(CLIP_GROUP_KEY, 0) is not None for p in g["params"]]
+        clipped = [
+            p
+            for g in groups
+            if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None
+            for p in g["params"]
+        ]
         scope = NormScope(process_group, replicated_params, params=params, pp_mesh=pp_mesh)
         # Nothing has been touched above this line.
         super().__init__(optimizer)
