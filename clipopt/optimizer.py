@@ -133,7 +133,7 @@ class ClippedOptimizer(OptimizerWrapper):
         a setting has the wrong type.
       ValueError: ``optimizer`` has no parameters, a setting is out of range, param
         groups use different ``norm_type`` values without ``per_group`` or clip groups,
-        or the groups of one clip group different settings.
+        or the groups of one clip group have different settings.
 
     Example:
       >>> import torch, clipopt
