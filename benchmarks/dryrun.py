@@ -234,11 +234,21 @@ def _two_groups(inner: Inner, params: list[nn.Parameter]) -> torch.optim.Optimiz
     return optimizer
 
 
+def _clip_groups(inner: Inner, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Two clip groups, "a" and "b", and a group left unclipped."""
+    optimizer = inner(params[::3])
+    optimizer.param_groups[0]["clip_group"] = "a"
+    optimizer.add_param_group({"params": params[1::3], "clip_group": "b", "clip_max_norm": 2.0})
+    optimizer.add_param_group({"params": params[2::3], "clip_group": None})
+    return optimizer
+
+
 def _clipped(inner: Inner, groups: int = 1, **kwargs: Any) -> MakeStep:
     """A wrapper's step; a callable argument is called for each wrapper (a fresh rule)."""
 
     def make(params: list[nn.Parameter]) -> Step:
-        optimizer = inner(params) if groups == 1 else _two_groups(inner, params)
+        builders = {1: inner, 2: lambda ps: _two_groups(inner, ps)}
+        optimizer = builders.get(groups, lambda ps: _clip_groups(inner, ps))(params)
         made = {k: v() if callable(v) else v for k, v in kwargs.items()}
         return clipopt.ClippedOptimizer(optimizer, **made).step
 
@@ -295,6 +305,7 @@ def settings(inner: Inner) -> dict[str, tuple[MakeStep, tuple[str, ...]]]:
         "max_norm=1.0": (_clipped(inner, max_norm=1.0), ()),
         "norm_type=inf": (_clipped(inner, max_norm=1.0, norm_type=float("inf")), ()),
         "per_group=True": (_clipped(inner, groups=2, max_norm=1.0, per_group=True), ()),
+        "clip groups (2, and None)": (_clipped(inner, groups=3, max_norm=1.0), ()),
         'nonfinite="skip"': (_clipped(inner, max_norm=1.0, nonfinite="skip"), ()),
         'nonfinite="raise"': (_clipped(inner, max_norm=1.0, nonfinite="raise"), ()),
         "track_tensor_norms=True": (_clipped(inner, max_norm=1.0, track_tensor_norms=True), ()),

@@ -3,8 +3,8 @@
 Each check raises a ``TypeError``/``ValueError`` naming the argument and the value, and
 reads no tensor's value (that would wait on its device). A wrapper's settings live in the
 inner optimizer's param groups and defaults under names no optimizer uses
-(``"clip_max_norm"``, ``"clip_norm_type"``), so they are saved, loaded and edited like
-``lr``; the wrapper-wide ones are a :class:`Settings`.
+(``"clip_max_norm"``, ``"clip_norm_type"``, ``"clip_group"``), so they are saved, loaded
+and edited like ``lr``; the wrapper-wide ones are a :class:`Settings`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "CLIP_GROUP_KEY",
     "CLIP_KEY",
+    "DEFAULT_CLIP_GROUP",
     "MAX_NORM_KEY",
     "NORM_TYPE_KEY",
     "MaxNorm",
@@ -31,6 +33,8 @@ __all__ = [
     "check_norm_type",
     "check_not_skip_step",
     "check_positive",
+    "clip_layout",
+    "same_threshold",
     "validated_settings",
 ]
 
@@ -38,6 +42,9 @@ NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
 NonFinite: TypeAlias = Literal["propagate", "skip", "raise"]
 Threshold: TypeAlias = float | Tensor
+Layout: TypeAlias = tuple[list[int | None], list[str | int]]
+"""Each param group's clip group (an index into the names; None: not clipped), and the
+clip groups' names in order of first appearance."""
 
 NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise")
 CLIP_KEY = "clip"
@@ -46,6 +53,10 @@ MAX_NORM_KEY = "clip_max_norm"
 """The param-group (and defaults) key of a group's threshold."""
 NORM_TYPE_KEY = "clip_norm_type"
 """The param-group (and defaults) key of a group's norm order."""
+CLIP_GROUP_KEY = "clip_group"
+"""The param-group key naming a group's clip group (None: the group is not clipped)."""
+DEFAULT_CLIP_GROUP = "default"
+"""The clip group of a param group without a ``"clip_group"``."""
 
 
 @dataclass(frozen=True)
@@ -127,18 +138,56 @@ def _group_norm_type(index: int, value: Any) -> float:
         raise type(error)(f"param_groups[{index}][{NORM_TYPE_KEY!r}]: {error}") from None
 
 
-def check_groups(
-    groups: Sequence[Mapping[str, Any]], max_norm: Any, norm_type: Any, per_group: bool
-) -> tuple[list[Threshold], list[float]]:
-    """Each group's threshold and norm order (``max_norm``, ``norm_type`` where it has
-    none), validated.
+def same_threshold(a: Threshold, b: Threshold) -> bool:
+    """Equal numbers, or one tensor (whose value is not read)."""
+    return a is b or (isinstance(a, float) and isinstance(b, float) and a == b)
 
-    Returns:
-      The thresholds (a number > 0, inf allowed, or a 0-dim tensor) and the orders.
+
+def clip_layout(groups: Sequence[Mapping[str, Any]]) -> Layout | None:
+    """Each param group's clip group and the names (:data:`Layout`); None where no group
+    has a ``"clip_group"``: one clip group, or one per group with ``per_group``.
 
     Raises:
-      TypeError, ValueError: a bad setting, or without ``per_group`` two orders (one
-        global norm needs one).
+      TypeError: a name that is not a str, an int or None.
+      ValueError: every group is left out (None): nothing would be clipped.
+    """
+    if not any(CLIP_GROUP_KEY in group for group in groups):
+        return None
+    layout: list[int | None] = []
+    names: list[str | int] = []
+    for index, group in enumerate(groups):
+        name = group.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP)
+        if name is not None and (isinstance(name, bool) or not isinstance(name, (str, int))):
+            raise TypeError(
+                f"param_groups[{index}][{CLIP_GROUP_KEY!r}] must be a str, an int or None, "
+                f"got {name!r}"
+            )
+        if name is not None and name not in names:
+            names.append(name)
+        layout.append(None if name is None else names.index(name))
+    if not names:
+        raise ValueError(
+            f"every param group has {CLIP_GROUP_KEY!r}: None, so nothing would be clipped; "
+            "name a clip group, or step the inner optimizer itself"
+        )
+    return layout, names
+
+
+def check_groups(
+    groups: Sequence[Mapping[str, Any]], max_norm: Any, norm_type: Any, per_group: bool
+) -> tuple[list[Threshold], list[float], Layout | None]:
+    """Each group's threshold and norm order (``max_norm``, ``norm_type`` where it has
+    none), validated, and its clip group.
+
+    Returns:
+      The thresholds (a number > 0, inf allowed, or a 0-dim tensor) and the orders, one
+      per param group, or one per clip group where a group names one; the
+      :func:`clip_layout`.
+
+    Raises:
+      TypeError, ValueError: a bad setting or clip group name; without ``per_group`` two
+        orders (one global norm needs one); two groups of one clip group with different
+        settings; ``per_group`` with clip group names.
     """
     thresholds: list[Threshold] = []
     norm_types = []
@@ -147,12 +196,37 @@ def check_groups(
         check_positive(f"param_groups[{index}][{MAX_NORM_KEY!r}]", value)
         thresholds.append(value if isinstance(value, Tensor) else float(value))
         norm_types.append(_group_norm_type(index, group.get(NORM_TYPE_KEY, norm_type)))
-    if not per_group and len(set(norm_types)) > 1:
+    layout = clip_layout(groups)
+    if layout is None:
+        if not per_group and len(set(norm_types)) > 1:
+            raise ValueError(
+                f"param groups use different norm_type values {norm_types}; one global "
+                "norm needs one order (pass per_group=True to clip each group by its own "
+                f"norm, or name clip groups with {CLIP_GROUP_KEY!r})"
+            )
+        return thresholds, norm_types, None
+    at, names = layout
+    if per_group:
+        index = next(i for i, group in enumerate(groups) if CLIP_GROUP_KEY in group)
         raise ValueError(
-            f"param groups use different norm_type values {norm_types}; one global norm "
-            "needs one order (pass per_group=True to clip each group by its own norm)"
+            f"per_group=True gives each param group its own clip group, but "
+            f"param_groups[{index}][{CLIP_GROUP_KEY!r}] is {groups[index][CLIP_GROUP_KEY]!r}: "
+            f"use per_group=False with {CLIP_GROUP_KEY!r} names, or per_group alone"
         )
-    return thresholds, norm_types
+    first = [at.index(k) for k in range(len(names))]
+    for index, k in enumerate(at):
+        if k is None:
+            continue
+        lead = first[k]
+        for key, values in ((MAX_NORM_KEY, thresholds), (NORM_TYPE_KEY, norm_types)):
+            a, b = values[lead], values[index]
+            if not same_threshold(a, b):
+                raise ValueError(
+                    f"param_groups[{lead}] and param_groups[{index}] are in clip group "
+                    f"{names[k]!r} but have {key!r} {a!r} and {b!r}: a clip group has one "
+                    "threshold and one order"
+                )
+    return [thresholds[i] for i in first], [norm_types[i] for i in first], layout
 
 
 def check_not_skip_step(optimizer: object) -> None:

@@ -24,7 +24,9 @@ from clipopt._kernels._norms import result_dtype
 from clipopt._step import _clip_step, _saved
 from clipopt._step._clip_step import ClipConfig, GroupView, StepRecord, check_rule_groups
 from clipopt._validation import (
+    CLIP_GROUP_KEY,
     CLIP_KEY,
+    DEFAULT_CLIP_GROUP,
     MAX_NORM_KEY,
     NORM_TYPE_KEY,
     NonFinite,
@@ -32,6 +34,7 @@ from clipopt._validation import (
     check_foreach,
     check_groups,
     check_not_skip_step,
+    clip_layout,
     validated_settings,
 )
 from clipopt._wrapper import OptimizerWrapper
@@ -68,6 +71,12 @@ class ClippedOptimizer(OptimizerWrapper):
     :func:`clipopt.clip_grad_norm_` followed by ``optimizer.step()``, in one object that
     schedulers and checkpoints treat like the optimizer it wraps (Pascanu et al., 2013).
 
+    A param group's ``"clip_group"`` (a str or an int) names its clip group: the groups
+    of one clip group share one norm and one threshold (their ``clip_max_norm`` and
+    ``clip_norm_type`` must be equal), each clip group has its own; a group without one
+    is in the clip group ``"default"``, and one with None is neither measured nor
+    scaled. A rule clips one clip group (the others None).
+
     Args:
       optimizer: the optimizer to wrap; it keeps its param groups and state.
       max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
@@ -81,7 +90,8 @@ class ClippedOptimizer(OptimizerWrapper):
       norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
         Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
       per_group: clip each param group by its own norm instead of one global norm over
-        all groups; the per-group norms are in :attr:`last_group_norms`.
+        all groups; the per-group norms are in :attr:`last_group_norms`. The shorthand
+        for one clip group per param group: not with ``"clip_group"`` names.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest for
         each device (None), as in :func:`clipopt.clip_grad_norm_`.
       nonfinite: what a NaN/inf norm does. ``"propagate"`` (torch's behaviour, no
@@ -120,8 +130,9 @@ class ClippedOptimizer(OptimizerWrapper):
     Raises:
       TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
         a setting has the wrong type.
-      ValueError: ``optimizer`` has no parameters, a setting is out of range, or
-        param groups use different ``norm_type`` values without ``per_group``.
+      ValueError: ``optimizer`` has no parameters, a setting is out of range, param
+        groups use different ``norm_type`` values without ``per_group`` or clip groups,
+        or the groups of one clip group have different settings.
 
     Example:
       >>> import torch, clipopt
@@ -170,6 +181,12 @@ class ClippedOptimizer(OptimizerWrapper):
         check_groups(groups, settings.max_norm, settings.norm_type, settings.per_group)
         check_rule_groups(groups, rule)
         params = [p for group in groups for p in group["params"]]
+        clipped = [
+            p
+            for g in groups
+            if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None
+            for p in g["params"]
+        ]
         scope = NormScope(process_group, replicated_params, params=params, pp_mesh=pp_mesh)
         # Nothing has been touched above this line.
         super().__init__(optimizer)
@@ -186,7 +203,7 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         self._apply_settings(settings)
         self._record = StepRecord()
-        _prepare(params, rule, skip_spikes)
+        _prepare(clipped, rule, skip_spikes)
 
     step = _clip_step.step
 
@@ -220,16 +237,17 @@ class ClippedOptimizer(OptimizerWrapper):
 
         Missing ``clip_max_norm`` / ``clip_norm_type`` are filled from :attr:`defaults`,
         like every other hyperparameter; given ones are validated first, and without
-        ``per_group`` the group's ``clip_norm_type`` must be the one the others use.
+        ``per_group`` the group's ``clip_norm_type`` must be the one the others (of its
+        clip group) use. A ``clip_group`` is validated as in the constructor.
 
         Raises:
-          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``; nothing is
-            added.
+          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``/``clip_group``;
+            nothing is added.
         """
         if isinstance(param_group, dict):
             s = self._settings()
             check_groups([*self.param_groups, param_group], s.max_norm, s.norm_type, s.per_group)
-            check_rule_groups([param_group], self._clip.rule)
+            check_rule_groups([*self.param_groups, param_group], self._clip.rule)
         self.optimizer.add_param_group(param_group)
         self._clip.deepspeed.add(self.param_groups[-1]["params"])
 
@@ -344,8 +362,20 @@ class ClippedOptimizer(OptimizerWrapper):
 
     @property
     def last_group_norms(self) -> Tensor | None:
-        """With ``per_group=True``, the pre-clip norm of each group (1-D); else None."""
+        """With ``per_group=True``, the pre-clip norm of each group (1-D); with more than
+        one clip group, of each clip group, in the order of :attr:`clip_groups`; else
+        None."""
         return self._record.last_group_norms
+
+    @property
+    def clip_groups(self) -> tuple[str | int, ...]:
+        """The clip groups' names, in order of first appearance in the param groups (those
+        ``"clip_group": None`` names are left out): ``("default",)`` where no group names
+        one, each group's index with ``per_group=True``."""
+        layout = clip_layout(self.param_groups)
+        if layout is not None:
+            return tuple(layout[1])
+        return tuple(range(len(self.param_groups))) if self.per_group else (DEFAULT_CLIP_GROUP,)
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
@@ -401,10 +431,17 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> _saved.ClipState | None:
         config = self._clip
+        # last_group_norms holds a norm of each saved clip group (the inner optimizer
+        # judges saved groups that do not line up with these)
+        groups: Any = inner_state.get("param_groups")
+        readable = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+        if not readable or len(groups) != len(self.param_groups):
+            groups = self.param_groups
+        layout = clip_layout(groups)
         return _saved.check_load(
             extra,
             inner_state,
-            len(self.param_groups),
+            len(groups) if layout is None else len(layout[1]),
             self._settings(),
             config.rule,
             config.skip_spikes,

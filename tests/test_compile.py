@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -138,14 +139,20 @@ POISONED = 2  # with nonfinite="skip", this step's grads hold an inf and it is s
 
 
 def _wrapped_run(
-    compiled: bool, fused: bool, nonfinite: str, per_group: bool
+    compiled: bool, fused: bool, nonfinite: str, layout: str
 ) -> tuple[list[Tensor], list[tuple[Tensor | None, Tensor | None, list[int]]]]:
     """Train a few steps, eager or with torch's compiled-optimizer recipe; return the
-    parameters and, after each step, what the wrapper recorded."""
+    parameters and, after each step, what the wrapper recorded. ``layout``: one global
+    norm, ``per_group``, or ``clip_groups`` (two, and a group left unclipped)."""
     generator = torch.Generator().manual_seed(3)
-    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in ((6, 5), (5,))]
-    groups = [{"params": params[:1]}, {"params": params[1:]}]
+    sizes = ((6, 5), (5,), (3,))
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in sizes]
+    groups: list[dict[str, Any]] = [{"params": [p]} for p in params]
+    if layout == "clip_groups":
+        for group, name in zip(groups, ("a", "b", None), strict=True):
+            group["clip_group"] = name
     inner = torch.optim.AdamW(groups, lr=0.1, fused=fused, foreach=not fused)
+    per_group = layout == "per_group"
     opt = clipopt.ClippedOptimizer(inner, 0.5, per_group=per_group, nonfinite=nonfinite)  # type: ignore[arg-type]
     step = torch.compile(opt.step, backend=BACKEND) if compiled else opt.step
     records = []
@@ -162,21 +169,21 @@ def _wrapped_run(
     return [p.detach().clone() for p in params], records
 
 
-@pytest.mark.parametrize("per_group", [False, True], ids=["global", "per_group"])
+@pytest.mark.parametrize("layout", ["global", "per_group", "clip_groups"])
 @pytest.mark.parametrize("nonfinite", ["propagate", "skip", "raise"])
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_a_compiled_step_records_and_steps_as_the_eager_one(
-    fused: bool, nonfinite: str, per_group: bool
+    fused: bool, nonfinite: str, layout: str
 ) -> None:
-    eager_params, eager = _wrapped_run(False, fused, nonfinite, per_group)
-    compiled_params, compiled = _wrapped_run(True, fused, nonfinite, per_group)
+    eager_params, eager = _wrapped_run(False, fused, nonfinite, layout)
+    compiled_params, compiled = _wrapped_run(True, fused, nonfinite, layout)
     for (norm, group, counters), (eager_norm, eager_group, eager_counters) in zip(
         compiled, eager, strict=True
     ):
         assert counters == eager_counters
         assert norm is not None and eager_norm is not None
         torch.testing.assert_close(norm, eager_norm, rtol=1e-6, atol=0, equal_nan=True)
-        assert (group is None) == (eager_group is None) == (not per_group)
+        assert (group is None) == (eager_group is None) == (layout == "global")
         if group is not None:
             torch.testing.assert_close(group, eager_group, rtol=1e-6, atol=0, equal_nan=True)
     if nonfinite == "skip":

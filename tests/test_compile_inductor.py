@@ -72,6 +72,7 @@ class Setting:
     max_norm: Callable[[], float | clipopt.ClipRule] = lambda: 0.5
     kwargs: Callable[[], dict[str, Any]] = dict
     group_thresholds: tuple[float, float] | None = None
+    clip_groups: tuple[str, str] | None = None
     scaler: bool = False
     poison: bool = False
     spike: bool = False
@@ -90,6 +91,7 @@ SETTINGS: dict[str, Setting] = {
     "raise": Setting(kwargs=lambda: {"nonfinite": "raise"}, host_read=True, host_read_fused=True),
     "group-thresholds": Setting(group_thresholds=(0.3, 2.0)),
     "per-group": Setting(kwargs=lambda: {"per_group": True}, group_thresholds=(0.3, 2.0)),
+    "clip-groups": Setting(group_thresholds=(0.3, 2.0), clip_groups=("a", "b")),
     "autoclip": Setting(max_norm=lambda: clipopt.AutoClip(50.0, 16), spike=True),
     "autoclip-per-tensor": Setting(
         max_norm=lambda: clipopt.AutoClip(50.0, 16, per_tensor=True), spike=True
@@ -166,10 +168,13 @@ def _groups(model: Model, setting: Setting) -> Any:
     if setting.group_thresholds is None:
         return list(model.parameters())
     low, high = setting.group_thresholds
-    return [
+    groups: list[dict[str, Any]] = [
         {"params": [model.a], "clip_max_norm": low},
         {"params": [model.b], "clip_max_norm": high},
     ]
+    for group, name in zip(groups, setting.clip_groups or (), strict=False):
+        group["clip_group"] = name
+    return groups
 
 
 def _batches() -> list[tuple[Tensor, Tensor]]:

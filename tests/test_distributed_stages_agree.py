@@ -94,15 +94,37 @@ def case_group_settings_out_of_order() -> None:
 
 
 def case_stages_that_agree() -> None:
-    """The same layout on both stages: the check costs one all_reduce at the first step
-    only, and the per-group norms equal the float64 norms of both stages' groups."""
+    """The same layout on both stages (per_group, or two clip groups): the check costs
+    one all_reduce at the first step only, and the group norms equal the float64 norms
+    of both stages' groups."""
+    for names in (None, ("weights", "biases")):
+        model = stage_model()
+        groups = weights_and_biases(model, clip_norm_type=1.0)
+        for group, name in zip(groups, names or (), strict=False):
+            group["clip_group"] = name
+        opt = clipopt.ClippedOptimizer(
+            torch.optim.SGD(groups, lr=0.0),
+            math.inf,
+            per_group=names is None,
+            pp_mesh=dist.group.WORLD,
+        )
+        check_two_stage_norms(model, opt)
+
+
+def case_clip_groups_differ() -> None:
+    """Clip groups named in another order on each stage: refused on every rank."""
     model = stage_model()
-    opt = clipopt.ClippedOptimizer(
-        torch.optim.SGD(weights_and_biases(model, clip_norm_type=1.0), lr=0.0),
-        math.inf,
-        per_group=True,
-        pp_mesh=dist.group.WORLD,
-    )
+    backward(model)
+    groups = weights_and_biases(model)
+    names = ["a", "b"] if dist.get_rank() == 0 else ["b", "a"]
+    for group, name in zip(groups, names, strict=True):
+        group["clip_group"] = name
+    step_refused(groups, r"pp_mesh.*clip groups \['[ab]', '[ab]'\]")
+
+
+def check_two_stage_norms(model: nn.Module, opt: clipopt.ClippedOptimizer) -> None:
+    """Two steps: one all_reduce more at the first (the layouts' check), and the group
+    norms equal the float64 norms of both stages' groups (L2, then L1)."""
     calls = []
     for _ in range(2):
         model.zero_grad()
@@ -156,6 +178,7 @@ def case_stage_without_grads() -> None:
 CASES: dict[str, Callable[[], None]] = {
     "stage_without_grads": case_stage_without_grads,
     "stages_that_agree": case_stages_that_agree,
+    "clip_groups_differ": case_clip_groups_differ,
     "group_settings_out_of_order": case_group_settings_out_of_order,
     "group_counts_differ": case_group_counts_differ,
 }

@@ -171,7 +171,7 @@ class NormScope:
         self.process_group = process_group
         self.replicated_params = replicated
         self.pp_group = pp_group
-        self.stages_checked: tuple[bool, int] | None = None
+        self.stages_checked: tuple[bool, int, tuple[str | int, ...]] | None = None
 
     def global_norms(
         self,
@@ -200,15 +200,20 @@ class NormScope:
         )
 
     def check_stages(
-        self, per_group: bool, norm_types: Sequence[float], thresholds: Sequence[object]
+        self,
+        per_group: bool,
+        norm_types: Sequence[float],
+        thresholds: Sequence[object],
+        names: Sequence[str | int] = (),
     ) -> None:
         """Under pipeline stages, refuse stages whose clip layouts differ
         (:func:`clipopt._dist._stages.check_layout`, a collective over the stages): the
-        first time, and again where ``per_group`` or, with it, the group count changed."""
-        key = (per_group, len(norm_types) if per_group else 0)
+        first time, and again where ``per_group``, with it the group count, or the clip
+        group ``names`` changed."""
+        key = (per_group, len(norm_types) if per_group else 0, tuple(names))
         if self.pp_group is None or self.stages_checked == key:
             return
-        _stages.check_layout(self.pp_group, per_group, norm_types, thresholds)
+        _stages.check_layout(self.pp_group, per_group, norm_types, thresholds, names)
         self.stages_checked = key
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NormScope:

@@ -56,8 +56,15 @@ def check_disjoint(pp_group: Any, stage_ranks: Sequence[int], what: str) -> None
         )
 
 
-def _layout(per_group: bool, norm_types: Sequence[float], thresholds: Sequence[object]) -> str:
+def _layout(
+    per_group: bool,
+    norm_types: Sequence[float],
+    thresholds: Sequence[object],
+    names: Sequence[str | int],
+) -> str:
     """What the stages must agree on, as text (a tensor threshold by kind, not value)."""
+    if names:
+        return f"{_layout(per_group, norm_types, thresholds, ())}, clip groups {list(names)}"
     if not per_group:
         return f"per_group=False, clip_norm_type {norm_types[0]}"
     pairs = [
@@ -69,12 +76,16 @@ def _layout(per_group: bool, norm_types: Sequence[float], thresholds: Sequence[o
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def check_layout(
-    pp_group: Any, per_group: bool, norm_types: Sequence[float], thresholds: Sequence[object]
+    pp_group: Any,
+    per_group: bool,
+    norm_types: Sequence[float],
+    thresholds: Sequence[object],
+    names: Sequence[str | int] = (),
 ) -> None:
     """Raise a ValueError on every rank unless every stage has this stage's clip layout:
     one ``all_reduce(MAX)`` of ``per_group``, the group count and the layout's CRC-32,
     each beside its negation (so the maximum gives the least too), read on the host."""
-    layout = _layout(per_group, norm_types, thresholds)
+    layout = _layout(per_group, norm_types, thresholds, names)
     mine = [float(per_group), float(len(norm_types)), float(zlib.crc32(layout.encode()))]
     device = collective_device([], [pp_group])
     values = torch.tensor([v for m in mine for v in (m, -m)], dtype=REDUCE_DTYPE, device=device)

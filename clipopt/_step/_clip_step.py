@@ -27,7 +27,16 @@ from clipopt._dist._reduce import NormScope
 from clipopt._kernels import _norms, _scale
 from clipopt._step import _fold, _measure, _nonfinite, _rule_step
 from clipopt._step._measure import Coefficient, Measurement
-from clipopt._validation import MAX_NORM_KEY, NORM_TYPE_KEY, NonFinite, check_groups
+from clipopt._validation import (
+    CLIP_GROUP_KEY,
+    MAX_NORM_KEY,
+    NORM_TYPE_KEY,
+    Layout,
+    NonFinite,
+    check_groups,
+    clip_layout,
+    same_threshold,
+)
 from clipopt._wrapper import Closure, inner_step, post_hooks, pre_hooks
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
@@ -41,12 +50,16 @@ _COUNTERS = ("step_count", "skip_count", "consecutive_skips")
 class GroupView:
     """The param groups' clip settings as last validated, and what they were read from:
     a step validates them again only when a group, its parameter list or its
-    ``clip_max_norm``/``clip_norm_type`` is another object than at the last check."""
+    ``clip_max_norm``/``clip_norm_type``/``clip_group`` is another object than at the
+    last check. With clip groups named (``layout``), the step measures and scales each
+    clip group's grads as one group: ``thresholds``, ``norm_types`` are theirs."""
 
     def __init__(self) -> None:
         self.seen: list[object] = []
         self.thresholds: list[float | Tensor] = []
         self.norm_types: list[float] = []
+        self.layout: Layout | None = None
+        self.per_group = False  # each of the step's groups has a norm of its own
         self.one: float | Tensor | None = None  # the threshold all groups share
         self.fusable = False
 
@@ -82,7 +95,8 @@ class ClipDecision:
     """What a step applies and records, made before anything changes.
 
     Attributes:
-      grads: each param group's grads, as measured.
+      grads: each param group's grads (each clip group's, where they are named), as
+        measured.
       measurement: the pre-clip norms.
       coefficients: one :data:`~clipopt._step._measure.Coefficient` per group (empty
         when folded by a threshold: ``grad_scale`` is made without them).
@@ -161,6 +175,8 @@ def decide(
         grads = [
             [p.grad for p in g["params"] if p.grad is not None] for g in optimizer.param_groups
         ]
+        if view.layout is not None:
+            grads = _regrouped(grads, view.layout)
         flat = grads[0] if len(grads) == 1 else [g for group in grads for g in group]
         coefficients: list[Coefficient] = []
         outcome = None
@@ -171,7 +187,7 @@ def decide(
             measured, coefficients, outcome = _measure_and_rule(optimizer, config, grads, zero)
         fold, grad_scale = False, None
         if config.rule is None:
-            shared = None if config.per_group else view.one
+            shared = None if view.per_group else view.one
             if shared is None:
                 coefficients = _threshold_coefficients(measured.group_norms, view.thresholds)
             else:
@@ -409,9 +425,17 @@ class StepRecord:
 
 
 def check_rule_groups(groups: list[dict[str, Any]], rule: ClipRule | None) -> None:
-    """With a rule, no group may carry a threshold of its own: the rule sets them all."""
+    """With a rule, no group may carry a threshold of its own: the rule sets them all;
+    and one clip group at most (others left unclipped): a rule keeps one history."""
     if rule is None:
         return
+    layout = clip_layout(groups)
+    if layout is not None and len(layout[1]) > 1:
+        raise ValueError(
+            f"param groups name the clip groups {layout[1]} in {CLIP_GROUP_KEY!r}, but "
+            f"max_norm is {rule!r}, which keeps one history of one norm: one clip group "
+            "(the others None), or a number as max_norm"
+        )
     for index, group in enumerate(groups):
         value = group.get(MAX_NORM_KEY, math.inf)
         if not (isinstance(value, (int, float)) and value == math.inf):
@@ -439,6 +463,7 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
         now = [groups, defaults.get(MAX_NORM_KEY), defaults.get(NORM_TYPE_KEY)]
         for g in groups:
             now += [g, g["params"], len(g["params"]), g.get(MAX_NORM_KEY), g.get(NORM_TYPE_KEY)]
+            now.append(g.get(CLIP_GROUP_KEY))
         same = len(now) == len(view.seen)
         for a, b in zip(now, view.seen, strict=False):
             if a is not b and not (type(a) is int and a == b):
@@ -449,15 +474,23 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
         return None, True
     if not same:
         max_norm, norm_type = defaults[MAX_NORM_KEY], defaults[NORM_TYPE_KEY]
-        thresholds, norm_types = check_groups(groups, max_norm, norm_type, config.per_group)
+        thresholds, norm_types, layout = check_groups(groups, max_norm, norm_type, config.per_group)
         check_rule_groups(groups, config.rule)
+        names = [] if layout is None else layout[1]
+        per_group = config.per_group or len(names) > 1
         if config.norm_scope.pp_group is not None:
-            config.norm_scope.check_stages(config.per_group, norm_types, thresholds)
-        view.thresholds, view.norm_types = thresholds, norm_types
-        view.one = _one_threshold(thresholds)
-        view.fusable = _fold.takes_scale(optimizer)
+            config.norm_scope.check_stages(per_group, norm_types, thresholds, names)
+        view.thresholds, view.norm_types, view.layout = thresholds, norm_types, layout
+        view.per_group, view.one = per_group, _one_threshold(thresholds)
+        # a fused kernel's grad_scale scales every grad: not with a group left unclipped
+        view.fusable = _fold.takes_scale(optimizer) and (layout is None or None not in layout[0])
         view.seen = now
     zero, final = watch.call(groups)
+    if zero is not None and view.layout is not None:
+        raise ValueError(
+            f"{zero.caller} steps flat partitions of its own param groups, one per call, "
+            f"so the wrapper cannot tell its clip groups apart: remove {CLIP_GROUP_KEY!r}"
+        )
     if not final and zero is None:
         view.seen = []  # DeepSpeed's start-up step: the next one is watched again
     return zero, final
@@ -466,7 +499,7 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
 def _plain(config: ClipConfig, zero: Any, flat: list[Tensor]) -> bool:
     """A fixed threshold's global norm of plain grads on this rank alone."""
     scope = config.norm_scope
-    simple = config.rule is None and not config.per_group and not config.track_tensor_norms
+    simple = config.rule is None and not config.view.per_group and not config.track_tensor_norms
     local = zero is None and scope.process_group is None and scope.pp_group is None
     return simple and local and len(flat) > 0 and all(type(g) is Tensor for g in flat)
 
@@ -483,16 +516,20 @@ def _measure_and_rule(
     combined over the stages. Under DeepSpeed's ZeRO optimizer the norm may be its own.
     """
     rule, track, groups = config.rule, config.track_tensor_norms, optimizer.param_groups
-    norm_types, per_group = config.view.norm_types, config.per_group
-    scope, given = config.norm_scope, None
+    view, scope, given = config.view, config.norm_scope, None
+    norm_types, per_group, layout = view.norm_types, view.per_group, view.layout
+    params = [group["params"] for group in groups]
+    names = _measure.grad_names(groups) if track else None
+    if layout is not None:
+        params = _regrouped(params, layout)
+        names = None if names is None else _regrouped(names, layout)
     if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
         each = track or isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
         scope, given = _deepspeed.zero_source(zero, scope, norm_types, per_group, each)
     default = float(optimizer.defaults[NORM_TYPE_KEY])
-    names = _measure.grad_names(groups) if track else None
     if isinstance(rule, UnitWiseRule):
         coefficients, outcome, squares, check = _rule_step.unit_rule_coefficients(
-            rule, groups, grads, norm_types[0]
+            rule, params, grads, norm_types[0]
         )
         if squares is not None and all(p == 2.0 for p in norm_types):
             measured = _measure.measure_from_squares(
@@ -502,12 +539,12 @@ def _measure_and_rule(
                 measured, norm_types, default, per_group, scope.pp_group
             )
         else:
-            measured = _measure_grads(optimizer, config, grads, scope, names, default)
+            measured = _measure_grads(config, grads, params, scope, names, default)
         return measured, coefficients, outcome
     if given is not None:
         measured = Measurement(given, [given] * len(grads), None)
     else:
-        measured = _measure_grads(optimizer, config, grads, scope, names, default)
+        measured = _measure_grads(config, grads, params, scope, names, default)
     if rule is None:
         return measured, [], None
     stages = scope.pp_group is not None
@@ -518,15 +555,16 @@ def _measure_and_rule(
 
 
 def _measure_grads(
-    optimizer: Optimizer,
     config: ClipConfig,
     grads: list[list[Tensor]],
+    params: list[list[Tensor]],
     scope: NormScope,
     names: list[list[str]] | None,
     default: float,
 ) -> Measurement:
-    """The norms from the grads: per tensor where wanted, else the global or group norms."""
-    groups, norm_types, per_group = optimizer.param_groups, config.view.norm_types, config.per_group
+    """The norms from the grads (and ``params``, each group's): per tensor where wanted,
+    else the global or group norms."""
+    norm_types, per_group = config.view.norm_types, config.view.per_group
     per_rule = config.rule is not None and config.rule.per_tensor
     if scope.process_group is None and (config.track_tensor_norms or per_rule):
         measured = _measure.measure_per_tensor(
@@ -536,7 +574,7 @@ def _measure_grads(
             default,
             per_group,
             config.foreach,
-            lambda: [group["params"] for group in groups],
+            lambda: params,
             strict=per_rule,
         )
         return _measure.across_stages(measured, norm_types, default, per_group, scope.pp_group)
@@ -547,7 +585,7 @@ def _measure_grads(
         per_group,
         scope,
         config.foreach,
-        lambda: [p for group in groups for p in group["params"]],
+        lambda: _measure.flatten(params),
     )
 
 
@@ -577,6 +615,16 @@ def _step_with_closure(
     return inner_step(optimizer, clipped_closure), latest[-1]
 
 
+def _regrouped(items: list[list[Any]], layout: Layout) -> list[list[Any]]:
+    """Each param group's ``items`` (grads, parameters, names) joined by clip group, those
+    of groups left unclipped left out."""
+    joined: list[list[Any]] = [[] for _ in layout[1]]
+    for own, at in zip(items, layout[0], strict=True):
+        if at is not None:
+            joined[at].extend(own)
+    return joined
+
+
 def _scales_nothing(threshold: float | Tensor | None) -> bool:
     """A float threshold of inf: the norm is measured, nothing is scaled."""
     return isinstance(threshold, float) and math.isinf(threshold)
@@ -586,9 +634,7 @@ def _one_threshold(thresholds: list[float | Tensor]) -> float | Tensor | None:
     """The threshold every group has (equal numbers, or one tensor), else None."""
     first = thresholds[0]
     for t in thresholds[1:]:
-        if t is not first and not (
-            isinstance(t, float) and isinstance(first, float) and t == first
-        ):
+        if not same_threshold(t, first):
             return None
     return first
 

@@ -11,8 +11,7 @@ has run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -66,7 +65,7 @@ def rule_coefficients(
 
 def unit_rule_coefficients(
     rule: UnitWiseRule,
-    groups: Sequence[Mapping[str, Any]],
+    params: Sequence[Sequence[Tensor]],
     grads: list[list[Tensor]],
     norm_type: float,
 ) -> tuple[
@@ -90,7 +89,7 @@ def unit_rule_coefficients(
     Raises:
       ValueError: the rule refuses ``norm_type``, or its grads.
     """
-    every = [p for group in groups for p in group["params"]]
+    every = [p for group in params for p in group]
     slotted = _slotted(every)
     decision = _slot_decision(rule, slotted, norm_type) if slotted else None
     flat = [g for group in grads for g in group]
@@ -103,9 +102,9 @@ def unit_rule_coefficients(
     elif not flat:
         return [None] * len(grads), None, None, None
     else:
-        params = [p for p in every if p.grad is not None]
+        held = [p for p in every if p.grad is not None]
         rule.check_norm_type(norm_type)
-        decision = rule.decide_units(params, flat, norm_type)
+        decision = rule.decide_units(held, flat, norm_type)
         _check_lengths(rule, decision, len(flat), "grads")
         per_grad, squares = decision.per_grad, decision.squares
     per_group: list[Coefficient] = []

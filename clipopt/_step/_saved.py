@@ -6,7 +6,7 @@ Its layout, version :data:`FORMAT`::
    "settings": {"max_norm": float, "norm_type": float, "per_group": bool,
                 "nonfinite": str, "max_consecutive_skips": int | None},
    "last_norm": 0-dim Tensor | None,
-   "last_group_norms": 1-D Tensor | None,   # per_group=True only
+   "last_group_norms": 1-D Tensor | None,   # per_group=True or clip groups only
    "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...,
    # only when max_norm is a rule / skip_spikes is set: their own state_dict()
    "rule": {...}, "skip_spikes": {...}}
@@ -152,7 +152,7 @@ def _parsed(raw: Any, num_groups: int) -> ClipState:
     if group_norms is not None and group_norms.numel() != num_groups:
         raise ValueError(
             f"state_dict['clip']['last_group_norms'] has {group_norms.numel()} entries "
-            f"for {num_groups} param groups"
+            f"for {num_groups} param (or clip) groups"
         )
     counters = {}
     for key in COUNTERS:
