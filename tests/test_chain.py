@@ -379,3 +379,33 @@ def test_grad_scaler_unscales_the_chains_grads_once() -> None:
         _train(reference, plain, range(step, step + 1))
         assert_identical(opt.last_norm, plain.last_norm)
     assert_identical(dict(model.state_dict()), dict(reference.state_dict()))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_norm": MAX_NORM},
+        {"max_norm": MAX_NORM, "per_group": True},
+        {"max_norm": MAX_NORM, "norm_type": "inf", "nonfinite": "skip"},
+        {"max_norm": "AutoClip"},
+    ],
+    ids=["global", "per_group", "inf-skip", "AutoClip"],
+)
+def test_two_chained_sgds_step_as_one_sgd_with_both_groups(settings: dict[str, Any]) -> None:
+    """Every setting sees the chain's groups as one optimizer's: the same norms, the
+    same steps, bit for bit."""
+    runs = []
+    for chained in (True, False):
+        model = _model()
+        groups = _matrices(model)
+        if chained:
+            inner: Optimizer | list[Optimizer] = [torch.optim.SGD(g, lr=0.1) for g in groups]
+        else:
+            inner = torch.optim.SGD([{"params": g} for g in groups], lr=0.1)
+        made = {
+            k: clipopt.AutoClip(history=4) if v == "AutoClip" else v for k, v in settings.items()
+        }
+        opt = ClippedOptimizer(inner, **made)
+        _train(model, opt, range(3))
+        runs.append((dict(model.state_dict()), opt.last_norm, opt.last_group_norms))
+    assert_identical(runs[0], runs[1])
