@@ -148,11 +148,10 @@ class OptimizerChain(OptimizerShell):
         extras: list[dict[str, Any]] = []
         for opt in self.optimizers:
             saved = opt.state_dict()
-            ids = itertools.chain.from_iterable(g["params"] for g in saved["param_groups"])
-            index = {old: new for new, old in enumerate(ids, start=_count(groups))}
-            groups += [
-                {**g, "params": [index[k] for k in g["params"]]} for g in saved["param_groups"]
-            ]
+            index, renumbered = _renumbered(
+                saved["param_groups"], sum(len(g["params"]) for g in groups)
+            )
+            groups += renumbered
             state.update({index[k]: v for k, v in saved["state"].items()})
             extras.append({k: v for k, v in saved.items() if k not in ("state", "param_groups")})
         merged = {"state": state, "param_groups": groups}
@@ -211,8 +210,12 @@ def _names(optimizers: Sequence[object]) -> str:
     return ", ".join(f"optimizers[{i}] ({type(o).__name__})" for i, o in enumerate(optimizers))
 
 
-def _count(groups: list[dict[str, Any]]) -> int:
-    return sum(len(g["params"]) for g in groups)
+def _renumbered(groups: list[Any], start: int = 0) -> tuple[dict[Any, int], list[dict[str, Any]]]:
+    """Saved groups with their parameters numbered in order from ``start``, and the map
+    from the numbers they had."""
+    ids = itertools.chain.from_iterable(g["params"] for g in groups)
+    index = {old: new for new, old in enumerate(ids, start)}
+    return index, [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
 
 
 def _checked(optimizers: Sequence[Optimizer]) -> tuple[Optimizer, ...]:
@@ -294,16 +297,10 @@ def _split(loaded: Mapping[str, Any], optimizers: tuple[Optimizer, ...]) -> list
                     f"the group of optimizers[{i}] ({type(opt).__name__}) it loads into has "
                     f"{len(group['params'])}"
                 )
-        ids = itertools.chain.from_iterable(g["params"] for g in mine)
-        index = {old: new for new, old in enumerate(ids)}
+        index, renumbered = _renumbered(mine)
         known.update(index)
-        parts.append(
-            {
-                **extras[i],
-                "state": {index[k]: v for k, v in state.items() if k in index},
-                "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in mine],
-            }
-        )
+        own = {index[k]: v for k, v in state.items() if k in index}
+        parts.append({**extras[i], "state": own, "param_groups": renumbered})
     unknown = [k for k in state if k not in known]
     if unknown:
         raise ValueError(
