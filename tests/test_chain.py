@@ -409,3 +409,26 @@ def test_two_chained_sgds_step_as_one_sgd_with_both_groups(settings: dict[str, A
         _train(model, opt, range(3))
         runs.append((dict(model.state_dict()), opt.last_norm, opt.last_group_norms))
     assert_identical(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_torch_distributed_checkpoints_functions_take_the_chain_as_one_optimizer(
+    split: Split,
+) -> None:
+    """``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (keyed by parameter
+    name) save the chain and load it into a fresh one, which resumes bit for bit."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    model = _model()
+    opt = ClippedOptimizer(split(model), max_norm=MAX_NORM)
+    _train(model, opt, range(3))
+    saved = copy.deepcopy(dcp_state_dict.get_optimizer_state_dict(model, opt.optimizer))
+    assert [g["params"][:1] for g in saved["param_groups"]] == [["hidden.weight"], ["embed.weight"]]
+    resumed = _model(seed=1)
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt = ClippedOptimizer(split(resumed), max_norm=MAX_NORM)
+    dcp_state_dict.set_optimizer_state_dict(resumed, resumed_opt.optimizer, saved)
+    assert_identical(resumed_opt.optimizer.state_dict(), opt.optimizer.state_dict())
+    _train(model, opt, range(3, 5))
+    _train(resumed, resumed_opt, range(3, 5))
+    assert_identical(dict(resumed.state_dict()), dict(model.state_dict()))
