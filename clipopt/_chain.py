@@ -51,8 +51,8 @@ class OptimizerChain(OptimizerShell):
       optimizers: the optimizers, stepped in this order; no parameter in two of them.
 
     Raises:
-      TypeError: an element is not a ``torch.optim.Optimizer``, or is a
-        ``ClippedOptimizer`` (clipping inside a chain clips twice).
+      TypeError: ``optimizers`` is not a list or tuple, or an element is not a
+        ``torch.optim.Optimizer`` or is a ``ClippedOptimizer`` (it would clip twice).
       ValueError: no optimizers, one given twice, or a parameter in two of them.
 
     Example:
@@ -224,7 +224,9 @@ def _checked(optimizers: Sequence[Optimizer]) -> tuple[Optimizer, ...]:
     Raises:
       TypeError, ValueError: naming the index of the first bad one.
     """
-    if not isinstance(optimizers, (list, tuple)) or not optimizers:
+    if not isinstance(optimizers, (list, tuple)):
+        raise TypeError(f"optimizers must be a list of optimizers, got {optimizers!r}")
+    if not optimizers:
         raise ValueError(f"optimizers must be a non-empty list of optimizers, got {optimizers!r}")
     owner: dict[int, int] = {}
     for i, opt in enumerate(optimizers):
