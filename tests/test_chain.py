@@ -432,3 +432,23 @@ def test_torch_distributed_checkpoints_functions_take_the_chain_as_one_optimizer
     _train(model, opt, range(3, 5))
     _train(resumed, resumed_opt, range(3, 5))
     assert_identical(dict(resumed.state_dict()), dict(model.state_dict()))
+
+
+def test_a_compiled_chain_step_steps_as_the_eager_one_and_compiles_once() -> None:
+    """``torch.compile(opt.step)`` over a chain: the same steps as eager (to rounding:
+    the compiled graph may order float32 ops differently), and no recompile once warm."""
+    torch._dynamo.reset()
+    eager_model, compiled_model = _model(), _model()
+    eager = ClippedOptimizer(sgd_adamw(eager_model), max_norm=MAX_NORM)
+    compiled = ClippedOptimizer(sgd_adamw(compiled_model), max_norm=MAX_NORM)
+    step = torch.compile(compiled.step, backend="aot_eager")
+    for index in range(5):
+        _train(eager_model, eager, range(index, index + 1))
+        compiled.zero_grad()
+        compiled_model(_tokens(index)).backward()
+        with torch._dynamo.config.patch(error_on_recompile=index >= 2):
+            step()
+        torch.testing.assert_close(compiled.last_norm, eager.last_norm, rtol=1e-5, atol=0)
+    for ours, theirs in zip(compiled_model.parameters(), eager_model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
