@@ -206,6 +206,12 @@ def _torch_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _muon_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Muon over every other weight, foreach AdamW over the rest: one clip over both."""
+    muon = torch.optim.Muon(params[::2], lr=0.02)
+    return clipopt.OptimizerChain([muon, torch.optim.AdamW(params[1::2], lr=1e-3, foreach=True)])
+
+
 INNERS: dict[str, Inner] = {
     "fused AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
     "foreach AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
@@ -213,6 +219,8 @@ INNERS: dict[str, Inner] = {
     "foreach SGD momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
     "torch_optimizer Lamb": _torch_optimizer,
 }
+if hasattr(torch.optim, "Muon"):  # torch 2.9 and later
+    INNERS["Muon + foreach AdamW (chained)"] = _muon_adamw
 
 
 def _torch_clip(inner: Inner, norm_type: float = 2.0) -> MakeStep:
@@ -229,8 +237,13 @@ def _torch_clip(inner: Inner, norm_type: float = 2.0) -> MakeStep:
 
 
 def _two_groups(inner: Inner, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """``inner`` over half the parameters; the rest a group of its own (in a chain's last
+    optimizer: a chain cannot tell which of its optimizers would step it)."""
     optimizer = inner(params[::2])
-    optimizer.add_param_group({"params": params[1::2], "clip_max_norm": 2.0})
+    owner = optimizer
+    if isinstance(optimizer, clipopt.OptimizerChain):
+        owner = optimizer.optimizers[-1]
+    owner.add_param_group({"params": params[1::2], "clip_max_norm": 2.0})
     return optimizer
 
 

@@ -1,6 +1,7 @@
 """clipopt: gradient-norm clipping for PyTorch, exact, fast and drop-in."""
 
 from clipopt import distributed
+from clipopt._chain import OptimizerChain
 from clipopt.functional import (
     NonFiniteNormError,
     clip_grad_norm,
@@ -28,6 +29,7 @@ __all__ = [
     "ClipRule",
     "ClippedOptimizer",
     "NonFiniteNormError",
+    "OptimizerChain",
     "SpikeSkip",
     "UnitDecision",
     "UnitWiseRule",

@@ -6,9 +6,11 @@ schedulers, ``GradScaler`` and the training frameworks, but it does not call
 ``Optimizer.__init__`` (as torchao's ``CPUOffloadOptimizer`` does not): its
 ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's very objects. It
 saves and loads the inner optimizer's state dict with one extra entry of its own,
-validated whole before the inner optimizer loads anything. A subclass supplies ``step``
-(firing the hooks with :func:`pre_hooks` / :func:`post_hooks`), :meth:`_extra_state`,
-:meth:`_check_load`, :meth:`_finish_load` and :meth:`_warn_extra_missing`.
+validated whole before the inner optimizer loads anything; its base
+:class:`OptimizerShell` is what it shares with :class:`clipopt._chain.OptimizerChain`.
+A subclass supplies ``step`` (firing the hooks with :func:`pre_hooks` /
+:func:`post_hooks`), :meth:`_extra_state`, :meth:`_check_load`, :meth:`_finish_load`
+and :meth:`_warn_extra_missing`.
 
 torch fires, around ``opt.step()``: the global pre-hooks, ``opt``'s own, the step,
 ``opt``'s own post-hooks, the global ones. A wrapper fires that around its whole step;
@@ -29,7 +31,17 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer, optimizer
 
-__all__ = ["Closure", "OptimizerWrapper", "inner_step", "post_hooks", "pre_hooks"]
+__all__ = [
+    "Closure",
+    "OptimizerShell",
+    "OptimizerWrapper",
+    "check_state_shapes",
+    "hooked_step",
+    "inner_step",
+    "post_hooks",
+    "pre_hooks",
+    "restore_point",
+]
 
 Closure: TypeAlias = Callable[[], Any]
 Hook = Callable[..., Any]
@@ -75,6 +87,14 @@ def post_hooks(opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hook(opt, args, kwargs)
 
 
+def hooked_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` with the hooks fired around it and marked as torch does a torch
+    optimizer's, so that :func:`inner_step` fires only the optimizer's own."""
+    wrapped = Optimizer.profile_hook_step(step)
+    setattr(wrapped, "hooked", True)  # noqa: B010
+    return wrapped
+
+
 def inner_step(opt: Optimizer, closure: Closure | None) -> Any:
     """``opt.step(closure)`` with ``opt``'s own hooks but not the global ones.
 
@@ -97,7 +117,84 @@ def inner_step(opt: Optimizer, closure: Closure | None) -> Any:
     return result
 
 
-class OptimizerWrapper(Optimizer):
+class OptimizerShell(Optimizer):
+    """An ``Optimizer`` that does not call ``Optimizer.__init__``: the hook registries it
+    would make, pickling without them, and the state-dict hooks fired around a subclass's
+    own saving and loading."""
+
+    def _init_hooks(self) -> None:
+        """The hook registries that ``Optimizer.__init__`` would create, all empty."""
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    def _parts(self) -> tuple[Optimizer, ...]:
+        """The optimizers this one steps, which a load may change too."""
+        return ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Like torch.optim.Optimizer: hooks and a scheduler's patched ``step`` stay behind.
+        dropped = {"step", "_opt_called"}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in dropped and not k.startswith("_optimizer_")
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_hooks()
+
+    def _hooked_state_dict(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``make()`` with this optimizer's state-dict hooks around it, as torch runs them."""
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
+        state_dict = make()
+        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _hooked_load(
+        self, state_dict: Mapping[str, Any], load: Callable[[dict[str, Any]], None]
+    ) -> None:
+        """``load`` a copy of ``state_dict`` with the load hooks around it, as torch runs them.
+
+        Raises:
+          TypeError: ``state_dict`` is not a dict.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        loaded = dict(state_dict)
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, loaded)
+            if result is not None:
+                loaded = dict(result)
+        load(loaded)
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
+
+
+def restore_point(opt: Optimizer) -> Callable[[], None]:
+    """What puts ``opt`` back as it is now: its attributes (so its groups and state
+    objects), and those of the optimizers it steps (:meth:`OptimizerShell._parts`)."""
+    attributes = dict(opt.__dict__)
+    parts = [restore_point(p) for p in opt._parts()] if isinstance(opt, OptimizerShell) else []
+
+    def restore() -> None:
+        opt.__dict__.clear()
+        opt.__dict__.update(attributes)
+        for part in parts:
+            part()
+
+    return restore
+
+
+class OptimizerWrapper(OptimizerShell):
     """Pass-through plumbing around ``self.optimizer``; see the module docstring.
 
     Args:
@@ -111,15 +208,6 @@ class OptimizerWrapper(Optimizer):
         self._init_hooks()
         self.optimizer = optimizer
         self._extra_saved_apart = False
-
-    def _init_hooks(self) -> None:
-        """The hook registries that ``Optimizer.__init__`` would create, all empty."""
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -152,33 +240,14 @@ class OptimizerWrapper(Optimizer):
         """Reset the grads of every parameter, as the inner optimizer does."""
         self.optimizer.zero_grad(set_to_none)
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Like torch.optim.Optimizer: hooks and a scheduler's patched ``step`` stay behind.
-        dropped = {"step", "_opt_called"}
-        return {
-            k: v
-            for k, v in self.__dict__.items()
-            if k not in dropped and not k.startswith("_optimizer_")
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_hooks()
-
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus this wrapper's state under ``EXTRA_KEY``.
 
         State-dict hooks registered on the wrapper run around the whole dict.
         """
-        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
-            pre_hook(self)
-        state_dict = dict(self.optimizer.state_dict())
-        state_dict[self.EXTRA_KEY] = self._extra_state()
-        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        return self._hooked_state_dict(
+            lambda: {**self.optimizer.state_dict(), self.EXTRA_KEY: self._extra_state()}
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
@@ -197,20 +266,14 @@ class OptimizerWrapper(Optimizer):
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
           ValueError: the dict does not match this optimizer or holds bad values.
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        loaded = dict(state_dict)
-        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            result = pre_hook(self, loaded)
-            if result is not None:
-                loaded = dict(result)
+        self._hooked_load(state_dict, self._load)
+
+    def _load(self, loaded: dict[str, Any]) -> None:
         if self.EXTRA_KEY not in loaded and not self._extra_saved_apart:
             self._warn_extra_missing()
         extra = loaded.pop(self.EXTRA_KEY, None)
         prepared = self._check_load(loaded, extra)
         self._load_atomically(lambda: self.optimizer.load_state_dict(loaded), prepared)
-        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
-            post_hook(self)
 
     def _saved_apart(self) -> None:
         """Note that this wrapper's entry is saved and loaded apart from its state dict
@@ -224,15 +287,14 @@ class OptimizerWrapper(Optimizer):
 
     def _load_atomically(self, load_inner: Callable[[], object], prepared: Any) -> None:
         """Run ``load_inner``, then :meth:`_finish_load`; if either raises, put the inner
-        optimizer back as it was (its attributes, so its groups and state objects)."""
-        snapshot = dict(self.optimizer.__dict__)
+        optimizer back as it was (:func:`restore_point`)."""
+        restore = restore_point(self.optimizer)
         try:
             load_inner()
-            _check_state_shapes(self.optimizer)
+            check_state_shapes(self.optimizer)
             self._finish_load(prepared)
         except BaseException:
-            self.optimizer.__dict__.clear()
-            self.optimizer.__dict__.update(snapshot)
+            restore()
             raise
 
     # What a subclass supplies: its entry (plain data), the check of a load before
@@ -251,7 +313,7 @@ class OptimizerWrapper(Optimizer):
         raise NotImplementedError
 
 
-def _check_state_shapes(optimizer: Optimizer) -> None:
+def check_state_shapes(optimizer: Optimizer) -> None:
     """Refuse a torch optimizer's state tensor whose shape is not its parameter's (the
     next step would fail half-way). Every state tensor of torch's own optimizers but
     LBFGS has its parameter's shape or none; others keep their own shapes, unchecked.

@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from clipopt._chain import OptimizerChain
 from clipopt._dist._deepspeed import Watch, bind
 from clipopt._dist._reduce import NormScope
 from clipopt._kernels._norms import result_dtype
@@ -78,7 +79,10 @@ class ClippedOptimizer(OptimizerWrapper):
     scaled. A rule clips one clip group (the others None).
 
     Args:
-      optimizer: the optimizer to wrap; it keeps its param groups and state.
+      optimizer: the optimizer to wrap; it keeps its param groups and state. Or a list
+        of optimizers (Muon for the 2-D weights, AdamW for the rest), made into a
+        :class:`clipopt.OptimizerChain`: one norm over all their grads, then each steps
+        in order.
       max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
         param group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor).
         Or a clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`,
@@ -128,11 +132,12 @@ class ClippedOptimizer(OptimizerWrapper):
         the first step refuses stages whose clip settings differ, on every rank.
 
     Raises:
-      TypeError: ``optimizer`` is not an optimizer or is already a ClippedOptimizer, or
-        a setting has the wrong type.
-      ValueError: ``optimizer`` has no parameters, a setting is out of range, param
-        groups use different ``norm_type`` values without ``per_group`` or clip groups,
-        or the groups of one clip group have different settings.
+      TypeError: ``optimizer`` (or an element of the list) is not an optimizer or is
+        already a ClippedOptimizer, or a setting has the wrong type.
+      ValueError: ``optimizer`` has no parameters, a list is empty or holds an optimizer
+        or a parameter twice, a setting is out of range, param groups use different
+        ``norm_type`` values without ``per_group`` or clip groups, or the groups of one
+        clip group have different settings.
 
     Example:
       >>> import torch, clipopt
@@ -152,7 +157,7 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def __init__(
         self,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         max_norm: float | ClipRule,
         norm_type: float | str = 2.0,
         *,
@@ -166,7 +171,9 @@ class ClippedOptimizer(OptimizerWrapper):
         track_tensor_norms: bool = False,
         pp_mesh: DeviceMesh | ProcessGroup | None = None,
     ) -> None:
-        _check_inner(optimizer)
+        if isinstance(optimizer, (list, tuple)):
+            optimizer = OptimizerChain(optimizer)
+        optimizer = _check_inner(optimizer)
         rule = max_norm if isinstance(max_norm, ClipRule) else None
         settings = validated_settings(
             math.inf if rule is not None else max_norm,
@@ -262,9 +269,15 @@ class ClippedOptimizer(OptimizerWrapper):
         Raises:
           ValueError: the engine does not step this wrapper, or uses a setting under which
             the norm cannot be right (its own ``gradient_clipping``, fp16 dynamic loss
-            scaling, an optimizer clipopt has not tested); the message names the setting.
-            Nothing is changed.
+            scaling, an optimizer clipopt has not tested, an :class:`OptimizerChain`);
+            the message names the setting. Nothing is changed.
         """
+        if isinstance(self.optimizer, OptimizerChain):
+            raise ValueError(
+                "DeepSpeed steps one optimizer over flat partitions of the parameters, "
+                "which an OptimizerChain's optimizers (Muon: 2-D weights only) cannot "
+                "step; wrap a single optimizer to train under DeepSpeed"
+            )
         self._clip.deepspeed.binding = bind(engine, self)
 
     @property
@@ -312,7 +325,7 @@ class ClippedOptimizer(OptimizerWrapper):
 
     def _group_setting(self, key: str) -> float | list[float]:
         """Each param group's ``key``: one number where every group has the same."""
-        values = [float(group[key]) for group in self.optimizer.param_groups]
+        values = [float(g.get(key, self.defaults[key])) for g in self.optimizer.param_groups]
         return values[0] if len(set(values)) == 1 else values
 
     @property
@@ -479,8 +492,9 @@ def _refused(name: str, value: object, how: str) -> str:
     return f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): the step reads {how}"
 
 
-def _check_inner(optimizer: Any) -> None:
-    """Refuse what cannot be wrapped: a wrapper, a non-optimizer, nothing to optimize."""
+def _check_inner(optimizer: object) -> Optimizer:
+    """``optimizer``, refused if it cannot be wrapped: a wrapper, a non-optimizer,
+    nothing to optimize."""
     if isinstance(optimizer, ClippedOptimizer):
         raise TypeError(
             "optimizer is already a ClippedOptimizer; wrapping it twice would clip twice. "
@@ -494,6 +508,7 @@ def _check_inner(optimizer: Any) -> None:
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list) or not any(g.get("params") for g in groups):
         raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
+    return optimizer
 
 
 def _check_config(

@@ -102,6 +102,7 @@ COMPAT_MODULES = frozenset(
         "test_fused.py",
         "test_amp.py",
         "test_checkpoint.py",
+        "test_chain.py",
         "test_adaptive.py",
         "test_adagc.py",
         "test_agc.py",
@@ -112,8 +113,8 @@ COMPAT_MODULES = frozenset(
 )
 """The ``compat`` subset, the tests the torch matrix runs on every release: the
 functional API, the wrapper and its hooks, fused folding and AMP, checkpoints and resume,
-every clip rule against its reference, torch.compile, 2-rank distributed
-layouts, the plans and kernels, and the fence around torch's private APIs."""
+chained optimizers, every clip rule against its reference, torch.compile, 2-rank
+distributed layouts, the plans and kernels, and the fence around torch's private APIs."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -820,7 +820,7 @@ def test_refuses_what_it_cannot_wrap() -> None:
         ClippedOptimizer(opt, max_norm=1.0)
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer, got Sequential"):
         ClippedOptimizer(model, max_norm=1.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="got list"):
+    with pytest.raises(TypeError, match=r"\[0\] must be .* got Parameter; a list is optimizers"):
         ClippedOptimizer(list(model.parameters()), max_norm=1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="SGD has no parameters"):
         ClippedOptimizer(torch.optim.SGD([{"params": []}], lr=0.1), max_norm=1.0)
