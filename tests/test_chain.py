@@ -113,6 +113,43 @@ def test_steps_as_one_clip_over_all_then_each_step(split: Split, clip: str) -> N
     assert int(opt.step_count) == 4
 
 
+@pytest.mark.parametrize("split", SPLITS)
+def test_muon_left_unclipped_and_adamw_clipped_by_its_own_norm(split: Split) -> None:
+    """Muon normalises its update, so a clip driven by another group's spike only stalls
+    it: its groups marked ``"clip_group": None`` are left out of the norm and never
+    scaled (their grads, as the inner step saw them, bit-identical to the backward's),
+    and AdamW's are clipped by their own norm, as torch's clip over them alone."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    inners = split(model)
+    for group in inners[0].param_groups:
+        group["clip_group"] = None
+    opt = ClippedOptimizer(inners, max_norm=MAX_NORM)
+    by_hand = split(reference)
+    seen: list[list[Tensor]] = []
+    inners[0].register_step_pre_hook(
+        lambda o, args, kwargs: seen.append([p.grad.clone() for p in _matrices(model)[0]])
+    )
+    for step in range(4):
+        opt.zero_grad()
+        model(_tokens(step)).backward()
+        raw = [p.grad.clone() for p in _matrices(model)[0]]  # type: ignore[union-attr]
+        opt.step()
+        for inner in by_hand:
+            inner.zero_grad()
+        reference(_tokens(step)).backward()
+        norm = clipopt.clip_grad_norm_(_matrices(reference)[1], MAX_NORM)
+        for inner in by_hand:
+            inner.step()
+        assert norm > MAX_NORM  # AdamW's grads were clipped
+        assert_identical(opt.last_norm, norm)
+        for got, want in zip(seen[-1], raw, strict=True):
+            assert_identical(got, want)
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert_identical(ours, theirs)
+    assert opt.clip_groups == ("default",)
+
+
 def test_one_scheduler_per_optimizer_sets_its_groups_lr() -> None:
     """Each optimizer's scheduler sets its own groups' lr, and sees its optimizer step
     (an error filter: torch warns when a scheduler steps before its optimizer)."""
