@@ -36,10 +36,10 @@ __all__ = [
 
 NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
-NonFinite: TypeAlias = Literal["propagate", "skip", "raise"]
+NonFinite: TypeAlias = Literal["propagate", "skip", "raise", "assert"]
 Threshold: TypeAlias = float | Tensor
 
-NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise")
+NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise", "assert")
 CLIP_KEY = "clip"
 """The top-level key of ``ClippedOptimizer.state_dict()`` that holds the clip state."""
 MAX_NORM_KEY = "clip_max_norm"

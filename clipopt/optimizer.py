@@ -91,6 +91,10 @@ class ClippedOptimizer(OptimizerWrapper):
         are left untouched and :attr:`skip_count` grows; this reads one flag on the
         host per step. ``"raise"``: :class:`clipopt.NonFiniteNormError` (a
         ``FloatingPointError``) before anything is touched; also one host read.
+        ``"assert"``: a device-side assertion (``torch._assert_async``), no host read:
+        on CPU a ``RuntimeError`` at once, before anything is touched; on CUDA the
+        error surfaces at the next synchronisation, after the step has run, and leaves
+        the CUDA context unusable: the process must restart.
       max_consecutive_skips: with ``nonfinite="skip"``, the non-finite step that
         follows this many skipped steps in a row raises
         :class:`clipopt.NonFiniteNormError` instead of skipping again; None never raises.
@@ -275,7 +279,8 @@ class ClippedOptimizer(OptimizerWrapper):
     per_group = _fixed("per_group", "Whether each param group is clipped by its own norm.")
     foreach = _fixed("foreach", "The ``foreach`` choice passed to the norm and scale kernels.")
     nonfinite = _fixed(
-        "nonfinite", 'What a non-finite norm does: ``"propagate"``, ``"skip"`` or ``"raise"``.'
+        "nonfinite",
+        'What a non-finite norm does: ``"propagate"``, ``"skip"``, ``"raise"`` or ``"assert"``.',
     )
     max_consecutive_skips = _fixed(
         "max_consecutive_skips", "Skipped steps in a row after which a non-finite norm raises."
@@ -283,7 +288,7 @@ class ClippedOptimizer(OptimizerWrapper):
     rule = _fixed(
         "rule",
         "The clip rule passed as ``max_norm``, None for a number (its ``last_threshold`` "
-        "and ``clipped_count`` are its monitoring).",
+        "is its monitoring).",
     )
     skip_spikes = _fixed(
         "skip_spikes", "The :class:`clipopt.SpikeSkip` that skips spikes, or None."
@@ -347,6 +352,38 @@ class ClippedOptimizer(OptimizerWrapper):
     def last_group_norms(self) -> Tensor | None:
         """With ``per_group=True``, the pre-clip norm of each group (1-D); else None."""
         return self._record.last_group_norms
+
+    @property
+    def last_clipped_norm(self) -> Tensor | None:
+        """The post-clip norm of the last step: the norm of the grads its inner step used.
+
+        Shaped, typed and placed as :attr:`last_norm` (one per group, as
+        :attr:`last_group_norms`, with ``per_group=True``); None before the first step
+        and after loading a format-1 checkpoint. Derived when read, from the pre-clip
+        norm and the coefficient (``norm / grad_scale`` where the clip rides on a fused
+        kernel): the step launches nothing for it. A per-tensor or unit-wise rule scales
+        each tensor or unit by its own coefficient: the norm of their norms times their
+        coefficients, taken in float64 over the rule's tensors or units only (not AGC's
+        ``exclude``; under ``pp_mesh`` this stage's). A skipped
+        step scaled nothing: it reads :attr:`last_norm` (the grads were left as they
+        were). None too where groups with different ``clip_max_norm`` are scaled by one
+        norm (``per_group=False``): each group's own norm is not measured.
+        """
+        return self._record.last_clipped_norm()
+
+    @property
+    def last_clipped(self) -> Tensor | None:
+        """Whether the last step's clip scaled the grads (some grad, for a per-tensor or
+        unit-wise rule): a bool tensor shaped as :attr:`last_clipped_norm`, on the grads'
+        device; False for a skipped step; None before the first step."""
+        return self._record.last_clipped()
+
+    @property
+    def clipped_count(self) -> Tensor:
+        """Steps whose clip scaled the grads, an int64 tensor (one per group with
+        ``per_group=True`` once stepped, else 0-dim); skipped steps do not count. Made on
+        the device each step (two launches), saved in :meth:`state_dict`."""
+        return self._record.clipped_count
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
@@ -428,11 +465,11 @@ class ClippedOptimizer(OptimizerWrapper):
                 mine.load_state_dict(saved)
                 mine.to(device)
         counters = {k: v.to(device=device, copy=True) for k, v in prepared.counters.items()}
-        last = [
-            None if t is None else t.to(device=device, copy=True)
-            for t in (prepared.last_norm, prepared.last_group_norms)
-        ]
-        self._record.load(counters, last[0], last[1])
+        last = {
+            k: None if t is None else t.to(device=device, copy=True)
+            for k, t in prepared.last.items()
+        }
+        self._record.load(counters, last)
         self._apply_settings(s)
 
 
