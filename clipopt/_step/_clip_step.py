@@ -372,8 +372,8 @@ class Applied:
         if self.units is None:
             return pre
         scaled = self.units[0].double() * self.units[1].double()
-        post: Tensor = torch.linalg.vector_norm(scaled, self.norm_type)
-        return post.to(pre.dtype)
+        norm: Tensor = torch.linalg.vector_norm(scaled, self.norm_type)
+        return norm.to(pre.dtype)
 
 
 def _applied(config: ClipConfig, latest: ClipDecision) -> Applied | None:
