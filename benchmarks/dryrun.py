@@ -297,6 +297,7 @@ def settings(inner: Inner) -> dict[str, tuple[MakeStep, tuple[str, ...]]]:
         "per_group=True": (_clipped(inner, groups=2, max_norm=1.0, per_group=True), ()),
         'nonfinite="skip"': (_clipped(inner, max_norm=1.0, nonfinite="skip"), ()),
         'nonfinite="raise"': (_clipped(inner, max_norm=1.0, nonfinite="raise"), ()),
+        'nonfinite="assert"': (_clipped(inner, max_norm=1.0, nonfinite="assert"), ()),
         "track_tensor_norms=True": (_clipped(inner, max_norm=1.0, track_tensor_norms=True), ()),
         "skip_spikes=SpikeSkip()": (
             _clipped(inner, max_norm=1.0, skip_spikes=lambda: clipopt.SpikeSkip(min_history=2)),
