@@ -390,8 +390,10 @@ def _applied(config: ClipConfig, latest: ClipDecision) -> Applied | None:
         return None
     if isinstance(shared, Tensor) and not config.per_group:
         return Applied(shared < 1, shared)
-    one = latest.measurement.norm.new_ones(())
-    factors = torch.stack([c if isinstance(c, Tensor) else one for c in latest.coefficients])
+    norm = latest.measurement.norm  # a group scaled by nothing: 1
+    factors = torch.stack(
+        [c if isinstance(c, Tensor) else norm.new_ones(()) for c in latest.coefficients]
+    )
     if not config.per_group:
         return Applied((factors < 1).any(), known=False)
     return Applied(factors < 1, factors)
