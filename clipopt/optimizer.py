@@ -191,6 +191,8 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         self._apply_settings(settings)
         self._record = StepRecord()
+        if settings.per_group:  # shaped from the start: a compiled step compiles once
+            self._record.clipped_count = torch.zeros(len(groups), dtype=torch.int64)
         _prepare(params, rule, skip_spikes)
 
     step = _clip_step.step
@@ -381,7 +383,7 @@ class ClippedOptimizer(OptimizerWrapper):
     @property
     def clipped_count(self) -> Tensor:
         """Steps whose clip scaled the grads, an int64 tensor (one per group with
-        ``per_group=True`` once stepped, else 0-dim); skipped steps do not count. Made on
+        ``per_group=True``, else 0-dim); skipped steps do not count. Made on
         the device each step (two launches), saved in :meth:`state_dict`."""
         return self._record.clipped_count
 

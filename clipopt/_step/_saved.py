@@ -10,7 +10,7 @@ Its layout, version :data:`FORMAT`::
    "last_clipped_norm": Tensor | None,      # shaped as last_group_norms, else 0-dim
    "last_clipped": bool Tensor | None,      # shaped as last_clipped_norm
    "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...,
-   "clipped_count": int64 Tensor,           # 1-D with per_group once stepped
+   "clipped_count": int64 Tensor,           # 1-D with per_group
    # only when max_norm is a rule / skip_spikes is set: their own state_dict()
    "rule": {...}, "skip_spikes": {...}}
 
@@ -161,20 +161,26 @@ def _parsed(raw: Any, num_groups: int) -> ClipState:
             f"for {num_groups} param groups"
         )
     last["last_group_norms"] = group_norms
-    # The readouts are shaped as the norms they derive from: per group once stepped.
+    # The readouts are shaped as the norms they derive from, the count per group from
+    # the start with per_group=True.
     shape = () if group_norms is None else tuple(group_norms.shape)
     for key, kind in zip(_READOUTS[:2], ("float", "bool"), strict=True):
         last[key] = _tensor(key, raw.get(key), dims=len(shape), kind=kind)
-    counters = {"clipped_count": torch.zeros((), dtype=torch.int64)}
+    counted = (num_groups,) if settings.per_group and group_norms is None else shape
+    count = raw.get("clipped_count")
+    if group_norms is None and isinstance(count, Tensor) and count.dim() < 2:
+        counted = tuple(count.shape) if count.numel() == num_groups else ()
+    counters = {"clipped_count": torch.zeros(counted, dtype=torch.int64)}  # format 1
     for key in COUNTERS if version == 1 else (*COUNTERS, "clipped_count"):
-        dims = len(shape) if key == "clipped_count" else 0
+        dims = len(counted) if key == "clipped_count" else 0
         counter = _tensor(key, raw[key], dims=dims, kind="int64")
         if counter is None or bool((counter < 0).any()):
             raise ValueError(f"state_dict['clip'][{key!r}] must be an int64 tensor >= 0")
         counters[key] = counter
     for key, value in (*last.items(), ("clipped_count", counters["clipped_count"])):
-        if key != "last_norm" and value is not None and value.dim() and value.shape != shape:
-            raise ValueError(f"state_dict['clip'][{key!r}] must have the shape {shape}")
+        want = counted if key == "clipped_count" else shape
+        if key != "last_norm" and value is not None and value.shape != want:
+            raise ValueError(f"state_dict['clip'][{key!r}] must have the shape {want}")
     return ClipState(settings, last, counters, raw.get("rule"), raw.get("skip_spikes"))
 
 
