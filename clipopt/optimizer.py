@@ -384,7 +384,7 @@ class ClippedOptimizer(OptimizerWrapper):
     def clipped_count(self) -> Tensor:
         """Steps whose clip scaled the grads, an int64 tensor (one per group with
         ``per_group=True``, else 0-dim); skipped steps do not count. Made on
-        the device each step (two launches), saved in :meth:`state_dict`."""
+        the device each step (a compare and an add), saved in :meth:`state_dict`."""
         return self._record.clipped_count
 
     @property
