@@ -236,14 +236,18 @@ def _torch_clip(inner: Inner, norm_type: float = 2.0) -> MakeStep:
     return make
 
 
-def _two_groups(inner: Inner, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """``inner`` over half the parameters; the rest a group of its own (in a chain's last
-    optimizer: a chain cannot tell which of its optimizers would step it)."""
-    optimizer = inner(params[::2])
-    owner = optimizer
+def _owner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Where a group is added: a chain's last optimizer (a chain cannot tell which of its
+    optimizers would step it), else ``optimizer``."""
     if isinstance(optimizer, clipopt.OptimizerChain):
-        owner = optimizer.optimizers[-1]
-    owner.add_param_group({"params": params[1::2], "clip_max_norm": 2.0})
+        return optimizer.optimizers[-1]
+    return optimizer
+
+
+def _two_groups(inner: Inner, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """``inner`` over half the parameters; the rest a group of its own."""
+    optimizer = inner(params[::2])
+    _owner(optimizer).add_param_group({"params": params[1::2], "clip_max_norm": 2.0})
     return optimizer
 
 
@@ -251,8 +255,9 @@ def _clip_groups(inner: Inner, params: list[nn.Parameter]) -> torch.optim.Optimi
     """Two clip groups, "a" and "b", and a group left unclipped."""
     optimizer = inner(params[::3])
     optimizer.param_groups[0]["clip_group"] = "a"
-    optimizer.add_param_group({"params": params[1::3], "clip_group": "b", "clip_max_norm": 2.0})
-    optimizer.add_param_group({"params": params[2::3], "clip_group": None})
+    owner = _owner(optimizer)
+    owner.add_param_group({"params": params[1::3], "clip_group": "b", "clip_max_norm": 2.0})
+    owner.add_param_group({"params": params[2::3], "clip_group": None})
     return optimizer
 
 
@@ -321,6 +326,7 @@ def settings(inner: Inner) -> dict[str, tuple[MakeStep, tuple[str, ...]]]:
         "clip groups (2, and None)": (_clipped(inner, groups=3, max_norm=1.0), ()),
         'nonfinite="skip"': (_clipped(inner, max_norm=1.0, nonfinite="skip"), ()),
         'nonfinite="raise"': (_clipped(inner, max_norm=1.0, nonfinite="raise"), ()),
+        'nonfinite="assert"': (_clipped(inner, max_norm=1.0, nonfinite="assert"), ()),
         "track_tensor_norms=True": (_clipped(inner, max_norm=1.0, track_tensor_norms=True), ()),
         "skip_spikes=SpikeSkip()": (
             _clipped(inner, max_norm=1.0, skip_spikes=lambda: clipopt.SpikeSkip(min_history=2)),

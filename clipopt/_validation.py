@@ -40,13 +40,13 @@ __all__ = [
 
 NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
-NonFinite: TypeAlias = Literal["propagate", "skip", "raise"]
+NonFinite: TypeAlias = Literal["propagate", "skip", "raise", "assert"]
 Threshold: TypeAlias = float | Tensor
 Layout: TypeAlias = tuple[list[int | None], list[str | int]]
 """Each param group's clip group (an index into the names; None: not clipped), and the
 clip groups' names in order of first appearance."""
 
-NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise")
+NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise", "assert")
 CLIP_KEY = "clip"
 """The top-level key of ``ClippedOptimizer.state_dict()`` that holds the clip state."""
 MAX_NORM_KEY = "clip_max_norm"

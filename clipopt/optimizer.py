@@ -104,6 +104,10 @@ class ClippedOptimizer(OptimizerWrapper):
         are left untouched and :attr:`skip_count` grows; this reads one flag on the
         host per step. ``"raise"``: :class:`clipopt.NonFiniteNormError` (a
         ``FloatingPointError``) before anything is touched; also one host read.
+        ``"assert"``: a device-side assertion (``torch._assert_async``), no host read:
+        on CPU a ``RuntimeError`` at once, before anything is touched; on CUDA the
+        error surfaces at the next synchronisation, after the step has run, and leaves
+        the CUDA context unusable: the process must restart.
       max_consecutive_skips: with ``nonfinite="skip"``, the non-finite step that
         follows this many skipped steps in a row raises
         :class:`clipopt.NonFiniteNormError` instead of skipping again; None never raises.
@@ -210,6 +214,9 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         self._apply_settings(settings)
         self._record = StepRecord()
+        names = self.clip_groups
+        if len(names) > 1 or settings.per_group:  # shaped from the start: compiles once
+            self._record.clipped_count = torch.zeros(len(names), dtype=torch.int64)
         _prepare(clipped, rule, skip_spikes)
 
     step = _clip_step.step
@@ -305,7 +312,8 @@ class ClippedOptimizer(OptimizerWrapper):
     per_group = _fixed("per_group", "Whether each param group is clipped by its own norm.")
     foreach = _fixed("foreach", "The ``foreach`` choice passed to the norm and scale kernels.")
     nonfinite = _fixed(
-        "nonfinite", 'What a non-finite norm does: ``"propagate"``, ``"skip"`` or ``"raise"``.'
+        "nonfinite",
+        'What a non-finite norm does: ``"propagate"``, ``"skip"``, ``"raise"`` or ``"assert"``.',
     )
     max_consecutive_skips = _fixed(
         "max_consecutive_skips", "Skipped steps in a row after which a non-finite norm raises."
@@ -313,7 +321,7 @@ class ClippedOptimizer(OptimizerWrapper):
     rule = _fixed(
         "rule",
         "The clip rule passed as ``max_norm``, None for a number (its ``last_threshold`` "
-        "and ``clipped_count`` are its monitoring).",
+        "is its monitoring).",
     )
     skip_spikes = _fixed(
         "skip_spikes", "The :class:`clipopt.SpikeSkip` that skips spikes, or None."
@@ -389,6 +397,39 @@ class ClippedOptimizer(OptimizerWrapper):
         if layout is not None:
             return tuple(layout[1])
         return tuple(range(len(self.param_groups))) if self.per_group else (DEFAULT_CLIP_GROUP,)
+
+    @property
+    def last_clipped_norm(self) -> Tensor | None:
+        """The post-clip norm of the last step: the norm of the grads its inner step used.
+
+        Shaped, typed and placed as :attr:`last_norm` (one per group or clip group,
+        as :attr:`last_group_norms`, where it is not None); None before the first step
+        and after loading a format-1 checkpoint. Derived when read, from the pre-clip
+        norm and the coefficient (``norm / grad_scale`` where the clip rides on a fused
+        kernel): the step launches nothing for it. A per-tensor or unit-wise rule scales
+        each tensor or unit by its own coefficient: the norm of their norms times their
+        coefficients, taken in float64 over the rule's tensors or units only (not AGC's
+        ``exclude``; under ``pp_mesh`` this stage's). A skipped
+        step scaled nothing: it reads :attr:`last_norm` (the grads were left as they
+        were). None too where groups with different ``clip_max_norm`` are scaled by one
+        norm (``per_group=False``): each group's own norm is not measured.
+        """
+        return self._record.last_clipped_norm()
+
+    @property
+    def last_clipped(self) -> Tensor | None:
+        """Whether the last step's clip scaled the grads (some grad, for a per-tensor or
+        unit-wise rule): a bool tensor shaped as :attr:`last_clipped_norm`, on the grads'
+        device; False for a skipped step; None before the first step."""
+        return self._record.last_clipped()
+
+    @property
+    def clipped_count(self) -> Tensor:
+        """Steps whose clip scaled the grads, an int64 tensor (one per group or clip
+        group, as :attr:`last_group_norms`, where it is not None; else 0-dim); skipped
+        steps do not count. Made on the device each step (a compare and an add), saved
+        in :meth:`state_dict`."""
+        return self._record.clipped_count
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
@@ -477,11 +518,11 @@ class ClippedOptimizer(OptimizerWrapper):
                 mine.load_state_dict(saved)
                 mine.to(device)
         counters = {k: v.to(device=device, copy=True) for k, v in prepared.counters.items()}
-        last = [
-            None if t is None else t.to(device=device, copy=True)
-            for t in (prepared.last_norm, prepared.last_group_norms)
-        ]
-        self._record.load(counters, last[0], last[1])
+        last = {
+            k: None if t is None else t.to(device=device, copy=True)
+            for k, t in prepared.last.items()
+        }
+        self._record.load(counters, last)
         self._apply_settings(s)
 
 

@@ -7,9 +7,9 @@ One command (``make demo``), a few seconds on a CPU:
    norm jumps by orders of magnitude;
 2. ``ClippedOptimizer`` wraps AdamW and clips every step to ``MAX_NORM`` first, with a
    OneCycle LR schedule on top; on a terminal a progress bar shows the pre-clip norm
-   ``opt.last_norm`` and how many steps were clipped, and each phase ends in one summary
-   line (the only output when stdout is not a terminal);
-3. halfway through it saves model, optimizer, scheduler and the clipped-step count with
+   ``opt.last_norm`` and how many steps were clipped (``opt.clipped_count``), and each
+   phase ends in one summary line (the only output when stdout is not a terminal);
+3. halfway through it saves model, optimizer (its counts with it) and scheduler with
    ``torch.save``, loads them with ``torch.load(weights_only=True)`` into fresh objects,
    trains the second half again, and checks that the parameters and norms are
    bit-identical to the uninterrupted run's;
@@ -61,7 +61,8 @@ def build() -> tuple[torch.nn.Module, clipopt.ClippedOptimizer, Any]:
 @dataclass
 class Phase:
     """Steps ``start`` to ``stop - 1`` of one run: each step's pre-clip norm and loss, and
-    how many of the run's steps before ``start`` were clipped."""
+    how many of the run's steps were clipped before ``start`` and by its end (the
+    optimizer's ``clipped_count``)."""
 
     label: str
     start: int
@@ -69,17 +70,18 @@ class Phase:
     clipped_before: int
     norms: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    clipped_after: int = 0
 
     @property
     def clipped(self) -> int:
-        """Steps of this phase whose pre-clip norm was above ``MAX_NORM``."""
-        return sum(norm > MAX_NORM for norm in self.norms)
+        """Steps of this phase that the clip scaled."""
+        return self.clipped_after - self.clipped_before
 
     def summary(self, steps_taken: int) -> str:
         outliers = ", ".join(
             f"{norm:.0f}" for step, norm in enumerate(self.norms, self.start) if step in SPIKES
         )
-        total = self.clipped_before + self.clipped
+        total = self.clipped_after
         return (
             f"{self.label:8s} steps {self.start:2d}-{self.stop - 1:2d}  clipped {self.clipped:2d} "
             f"({total}/{steps_taken} so far)  outlier norms {outliers} -> {MAX_NORM:g}"
@@ -120,12 +122,13 @@ def train(model: torch.nn.Module, opt: clipopt.ClippedOptimizer, sched: Any, pha
         phase.norms.append(opt.last_norm.item())  # the only host read: for printing, the plot
         phase.losses.append(loss.item())
         if bar is not None:
-            clipped = phase.clipped_before + phase.clipped
+            clipped = int(opt.clipped_count)  # on the device until read, as last_norm
             shown = f"norm {phase.norms[-1]:.3g}, clipped {clipped}/{int(opt.step_count)}"
             bar.set_postfix_str(shown, refresh=False)
             bar.update()
     if bar is not None:
         bar.close()
+    phase.clipped_after = int(opt.clipped_count)
     print(phase.summary(int(opt.step_count)))
     return phase
 
@@ -172,17 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     # The uninterrupted run, saving a checkpoint on the way.
     model, opt, sched = build()
     first = train(model, opt, sched, Phase("run", 0, RESUME_AT, clipped_before=0))
-    # The optimizer counts its steps (step_count, in its state dict) but, with a fixed
-    # max_norm, not its clipped ones (a ClipRule's clipped_count would): the loop's own.
-    state = {
-        "model": model.state_dict(),
-        "opt": opt.state_dict(),
-        "sched": sched.state_dict(),
-        "clipped": first.clipped,
-    }
+    # The optimizer's state dict holds its step_count and clipped_count.
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
     torch.save(state, checkpoint)
     print(f"saved    {checkpoint} at step {int(opt.step_count)} ({first.clipped} clipped)")
-    second = train(model, opt, sched, Phase("run", RESUME_AT, STEPS, clipped_before=first.clipped))
+    second = train(model, opt, sched, Phase("run", RESUME_AT, STEPS, first.clipped_after))
     ordinary = [
         loss for step, loss in enumerate(first.losses + second.losses) if step not in SPIKES
     ]
@@ -198,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     opt2.load_state_dict(saved["opt"])
     sched2.load_state_dict(saved["sched"])
     start = int(opt2.step_count)  # restored from the checkpoint, as the lr schedule is
-    print(f"resumed  {checkpoint} at step {start} ({saved['clipped']} clipped)")
-    resumed = train(model2, opt2, sched2, Phase("resumed", start, STEPS, saved["clipped"]))
+    clipped = int(opt2.clipped_count)  # so is the count of clipped steps
+    print(f"resumed  {checkpoint} at step {start} ({clipped} clipped)")
+    resumed = train(model2, opt2, sched2, Phase("resumed", start, STEPS, clipped))
     pairs = zip(model.parameters(), model2.parameters(), strict=True)
     same = all(torch.equal(a, b) for a, b in pairs) and resumed.norms == second.norms
     print(f"resume check: parameters and norms bit-identical to the uninterrupted run: {same}")

@@ -21,16 +21,13 @@ import clipopt
 MAX_NORM = 25.0
 
 
-def log_step(writer: SummaryWriter, opt: clipopt.ClippedOptimizer, step: int) -> bool:
-    """Write this step's clip scalars; True when the step clipped."""
-    assert opt.last_norm is not None
-    norm = opt.last_norm.item()  # the host read TensorBoard needs, once per step
-    max_norm = float(opt.param_groups[0]["clip_max_norm"])
-    clipped = norm > max_norm
+def log_step(writer: SummaryWriter, opt: clipopt.ClippedOptimizer, step: int) -> None:
+    """Write this step's clip scalars."""
+    assert opt.last_norm is not None and opt.last_clipped is not None
+    norm = opt.last_norm.item()  # the host reads TensorBoard needs, once per step
     writer.add_scalar("clip/grad_norm", norm, step)
-    writer.add_scalar("clip/max_norm", max_norm, step)
-    writer.add_scalar("clip/clipped", int(clipped), step)
-    return clipped
+    writer.add_scalar("clip/max_norm", float(opt.param_groups[0]["clip_max_norm"]), step)
+    writer.add_scalar("clip/clipped", int(opt.last_clipped), step)
 
 
 def train(logdir: Path, steps: int) -> int:
@@ -40,7 +37,6 @@ def train(logdir: Path, steps: int) -> int:
     opt = clipopt.ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-2), MAX_NORM)
     inputs = torch.randn(256, 16)
     targets = inputs @ torch.randn(16, 1) * 3.0
-    clipped = 0
     with SummaryWriter(str(logdir)) as writer:
         for step in range(steps):
             loss = torch.nn.functional.mse_loss(model(inputs), targets)
@@ -48,8 +44,8 @@ def train(logdir: Path, steps: int) -> int:
             loss.backward()
             opt.step()
             writer.add_scalar("loss", loss.item(), step)
-            clipped += log_step(writer, opt, step)
-    return clipped
+            log_step(writer, opt, step)
+    return int(opt.clipped_count)
 
 
 def main(argv: list[str] | None = None) -> None:

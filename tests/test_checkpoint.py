@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -224,7 +225,45 @@ def test_a_format_1_checkpoint_loads_and_resumes_bit_for_bit() -> None:
         assert_same({"params": maker.flat(params), **maker.readouts(opt)}, expected, f"{step}")
 
 
-@pytest.mark.parametrize("version", [None, 0, 2, True, 1.0, "1"])
+def test_a_format_1_checkpoint_starts_the_clip_readouts_afresh() -> None:
+    """Format 1 has no clip readouts: the count starts at 0, the last ones are None."""
+    _, opt, saved = _loaded_format_1()
+    opt.load_state_dict(saved["optimizer"])
+    assert opt.last_clipped is None and opt.last_clipped_norm is None
+    assert_same(opt.clipped_count, torch.zeros((), dtype=torch.int64))
+    assert opt.state_dict()["clip"]["format"] == 2
+
+
+FORMAT_2 = DATA / "format_2_adamw_zclip.pt"
+
+
+def test_a_format_2_checkpoint_loads_and_resumes_bit_for_bit() -> None:
+    """As format 1, with the clip readouts (``tests/data/make_format_2.py``)."""
+    sys.path.insert(0, str(DATA))  # make_format_2 imports make_format_1
+    try:
+        spec = importlib.util.spec_from_file_location("make_format_2", DATA / "make_format_2.py")
+        assert spec is not None and spec.loader is not None
+        maker_2 = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(maker_2)
+    finally:
+        sys.path.remove(str(DATA))
+    saved = torch.load(FORMAT_2, weights_only=True)
+    assert saved["optimizer"]["clip"]["format"] == 2
+    params = maker.params()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(saved["params"], params)
+    opt = maker.wrapper(params)
+    opt.load_state_dict(saved["optimizer"])
+    assert_same(maker_2.readouts(opt), saved["recorded"])
+    assert int(saved["continued"]["clipped_count"][-1]) > int(saved["recorded"]["clipped_count"])
+    for i, step in enumerate(range(maker.SAVED_AT, maker.SAVED_AT + maker.CONTINUED)):
+        maker.set_grads(params, step)
+        opt.step()
+        expected = {key: values[i] for key, values in saved["continued"].items()}
+        assert_same({"params": maker.flat(params), **maker_2.readouts(opt)}, expected, f"{step}")
+
+
+@pytest.mark.parametrize("version", [None, 0, 3, True, 1.0, "2"])
 def test_a_clip_entry_of_another_format_is_refused_touching_nothing(version: object) -> None:
     params, opt, saved = _loaded_format_1()
     maker.set_grads(params, 0)

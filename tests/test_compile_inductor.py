@@ -89,6 +89,7 @@ SETTINGS: dict[str, Setting] = {
         kwargs=lambda: {"nonfinite": "skip"}, poison=True, host_read=True, host_read_fused=True
     ),
     "raise": Setting(kwargs=lambda: {"nonfinite": "raise"}, host_read=True, host_read_fused=True),
+    "assert": Setting(kwargs=lambda: {"nonfinite": "assert"}),  # on the device: no break
     "group-thresholds": Setting(group_thresholds=(0.3, 2.0)),
     "per-group": Setting(kwargs=lambda: {"per_group": True}, group_thresholds=(0.3, 2.0)),
     "clip-groups": Setting(group_thresholds=(0.3, 2.0), clip_groups=("a", "b")),

@@ -7,7 +7,8 @@ over torch's fake process group). For every setting and inner
 optimizer the third step runs; it reads no CUDA value on the host beyond what the same
 inner step under torch's ``clip_grad_norm_(foreach=True)`` reads, except where the docs
 say it reads (``nonfinite="raise"``, and ``"skip"`` or ``skip_spikes`` where the skip is
-decided on the host: one ``tolist`` of three flags); its launches do not grow with the
+decided on the host: one ``tolist`` of three flags; ``"assert"`` asserts on the device and
+reads nothing, nor do the clip readouts); its launches do not grow with the
 number of tensors beyond the bounds below; the clip folded into fused AdamW makes one
 pass over the grads fewer than torch's clip + the same step.
 
@@ -32,13 +33,15 @@ FUSED = {"fused AdamW", "fused Adam"}
 # each tensor by its own device scalar, so ATen runs _foreach_mul_ tensor by tensor.
 # AGC also takes each grad's and weight's norms along dim 0: two reductions a tensor.
 PER_TENSOR = {"AutoClip(per_tensor=True)": 1, "AdaGC()": 1, "AGC()": 3}
-# The folded step's launches over torch's clip + fused AdamW (10; ours 15 with 64 tensors):
+# The folded step's launches over torch's clip + fused AdamW (10; ours 17 with 64 tensors):
 # the per-tensor norms combined in float64 (cast there and back: +2); grad_scale =
 # max(1, (norm + eps) / max_norm) made directly (add, div, clamp) where torch's
 # coefficient and scale are 5 ops (add, reciprocal, mul, clamp, _foreach_mul_: -2), with
 # its NaN past 1 / tiny that keeps it equal to the explicit path's 1 / clip_coefficient
-# (gt, sub, sqrt, where: +4); the step counter (add_: +1).
-LAUNCHES_OVER_TORCH = 5
+# (gt, sub, sqrt, where: +4); the step counter (add_: +1); the clip readouts: whether
+# the clip scaled the grads, grad_scale > 1 (gt: +1), added to clipped_count (add_: +1;
+# last_clipped_norm is derived when read: +0).
+LAUNCHES_OVER_TORCH = 7
 
 
 def expected_reads(inner: str, setting: str, torch_reads: int) -> int:

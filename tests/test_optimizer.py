@@ -975,6 +975,11 @@ def _corruptions() -> list[tuple[str, Callable[[dict[str, Any]], None], type[Exc
         ("group norms", set_path("clip", "last_group_norms", value=torch.ones(3)), ValueError, "3"),
         ("counter", set_path("clip", "step_count", value=torch.tensor(1.0)), TypeError, "int64"),
         ("negative", set_path("clip", "skip_count", value=torch.tensor(-1)), ValueError, ">= 0"),
+        ("no count", pop("clip", "clipped_count"), ValueError, "must have the keys"),
+        ("clip count", set_path("clip", "clipped_count", value=torch.tensor(1)), TypeError, "1"),
+        ("clips", set_path("clip", "clipped_count", value=-torch.ones(2).long()), ValueError, "0"),
+        ("flag", set_path("clip", "last_clipped", value=torch.ones(2)), TypeError, "bool"),
+        ("post", set_path("clip", "last_clipped_norm", value=torch.ones(3)), ValueError, r"\(2,\)"),
         ("group max", set_path("param_groups", 0, "clip_max_norm", value=-2.0), ValueError, "-2.0"),
         ("group p", set_path("param_groups", 1, "clip_norm_type", value="l1"), ValueError, "'l1'"),
     ]

@@ -230,6 +230,10 @@ def decide(
             return decision
         norms = measured.norm if measured.stacked is None else measured.stacked
         values = _coefficient_values(coefficients, grad_scale, norms)
+        if config.nonfinite == "assert":
+            _nonfinite.assert_finite(norms, values)
+            if spike is None:
+                return decision
         limit = config.max_consecutive_skips
         if fold and config.nonfinite != "raise" and _fold.skips_cleanly(optimizer):
             found_inf = streak_limit = None
@@ -258,11 +262,11 @@ def apply(
     decision: ClipDecision,
     closure: Closure | None,
     loss: Any,
-) -> tuple[Any, Measurement]:
+) -> tuple[Any, ClipDecision]:
     """Apply ``decision``: nothing (a skip decided on the host), the fused step with the
     scale folded in, or the inner step on the grads :func:`scale` scaled. Returns what
-    the inner step returns (``loss`` when skipped) and the norms of the grads it stepped
-    with.
+    the inner step returns (``loss`` when skipped) and the decision the grads it stepped
+    with were measured and scaled by (a closure's last).
 
     Compiled, each way breaks the graph in here (the inner step breaks it; a skip breaks
     it on purpose), so that what follows is traced in one resumed frame, and nothing
@@ -270,16 +274,14 @@ def apply(
     break as a graph of its own: the scale is made before the call).
     """
     if decision.skip:
-        return _skipped(loss), decision.measurement
+        return _skipped(loss), decision
     if decision.fold:
         if decision.streak_limit is not None:
             _nonfinite.check_lagged_streak(record.lagged, decision.streak_limit)
-        return _fold.apply_folded(optimizer, decision.grad_scale, decision.found_inf), (
-            decision.measurement
-        )
+        return _fold.apply_folded(optimizer, decision.grad_scale, decision.found_inf), decision
     if closure is None:
-        return inner_step(optimizer, None), decision.measurement
-    return _step_with_closure(optimizer, config, record, closure, loss, decision.measurement)
+        return inner_step(optimizer, None), decision
+    return _step_with_closure(optimizer, config, record, closure, loss, decision)
 
 
 def _skip(loss: Any) -> Any:
@@ -333,21 +335,84 @@ def scale(decision: ClipDecision, foreach: bool | None) -> None:
 
 
 def commit(
-    config: ClipConfig, record: StepRecord, decision: ClipDecision, latest: Measurement
+    config: ClipConfig, record: StepRecord, decision: ClipDecision, latest: ClipDecision
 ) -> None:
     """Keep what a step that ran (or was skipped) leaves: the record and the rules' state.
-    ``latest``: the norms of the grads the inner step used (a closure's last). A call that
-    does not end the step keeps nothing."""
+    ``latest``: the decision the grads the inner step used were measured and scaled by
+    (a closure's last). A call that does not end the step keeps nothing."""
     if not decision.final:
         return
     skipped: bool | Tensor | None = decision.skip_flag  # compiled: the verdict, as a tensor
     if skipped is None:
         skipped = decision.skip if decision.found_inf is None else decision.found_inf
-    record.record(latest, skipped, decision.streak, config.track_tensor_norms)
+    applied = None if skipped is True else _applied(config, latest)
+    record.record(latest.measurement, skipped, decision.streak, config.track_tensor_norms)
+    record.record_clip(applied, skipped)
     if config.rule is not None and decision.rule_outcome is not None:
         config.rule.commit(*decision.rule_outcome)
     if config.skip_spikes is not None:
         config.skip_spikes.commit(decision.measurement.norm, decision.spike)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """How the clip scaled the grads the inner step used, from which :class:`StepRecord`
+    derives the post-clip norm when asked: the pre-clip norm(s) times ``factor`` (per
+    group with ``per_group``), divided by it where ``divides`` (the folded
+    ``grad_scale``), or from a per-tensor or unit-wise rule's ``units`` (their norms and
+    coefficients, 1-D) in the order ``norm_type``.
+    ``clipped``: whether it scaled some grad (0-dim bool, 1-D with ``per_group``).
+    Not ``known`` without ``per_group`` where groups of other thresholds were scaled each
+    by its own coefficient of the one norm: their own norms were not measured.
+    ``saved``: the post-clip norm a checkpoint held. ``skipped``: the skip decided on the
+    device (non-zero: the grads were left as they were)."""
+
+    clipped: Tensor | None
+    factor: Tensor | None = None
+    divides: bool = False
+    known: bool = True
+    saved: Tensor | None = None
+    skipped: Tensor | None = None
+    units: tuple[Tensor, Tensor] | None = None
+    norm_type: float = 2.0
+
+    def post_clip(self, pre: Tensor) -> Tensor | None:
+        """The norm(s) of the scaled grads, from the pre-clip ``pre``; None: not known."""
+        if self.saved is not None or not self.known:
+            return self.saved
+        if self.skipped is not None:
+            post = dataclasses.replace(self, skipped=None).post_clip(pre)
+            return None if post is None else torch.where(self.skipped != 0, pre, post)
+        if self.factor is not None:
+            return pre / self.factor if self.divides else pre * self.factor
+        if self.units is None:
+            return pre
+        scaled = self.units[0].double() * self.units[1].double()
+        norm: Tensor = torch.linalg.vector_norm(scaled, self.norm_type)
+        return norm.to(pre.dtype)
+
+
+def _applied(config: ClipConfig, latest: ClipDecision) -> Applied | None:
+    """How ``latest``'s clip scaled the grads, None where it scaled nothing; the flag is
+    made here (one launch), the post-clip norm only when read."""
+    if latest.grad_scale is not None:
+        return Applied(latest.grad_scale > 1, latest.grad_scale, divides=True)
+    outcome = latest.rule_outcome
+    if outcome is not None and outcome[1].dim() > 0:  # per tensor, or per unit
+        p = config.view.norm_types[0]
+        return Applied((outcome[1] < 1).any(), units=outcome[:2], norm_type=p)
+    shared = _shared(latest.coefficients)
+    if shared is None:
+        return None
+    if isinstance(shared, Tensor) and not config.view.per_group:
+        return Applied(shared < 1, shared)
+    norm = latest.measurement.norm  # a group scaled by nothing: 1
+    factors = torch.stack(
+        [c if isinstance(c, Tensor) else norm.new_ones(()) for c in latest.coefficients]
+    )
+    if not config.view.per_group:
+        return Applied((factors < 1).any(), known=False)
+    return Applied(factors < 1, factors)
 
 
 class StepRecord:
@@ -371,6 +436,39 @@ class StepRecord:
         # False while consecutive_skips is known to be 0 without reading it, so that a
         # step that is not skipped need not zero it (one launch fewer a step).
         self._streak_may_be_set = False
+        self.applied: Applied | None = None
+        self.clipped_count = torch.zeros((), dtype=torch.int64)
+
+    def record_clip(self, applied: Applied | None, skipped: bool | Tensor) -> None:
+        """Keep how the clip of the step :meth:`record` recorded scaled the grads (None:
+        it scaled nothing, or the step was skipped on the host) and count a clip: a skip
+        decided on the device (``skipped``, a tensor) is no clip."""
+        flag = None if applied is None else applied.clipped
+        on_device = skipped if isinstance(skipped, Tensor) else None
+        if flag is not None:
+            if on_device is not None:
+                flag = flag & (on_device == 0)
+            count = self.clipped_count.to(flag.device)
+            if count.shape != flag.shape:  # per group: the first step, or a group added
+                kept = count.reshape(-1)[: flag.numel()]
+                fill = kept.new_zeros(flag.numel() - kept.numel())
+                count = torch.cat([kept, fill]).reshape(flag.shape)
+            self.clipped_count = count.add_(flag)
+        applied = Applied(None) if applied is None else applied
+        self.applied = dataclasses.replace(applied, clipped=flag, skipped=on_device)
+
+    def last_clipped_norm(self) -> Tensor | None:
+        """The post-clip norm(s) of the last step, derived now (see :class:`Applied`)."""
+        pre = self.last_norm if self.last_group_norms is None else self.last_group_norms
+        return None if pre is None or self.applied is None else self.applied.post_clip(pre)
+
+    def last_clipped(self) -> Tensor | None:
+        """Whether the last step's clip scaled the grads: a bool tensor, None before."""
+        pre = self.last_norm if self.last_group_norms is None else self.last_group_norms
+        if pre is None or self.applied is None:
+            return None
+        flag = self.applied.clipped
+        return torch.zeros(pre.shape, dtype=torch.bool, device=pre.device) if flag is None else flag
 
     def record(
         self, measured: Measurement, skipped: bool | Tensor, streak: int, track: bool
@@ -409,17 +507,25 @@ class StepRecord:
         return {
             "last_norm": self.last_norm,
             "last_group_norms": self.last_group_norms,
-            **{name: getattr(self, name) for name in _COUNTERS},
+            "last_clipped_norm": self.last_clipped_norm(),
+            "last_clipped": self.last_clipped(),
+            **{name: getattr(self, name) for name in (*_COUNTERS, "clipped_count")},
         }
 
     def load(
-        self, counters: dict[str, Tensor], last_norm: Tensor | None, group_norms: Tensor | None
+        self,
+        counters: dict[str, Tensor],
+        last: dict[str, Tensor | None],
     ) -> None:
-        """Replace the record (validated by the caller, so reading a counter is safe)."""
-        self.last_norm, self.last_group_norms = last_norm, group_norms
+        """Replace the record (validated by the caller, so reading a counter is safe):
+        ``counters`` by name, ``last``: ``last_norm``, ``last_group_norms``,
+        ``last_clipped_norm`` and ``last_clipped`` (None: not saved)."""
+        self.last_norm, self.last_group_norms = last["last_norm"], last["last_group_norms"]
         self.tensor_norms, self.tensor_names = None, ()
-        for name in _COUNTERS:
+        for name in (*_COUNTERS, "clipped_count"):
             setattr(self, name, counters[name])
+        flag, post = last["last_clipped"], last["last_clipped_norm"]
+        self.applied = None if flag is None else Applied(flag, known=post is not None, saved=post)
         self._streak_may_be_set = True
         self.lagged.set(int(self.consecutive_skips))  # a load, not a step: this may wait
 
@@ -595,8 +701,8 @@ def _step_with_closure(
     record: StepRecord,
     closure: Closure,
     loss: Any,
-    first: Measurement,
-) -> tuple[Any, Measurement]:
+    first: ClipDecision,
+) -> tuple[Any, ClipDecision]:
     """Run the inner step with a closure that returns ``loss`` once and afterwards
     re-evaluates, measures and clips (no skip, no fold: the step has begun); the norms of
     its last evaluation are the step's."""
@@ -609,7 +715,7 @@ def _step_with_closure(
             again = closure()
         redone = decide(optimizer, config, record, False, False)
         scale(redone, config.foreach)
-        latest.append(redone.measurement)
+        latest.append(redone)
         return again
 
     return inner_step(optimizer, clipped_closure), latest[-1]

@@ -1,6 +1,7 @@
 """What a non-finite norm (or a spike) does to a step: the verdicts, and the lagged count.
 
-``"propagate"`` looks at nothing. ``"raise"``, and a ``"skip"`` decided on the host, read
+``"propagate"`` looks at nothing; ``"assert"`` asserts on the device
+(:func:`assert_finite`). ``"raise"``, and a ``"skip"`` decided on the host, read
 three flags per step in one copy (:func:`host_verdict`). A ``"skip"`` that rides on a
 fused kernel's ``found_inf`` is decided on the device (:func:`device_verdict`), and
 ``max_consecutive_skips`` is then checked (:func:`check_lagged_streak`, outside any
@@ -22,6 +23,7 @@ from clipopt._errors import NonFiniteNormError
 
 __all__ = [
     "LaggedCount",
+    "assert_finite",
     "check_lagged_streak",
     "device_verdict",
     "host_verdict",
@@ -84,10 +86,24 @@ class LaggedCount:
         self.set(state["value"])
 
 
+def _finite(norms: Tensor, coefficients: Tensor) -> Tensor:
+    """Whether every norm and clip coefficient is finite (0-dim bool), on the device."""
+    return torch.isfinite(norms).all() & torch.isfinite(coefficients).all()
+
+
 def _nonfinite(norms: Tensor, coefficients: Tensor) -> Tensor:
     """1 (int64) if any norm or clip coefficient is NaN or infinite, else 0, on the device."""
-    finite = torch.isfinite(norms).all() & torch.isfinite(coefficients).all()
-    return torch.logical_not(finite).to(torch.int64)
+    return torch.logical_not(_finite(norms, coefficients)).to(torch.int64)
+
+
+def assert_finite(norms: Tensor, coefficients: Tensor) -> None:
+    """``nonfinite="assert"``: a device-side assertion that ``norms`` and
+    ``coefficients`` are finite, with no host read. On CPU a failure raises
+    ``RuntimeError`` at once; on CUDA the kernel fails and the error surfaces at the next
+    synchronisation, leaving the CUDA context unusable (the process must restart)."""
+    # No double quote in the message: inductor pastes it into a C++ string literal.
+    message = "clipopt: the gradient norm or clip coefficient is non-finite, nonfinite=assert"
+    torch._assert_async(_finite(norms, coefficients), message)
 
 
 def _what(norms: Tensor) -> str:
@@ -124,8 +140,8 @@ def host_verdict(
 ) -> int | None:
     """One host read: None if ``norms`` and ``coefficients`` are finite (and ``spike``,
     where given, is false), else the skips in a row before this step (``streak_now``),
-    which is to be skipped. With ``mode == "propagate"`` only a spike skips, whatever
-    ``limit`` (``max_consecutive_skips``) says.
+    which is to be skipped. With ``mode`` ``"propagate"`` or ``"assert"`` only a spike
+    skips, whatever ``limit`` (``max_consecutive_skips``) says.
 
     Raises:
       NonFiniteNormError: a non-finite value and ``mode == "raise"``, or one that
@@ -136,7 +152,7 @@ def host_verdict(
     spiked = torch.zeros_like(nonfinite) if spike is None else spike.to(nonfinite)
     flags = torch.stack([nonfinite, streak_now.to(nonfinite.device), spiked])
     is_bad, streak, is_spike = _read_on_host(flags)
-    if mode == "propagate":
+    if mode in ("propagate", "assert"):  # asserted on the device already
         is_bad = 0
     if not is_bad:
         return streak if is_spike else None

@@ -2,18 +2,23 @@
 
 Its layout, version :data:`FORMAT`::
 
-  {"format": 1,
+  {"format": 2,
    "settings": {"max_norm": float, "norm_type": float, "per_group": bool,
                 "nonfinite": str, "max_consecutive_skips": int | None},
    "last_norm": 0-dim Tensor | None,
    "last_group_norms": 1-D Tensor | None,   # per_group=True or clip groups only
+   "last_clipped_norm": Tensor | None,      # shaped as last_group_norms, else 0-dim
+   "last_clipped": bool Tensor | None,      # shaped as last_clipped_norm
    "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...,
+   "clipped_count": int64 Tensor,           # 1-D with per_group
    # only when max_norm is a rule / skip_spikes is set: their own state_dict()
    "rule": {...}, "skip_spikes": {...}}
 
 With a rule, ``settings["max_norm"]`` is inf. Tensors and plain Python values only, so
-``torch.load(..., weights_only=True)`` reads it. An entry of another version, or without
-one, is refused; a change to the layout is a new format number.
+``torch.load(..., weights_only=True)`` reads it. Format 1 (without the clip readouts)
+still loads: ``clipped_count`` starts at 0, ``last_clipped`` and ``last_clipped_norm``
+at None. An entry of another version, or without one, is refused; a change to the
+layout is a new format number.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ from clipopt.rules._spike_skip import SpikeSkip
 
 __all__ = ["FORMAT", "ClipState", "check_load", "clip_entry"]
 
-FORMAT = 1
+FORMAT = 2
 """The version of the ``"clip"`` entry's layout, saved in it as ``"format"``."""
 
 COUNTERS = ("step_count", "skip_count", "consecutive_skips")
-_KEYS = ("format", "settings", "last_norm", "last_group_norms", *COUNTERS)
+_READOUTS = ("last_clipped_norm", "last_clipped", "clipped_count")  # new in format 2
+_KEYS = ("format", "settings", "last_norm", "last_group_norms", *COUNTERS, *_READOUTS)
 _OPTIONAL = ("rule", "skip_spikes")
 
 
@@ -45,8 +51,7 @@ class ClipState:
     """A validated ``"clip"`` entry, ready to be installed."""
 
     settings: Settings
-    last_norm: Tensor | None
-    last_group_norms: Tensor | None
+    last: dict[str, Tensor | None]  # last_norm, last_group_norms, last_clipped(_norm)
     counters: dict[str, Tensor]
     rule: Mapping[str, Any] | None = None
     skip_spikes: Mapping[str, Any] | None = None
@@ -58,8 +63,8 @@ def clip_entry(
     rule: ClipRule | None,
     skip_spikes: SpikeSkip | None,
 ) -> dict[str, Any]:
-    """The ``"clip"`` entry: copies of the record's tensors (``last_norm``,
-    ``last_group_norms`` and the counters, by name), the rules' own dicts."""
+    """The ``"clip"`` entry: copies of the record's tensors (the last norms, the clip
+    readouts and the counters, by name), the rules' own dicts."""
     entry: dict[str, Any] = {"format": FORMAT, "settings": settings.as_dict()}
     for key in _KEYS[2:]:
         value = record[key]
@@ -128,14 +133,15 @@ def _parsed(raw: Any, num_groups: int) -> ClipState:
     if not isinstance(raw, Mapping):
         raise TypeError(f"state_dict['clip'] must be a dict, got {type(raw).__name__}")
     version = raw.get("format")
-    if type(version) is not int or version != FORMAT:
+    if type(version) is not int or version not in (1, FORMAT):
         raise ValueError(
-            f"state_dict['clip']['format'] is {version!r}; this clipopt reads only "
-            f"format {FORMAT}, which it writes"
+            f"state_dict['clip']['format'] is {version!r}; this clipopt reads formats 1 "
+            f"and {FORMAT}, and writes {FORMAT}"
         )
-    if not set(_KEYS) <= set(raw) <= {*_KEYS, *_OPTIONAL}:
+    keys = _KEYS if version == FORMAT else _KEYS[: -len(_READOUTS)]
+    if not set(keys) <= set(raw) <= {*keys, *_OPTIONAL}:
         raise ValueError(
-            f"state_dict['clip'] must have the keys {sorted(_KEYS)} (and "
+            f"state_dict['clip'] of format {version} must have the keys {sorted(keys)} (and "
             f"optionally {list(_OPTIONAL)}), got {sorted(map(str, raw))}"
         )
     for key in _OPTIONAL:
@@ -147,33 +153,47 @@ def _parsed(raw: Any, num_groups: int) -> ClipState:
             f"state_dict['clip']['settings'] must be a dict with the keys {list(SETTINGS_KEYS)}"
         )
     settings = validated_settings(*(saved[key] for key in SETTINGS_KEYS))
-    last_norm = _tensor("last_norm", raw["last_norm"], dims=0, floating=True)
-    group_norms = _tensor("last_group_norms", raw["last_group_norms"], dims=1, floating=True)
+    last = {"last_norm": _tensor("last_norm", raw["last_norm"], dims=0, kind="float")}
+    group_norms = _tensor("last_group_norms", raw["last_group_norms"], dims=1, kind="float")
     if group_norms is not None and group_norms.numel() != num_groups:
         raise ValueError(
             f"state_dict['clip']['last_group_norms'] has {group_norms.numel()} entries "
             f"for {num_groups} param (or clip) groups"
         )
-    counters = {}
-    for key in COUNTERS:
-        counter = _tensor(key, raw[key], dims=0, floating=False)
-        if counter is None or int(counter) < 0:
-            raise ValueError(f"state_dict['clip'][{key!r}] must be a 0-dim int64 tensor >= 0")
+    last["last_group_norms"] = group_norms
+    # The readouts are shaped as the norms they derive from, the count per group from
+    # the start with per_group=True.
+    shape = () if group_norms is None else tuple(group_norms.shape)
+    for key, kind in zip(_READOUTS[:2], ("float", "bool"), strict=True):
+        last[key] = _tensor(key, raw.get(key), dims=len(shape), kind=kind)
+    counted = (num_groups,) if settings.per_group and group_norms is None else shape
+    count = raw.get("clipped_count")
+    if group_norms is None and isinstance(count, Tensor) and count.dim() < 2:
+        counted = tuple(count.shape) if count.numel() == num_groups else ()
+    counters = {"clipped_count": torch.zeros(counted, dtype=torch.int64)}  # format 1
+    for key in COUNTERS if version == 1 else (*COUNTERS, "clipped_count"):
+        dims = len(counted) if key == "clipped_count" else 0
+        counter = _tensor(key, raw[key], dims=dims, kind="int64")
+        if counter is None or bool((counter < 0).any()):
+            raise ValueError(f"state_dict['clip'][{key!r}] must be an int64 tensor >= 0")
         counters[key] = counter
-    return ClipState(
-        settings, last_norm, group_norms, counters, raw.get("rule"), raw.get("skip_spikes")
-    )
+    for key, value in (*last.items(), ("clipped_count", counters["clipped_count"])):
+        want = counted if key == "clipped_count" else shape
+        if key != "last_norm" and value is not None and value.shape != want:
+            raise ValueError(f"state_dict['clip'][{key!r}] must have the shape {want}")
+    return ClipState(settings, last, counters, raw.get("rule"), raw.get("skip_spikes"))
 
 
-def _tensor(name: str, value: Any, dims: int, floating: bool) -> Tensor | None:
-    """None, or a tensor with ``dims`` dimensions and a float (or int64) dtype."""
+def _tensor(name: str, value: Any, dims: int, kind: str) -> Tensor | None:
+    """None, or a tensor with ``dims`` dimensions and a ``kind`` dtype: ``"float"``
+    (any floating-point), ``"int64"`` or ``"bool"``."""
     if value is None:
         return None
     good = isinstance(value, Tensor) and value.dim() == dims
     if good:
-        good = value.is_floating_point() if floating else value.dtype == torch.int64
+        good = value.is_floating_point() if kind == "float" else str(value.dtype) == f"torch.{kind}"
     if not isinstance(value, Tensor) or not good:
-        wanted = "a floating-point" if floating else "an int64"
+        wanted = "a floating-point" if kind == "float" else f"a {kind}"
         raise TypeError(
             f"state_dict['clip'][{name!r}] must be None or {wanted} tensor with {dims} "
             f"dimension(s), got {value!r}"
