@@ -213,15 +213,18 @@ def _loaded_format_1() -> tuple[list[nn.Parameter], ClippedOptimizer, dict[str, 
 
 def test_a_format_1_checkpoint_loads_and_resumes_bit_for_bit() -> None:
     """The loaded wrapper reports what the writing run recorded at the save, and its
-    next steps are that run's continued steps, bit for bit."""
+    next steps are that run's continued steps, bit for bit; its clip count starts at 0
+    (the saved one was the rule's) and counts the clips that run counted after the save."""
     params, opt, saved = _loaded_format_1()
     assert saved["optimizer"]["clip"]["format"] == 1
     opt.load_state_dict(saved["optimizer"])
-    assert_same(maker.readouts(opt), saved["recorded"])
+    start = saved["recorded"]["clipped_count"]
+    assert_same(maker.readouts(opt), {**saved["recorded"], "clipped_count": start - start})
     for i, step in enumerate(range(maker.SAVED_AT, maker.SAVED_AT + maker.CONTINUED)):
         maker.set_grads(params, step)
         opt.step()
         expected = {key: values[i] for key, values in saved["continued"].items()}
+        expected["clipped_count"] = expected["clipped_count"] - start
         assert_same({"params": maker.flat(params), **maker.readouts(opt)}, expected, f"{step}")
 
 
@@ -255,6 +258,9 @@ def test_a_format_2_checkpoint_loads_and_resumes_bit_for_bit() -> None:
     opt = maker.wrapper(params)
     opt.load_state_dict(saved["optimizer"])
     assert_same(maker_2.readouts(opt), saved["recorded"])
+    # the rule's own count, saved then, is ignored and no longer written
+    assert "clipped_count" in saved["optimizer"]["clip"]["rule"]
+    assert "clipped_count" not in opt.state_dict()["clip"]["rule"]
     assert int(saved["continued"]["clipped_count"][-1]) > int(saved["recorded"]["clipped_count"])
     for i, step in enumerate(range(maker.SAVED_AT, maker.SAVED_AT + maker.CONTINUED)):
         maker.set_grads(params, step)

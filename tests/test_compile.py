@@ -245,7 +245,7 @@ def _ruled_run(
             step = torch.compile(opt.step, fullgraph=True, backend=BACKEND)
         seen = [opt.last_norm, opt.step_count]
         if opt.rule is not None:
-            seen += [opt.rule.last_threshold, opt.rule.clipped_count]
+            seen += [opt.rule.last_threshold, opt.clipped_count]
         if track:
             seen += list(opt.last_tensor_norms.values())
         records.append([t.clone() for t in seen])

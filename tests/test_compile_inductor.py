@@ -225,7 +225,7 @@ def run(
         assert opt.last_norm is not None
         seen = [opt.last_norm, opt.step_count, opt.skip_count, opt.consecutive_skips]
         if opt.rule is not None:
-            seen += [opt.rule.last_threshold, opt.rule.clipped_count]
+            seen += [opt.rule.last_threshold, opt.clipped_count]
         if opt.skip_spikes is not None:
             seen.append(opt.skip_spikes.spike_count)
         if opt.track_tensor_norms:

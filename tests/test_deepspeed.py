@@ -397,7 +397,7 @@ def _case(
         if rule:
             assert opt.rule is not None and reference.rule is not None
             _close(opt.rule.last_threshold, reference.rule.last_threshold, "threshold", rtol)
-            assert int(opt.rule.clipped_count) == int(reference.rule.clipped_count)
+            assert int(opt.clipped_count) == int(reference.clipped_count)
 
     return case
 

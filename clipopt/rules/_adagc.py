@@ -59,7 +59,7 @@ class AdaGC(ClipRule):
       ...     print(rule.last_threshold, w.grad, b.grad)
       tensor([2.5000, 6.0000]) tensor([1.5000, 2.0000]) tensor([6.0000])
       tensor([3.7500, 9.0000]) tensor([2.2500, 3.0000]) tensor([3.])
-      >>> rule.state["gamma"], rule.clipped_count, opt.last_norm
+      >>> rule.state["gamma"], opt.clipped_count, opt.last_norm
       (tensor([3.1250, 4.5000], dtype=torch.float64), tensor(2), tensor(10.4403))
     """
 

@@ -82,7 +82,7 @@ class AGC(UnitWiseRule):
       >>> w.grad  # row 0 (norm 0.05 < 0.1 * 5) untouched; row 1 to 0.1 * eps
       tensor([[0.0300, 0.0400],
               [0.0000, 0.0001]])
-      >>> rule.last_threshold, rule.clipped_count
+      >>> rule.last_threshold, opt.clipped_count
       (tensor([5.0000e-01, 1.0000e-04]), tensor(1))
     """
 

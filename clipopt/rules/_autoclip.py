@@ -92,7 +92,7 @@ class AutoClip(ClipRule):
       >>> for g in ([3.0, 4.0], [6.0, 8.0], [0.6, 0.8]):
       ...     w.grad = torch.tensor(g)
       ...     opt.step()
-      >>> rule.last_threshold, rule.clipped_count, w.grad
+      >>> rule.last_threshold, opt.clipped_count, w.grad
       (tensor(7.5000), tensor(1), tensor([0.6000, 0.8000]))
     """
 

@@ -73,10 +73,6 @@ def _check_extra(name: str, value: Any, now: Any) -> None:
         checked(name, value, () if counter else None, floating=not counter)
 
 
-def _counter(device: torch.device) -> Tensor:
-    return torch.zeros((), dtype=torch.int64, device=device)
-
-
 class Evaluation(NamedTuple):
     """What :meth:`ClipRule.evaluate` returns: the thresholds (shaped as the norms), the
     state after the step, and the coefficients where they are not torch's
@@ -213,7 +209,6 @@ class ClipRule(Stateful):
         super().__init__()
         self.last_threshold: Tensor | None = None
         """The threshold of the last step (per-tensor rules: one per grad), None before."""
-        self._clipped: Tensor | None = None
         self._next: State | None = None
 
     def evaluate(
@@ -238,11 +233,6 @@ class ClipRule(Stateful):
                 f"{given}: a per-tensor rule needs the same grads every step"
             )
 
-    def prepare(self, norms: Tensor) -> None:
-        super().prepare(norms)
-        if self._clipped is None:
-            self._clipped = _counter(norms.device)
-
     def decide(
         self, norms: Tensor, *, norm_type: float = 2.0, total_norm: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -256,23 +246,23 @@ class ClipRule(Stateful):
         return coefficients.to(norms.dtype), thresholds.to(norms.dtype)
 
     def commit(self, norms: Tensor, coefficients: Tensor, thresholds: Tensor) -> None:
-        """After the step: install the state :meth:`decide` evaluated; count a clip."""
+        """After the step: install the state :meth:`decide` evaluated (the wrapper counts
+        the clips, ``ClippedOptimizer.clipped_count``)."""
         if self._next is not None:
             self.install(self._next)
             self._next = None
         self.last_threshold = thresholds
-        clipped = (coefficients < 1).any().to(torch.int64)
-        self._clipped = self.clipped_count.to(norms.device) + clipped
-
-    @property
-    def clipped_count(self) -> Tensor:
-        """Steps in which the rule scaled some grad, a 0-dim int64 tensor."""
-        return _counter(torch.device("cpu")) if self._clipped is None else self._clipped
 
     def extras(self) -> dict[str, Any]:
         last = None if self.last_threshold is None else self.last_threshold.detach().clone()
-        return {"last_threshold": last, "clipped_count": self.clipped_count.clone()}
+        return {"last_threshold": last}
 
     def set_extras(self, extras: Mapping[str, Any]) -> None:
-        self.last_threshold, self._clipped = extras["last_threshold"], extras["clipped_count"]
-        self._next = None
+        self.last_threshold, self._next = extras["last_threshold"], None
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        # A rule saved before the wrapper counted the clips has its own "clipped_count":
+        # the wrapper's count supersedes it, so it is ignored.
+        if isinstance(state_dict, Mapping):
+            state_dict = {k: v for k, v in state_dict.items() if k != "clipped_count"}
+        super().load_state_dict(state_dict)

@@ -65,7 +65,7 @@ class UnitWiseRule(ClipRule):
       >>> opt = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.0), max_norm=RowClip())
       >>> w.grad = torch.tensor([[3.0, 4.0], [0.3, 0.4]])
       >>> opt.step()
-      >>> w.grad, opt.rule.clipped_count
+      >>> w.grad, opt.clipped_count
       (tensor([[0.6000, 0.8000],
               [0.3000, 0.4000]]), tensor(1))
     """

@@ -62,7 +62,7 @@ class ZClip(ClipRule):
       >>> for g in (1.0, 1.1, 0.9, 1.0, 50.0):
       ...     w.grad = torch.tensor([g])
       ...     opt.step()
-      >>> rule.clipped_count, w.grad
+      >>> opt.clipped_count, w.grad
       (tensor(1), tensor([1.0008]))
     """
 

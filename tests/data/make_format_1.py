@@ -45,7 +45,9 @@ def set_grads(ps: list[torch.nn.Parameter], step: int) -> None:
 
 
 def readouts(opt: clipopt.ClippedOptimizer) -> dict[str, Tensor]:
-    """What the wrapper and its rule report, copied."""
+    """What the wrapper and its rule report, copied. The file holds the rule's own
+    ``clipped_count``, from before the wrapper counted; on this run the wrapper's count is
+    the same (``format_2_adamw_zclip.pt`` holds both)."""
     rule = opt.rule
     assert rule is not None and opt.last_norm is not None and rule.last_threshold is not None
     return {
@@ -53,7 +55,7 @@ def readouts(opt: clipopt.ClippedOptimizer) -> dict[str, Tensor]:
         "skip_count": opt.skip_count.clone(),
         "last_norm": opt.last_norm.clone(),
         "last_threshold": rule.last_threshold.clone(),
-        "clipped_count": rule.clipped_count.clone(),
+        "clipped_count": opt.clipped_count.clone(),
     }
 
 
