@@ -12,6 +12,7 @@ file and a new format number).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,10 @@ def flat(ps: list[torch.nn.Parameter]) -> Tensor:
     return torch.cat([p.detach().reshape(-1) for p in ps])
 
 
-def main() -> None:
+def main(
+    path: Path = PATH, report: Callable[[clipopt.ClippedOptimizer], dict[str, Tensor]] = readouts
+) -> None:
+    """Run, save at ``SAVED_AT``, run on, and write what ``report`` read at each point."""
     torch.manual_seed(0)
     ps = params()
     for p in ps:
@@ -75,15 +79,15 @@ def main() -> None:
     saved: dict[str, Any] = {
         "params": flat(ps),
         "optimizer": copy.deepcopy(opt.state_dict()),  # its tensors are the live ones
-        "recorded": readouts(opt),
+        "recorded": report(opt),
     }
     continued: list[dict[str, Tensor]] = []
     for step in range(SAVED_AT, SAVED_AT + CONTINUED):
         set_grads(ps, step)
         opt.step()
-        continued.append({"params": flat(ps), **readouts(opt)})
+        continued.append({"params": flat(ps), **report(opt)})
     saved["continued"] = {k: torch.stack([c[k] for c in continued]) for k in continued[0]}
-    torch.save(saved, PATH)
+    torch.save(saved, path)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,9 @@ it with ``weights_only=True``. Run from the repository root,
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
-from typing import Any
 
-import torch
-from make_format_1 import CONTINUED, SAVED_AT, flat, params, set_grads, wrapper
+import make_format_1
 from torch import Tensor
 
 import clipopt
@@ -40,28 +37,5 @@ def readouts(opt: clipopt.ClippedOptimizer) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in values.items() if v is not None}
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    ps = params()
-    for p in ps:
-        torch.nn.init.normal_(p)
-    opt = wrapper(ps)
-    for step in range(SAVED_AT):
-        set_grads(ps, step)
-        opt.step()
-    saved: dict[str, Any] = {
-        "params": flat(ps),
-        "optimizer": copy.deepcopy(opt.state_dict()),  # its tensors are the live ones
-        "recorded": readouts(opt),
-    }
-    continued: list[dict[str, Tensor]] = []
-    for step in range(SAVED_AT, SAVED_AT + CONTINUED):
-        set_grads(ps, step)
-        opt.step()
-        continued.append({"params": flat(ps), **readouts(opt)})
-    saved["continued"] = {k: torch.stack([c[k] for c in continued]) for k in continued[0]}
-    torch.save(saved, PATH)
-
-
 if __name__ == "__main__":
-    main()
+    make_format_1.main(PATH, readouts)
