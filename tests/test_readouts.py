@@ -54,6 +54,14 @@ def _torch_norm(grads: list[Tensor], p: float = 2.0) -> float:
     return float(torch.nn.utils.clip_grad_norm_(copies, MAX_NORM, norm_type=p))
 
 
+def _feed(params: list[nn.Parameter], step: int, scale: float) -> float:
+    """Give ``params`` the grads of ``step``; return torch's pre-clip norm of them."""
+    grads = _grads(params, step, scale)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    return _torch_norm(grads)
+
+
 def _run(
     opt: ClippedOptimizer, params: list[nn.Parameter], step: Callable[[], Any] | None = None
 ) -> list[tuple[float, Tensor]]:
@@ -62,10 +70,7 @@ def _run(
     seen: list[tuple[float, Tensor]] = []
     count = 0
     for i, scale in enumerate(SCALES):
-        grads = _grads(params, i, scale)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g.clone()
-        pre = _torch_norm(grads)
+        pre = _feed(params, i, scale)
         (step or opt.step)()
         post = _norm64([p.grad for p in params if p.grad is not None])
         clipped = pre > MAX_NORM
@@ -274,10 +279,7 @@ def test_the_count_is_the_number_of_steps_over_the_threshold(
     opt = ClippedOptimizer(torch.optim.SGD(params, lr=0.0), max_norm=max_norm)
     count = 0
     for i, scale in enumerate(scales):
-        grads = _grads(params, i, scale)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g.clone()
-        pre = _torch_norm(grads)
+        pre = _feed(params, i, scale)
         opt.step()
         if abs(pre - max_norm) < 1e-4 * max_norm:  # the eps in the coefficient decides
             return
