@@ -480,7 +480,7 @@ class ClippedOptimizer(OptimizerWrapper):
             "save clipopt.distributed.ClippedOptimizerState(optimizer) beside the "
             "optimizer",
             UserWarning,
-            stacklevel=3,  # the caller of load_state_dict
+            stacklevel=5,  # load_state_dict -> _hooked_load -> _load -> here
         )
 
     def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> _saved.ClipState | None:
