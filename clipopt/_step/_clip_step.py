@@ -455,7 +455,17 @@ class StepRecord:
                 count = torch.cat([kept, fill]).reshape(flag.shape)
             self.clipped_count = count.add_(flag)
         applied = Applied(None) if applied is None else applied
-        self.applied = dataclasses.replace(applied, clipped=flag, skipped=on_device)
+        # Built whole, not by dataclasses.replace, which torch 2.6's dynamo cannot trace.
+        self.applied = Applied(
+            flag,
+            applied.factor,
+            applied.divides,
+            applied.known,
+            applied.saved,
+            on_device,
+            applied.units,
+            applied.norm_type,
+        )
 
     def last_clipped_norm(self) -> Tensor | None:
         """The post-clip norm(s) of the last step, derived now (see :class:`Applied`)."""
