@@ -156,23 +156,35 @@ def test_per_tensor_and_unit_rules_combine_each_coefficient(rule: Callable[[], A
     assert count > 0
 
 
-def test_per_group_readouts_are_one_per_group() -> None:
-    params = _params()
-    groups = [{"params": params[:2]}, {"params": params[2:], "clip_max_norm": MAX_NORM / 4}]
-    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.0), max_norm=MAX_NORM, per_group=True)
+def _check_two_norms(
+    opt: ClippedOptimizer,
+    step: Callable[[], Any],
+    params: list[nn.Parameter],
+    members: tuple[list[nn.Parameter], list[nn.Parameter]],
+) -> None:
+    """Step through SCALES with two norms, over ``members``' params, thresholds MAX_NORM
+    and MAX_NORM / 4: each readout one per norm, against torch's pre-clip norms and the
+    float64 norms of the grads the step used."""
     counts = torch.zeros(2, dtype=torch.int64)
     for i, scale in enumerate(SCALES):
         for p, g in zip(params, _grads(params, i, scale), strict=True):
             p.grad = g
-        pre = torch.tensor([_torch_norm([p.grad for p in ps]) for ps in (params[:2], params[2:])])
-        opt.step()
-        post = torch.stack([_norm64([p.grad for p in ps]) for ps in (params[:2], params[2:])])
+        pre = torch.tensor([_torch_norm([p.grad for p in ps]) for ps in members])
+        step()
+        post = torch.stack([_norm64([p.grad for p in ps]) for ps in members])
         flags = pre > torch.tensor([MAX_NORM, MAX_NORM / 4])
         counts += flags
         assert opt.last_clipped_norm is not None and opt.last_clipped_norm.shape == (2,)
         torch.testing.assert_close(opt.last_clipped_norm.double(), post, rtol=1e-5, atol=1e-7)
         assert torch.equal(opt.last_clipped, flags) and torch.equal(opt.clipped_count, counts)
     assert 0 < int(counts.sum()) < 2 * len(SCALES)
+
+
+def test_per_group_readouts_are_one_per_group() -> None:
+    params = _params()
+    groups = [{"params": params[:2]}, {"params": params[2:], "clip_max_norm": MAX_NORM / 4}]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.0), max_norm=MAX_NORM, per_group=True)
+    _check_two_norms(opt, opt.step, params, (params[:2], params[2:]))
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -190,20 +202,7 @@ def test_clip_group_readouts_are_one_per_clip_group(compiled: bool) -> None:
     opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.0), max_norm=MAX_NORM)
     assert opt.clip_groups == ("a", "b") and opt.clipped_count.shape == (2,)
     step = torch.compile(opt.step) if compiled else opt.step
-    members = ([params[0], params[1]], [params[2]])
-    counts = torch.zeros(2, dtype=torch.int64)
-    for i, scale in enumerate(SCALES):
-        for p, g in zip([*params, extra], _grads([*params, extra], i, scale), strict=True):
-            p.grad = g
-        pre = torch.tensor([_torch_norm([p.grad for p in ps]) for ps in members])
-        step()
-        post = torch.stack([_norm64([p.grad for p in ps]) for ps in members])
-        flags = pre > torch.tensor([MAX_NORM, MAX_NORM / 4])
-        counts += flags
-        assert opt.last_clipped_norm is not None and opt.last_clipped_norm.shape == (2,)
-        torch.testing.assert_close(opt.last_clipped_norm.double(), post, rtol=1e-5, atol=1e-7)
-        assert torch.equal(opt.last_clipped, flags) and torch.equal(opt.clipped_count, counts)
-    assert 0 < int(counts.sum()) < 2 * len(SCALES)
+    _check_two_norms(opt, step, [*params, extra], ([params[0], params[1]], [params[2]]))
 
 
 def test_groups_of_other_thresholds_under_one_norm_have_no_post_clip_norm() -> None:
