@@ -300,3 +300,20 @@ def write_results(results: dict[str, Any], *paths: Path | None) -> None:
     for path in paths:
         if path is not None:
             path.write_text(json.dumps(results, indent=2))
+
+
+class TinyLM(nn.Module):
+    """A small pre-norm transformer language model, for the end-to-end step."""
+
+    def __init__(self, vocab: int, d: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        block = nn.TransformerEncoderLayer(
+            d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        logits: Tensor = self.head(self.blocks(self.embed(tokens)))
+        return logits

@@ -7,6 +7,10 @@
   floor, and against the floor of any exact clip of separate grads through torch's
   Python API (the flat floor, plus what such a clip cannot skip per tensor: reading
   ``p.grad``, and telling autograd of the in-place change, as ``mul_`` does).
+- ``small model``: the step of a 2-layer, 64-wide GPT (about 0.1M parameters, 27
+  tensors), where a step is host time in Python: ``ClippedOptimizer(AdamW)`` against
+  torch's ``clip_grad_norm_`` + the same AdamW step, over five interleaved runs; and the
+  wrapper's first step (its own set-up and AdamW's state) against a later one.
 - ``compiled step``: PyTorch's compiled-optimizer recipe, ``torch.compile(opt.step)``,
   against the eager step, bare AdamW and ``ClippedOptimizer(AdamW)``: compiled vs eager,
   wrapper vs bare. The first calls compile (tens of seconds on the CPU) and are not
@@ -17,6 +21,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +30,9 @@ from torch import Tensor
 
 import clipopt
 from benchmarks.common import (
+    MAX_NORM,
     ShrinkingMaxNorm,
+    TinyLM,
     _grads_and_flat_copy,
     make_params,
     many_small_shapes,
@@ -39,6 +46,7 @@ __all__ = [
     "PER_TENSOR_FLOOR",
     "bench_compiled",
     "bench_host_cost",
+    "bench_small_model",
     "host_contenders",
     "per_tensor_floor",
 ]
@@ -46,6 +54,11 @@ __all__ = [
 HOST_CASE = "many_small float32 p=2"
 WRAPPER_CLIP = "ClippedOptimizer: step, inner step a no-op"
 PER_TENSOR_FLOOR = "floor + .grad + increment_version"
+SMALL_CASE = "GPT 2x64, AdamW"
+SMALL_TORCH = "torch clip_grad_norm_ + AdamW step"
+SMALL_WRAPPED = "ClippedOptimizer(AdamW) step"
+FIRST_CASE = "GPT 2x64, AdamW: first step / later step"
+RUNS = 5
 
 
 class NoStep(torch.optim.Optimizer):
@@ -108,6 +121,44 @@ def bench_host_cost(config: Any) -> list[Any]:
     rows = summarize(
         "host cost", HOST_CASE, time_interleaved(host_contenders(params, floor), config), "floor"
     )
+    return rows
+
+
+def small_model_grads(device: torch.device) -> list[Tensor]:
+    """The parameters of a 2-layer, 64-wide GPT after one backward."""
+    torch.manual_seed(0)
+    model = TinyLM(vocab=65, d=64, layers=2).to(device)
+    tokens = torch.randint(65, (4, 33), device=device)
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 65), tokens[:, 1:].reshape(-1)).backward()
+    return list(model.parameters())
+
+
+def bench_small_model(config: Any) -> list[Any]:
+    """The wrapped step against torch's clip + step, over ``RUNS`` interleaved runs (their
+    samples pooled), and the wrapper's first step against its later ones."""
+    params = small_model_grads(config.device)
+    torch_opt = torch.optim.AdamW(params, lr=1e-9)
+    wrapped = clipopt.ClippedOptimizer(torch.optim.AdamW(params, lr=1e-9), max_norm=MAX_NORM)
+
+    def torch_step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        torch_opt.step()
+
+    contenders = {SMALL_TORCH: torch_step, SMALL_WRAPPED: wrapped.step}
+    pooled: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(RUNS):
+        for name, times in time_interleaved(contenders, config).items():
+            pooled[name] += times
+    rows = summarize("small model", SMALL_CASE, pooled, SMALL_TORCH)
+    first, later = [], []
+    for _ in range(RUNS):
+        opt = clipopt.ClippedOptimizer(torch.optim.AdamW(params, lr=1e-9), max_norm=MAX_NORM)
+        for times in (first, later, later):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+    rows += summarize("small model", FIRST_CASE, {"first": first, "later": later}, "later")
     return rows
 
 

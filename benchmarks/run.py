@@ -32,17 +32,19 @@ Sections:
 - ``rules``: the clip rules' rows, targets and memory record, from :mod:`benchmarks.rules`
   (``python -m benchmarks.rules`` runs them alone), kept apart under ``"rules"``; only
   in a run of every default section.
-- ``host cost`` and ``compiled step``: the clip on many small tensors against the floor,
-  the wrapper's own Python per tensor with the kernels stubbed out, and
-  ``torch.compile(opt.step)`` against the eager step (:mod:`benchmarks.host`).
+- ``host cost``, ``small model`` and ``compiled step``: the clip on many small tensors
+  against the floor, the wrapper's own Python per tensor with the kernels stubbed out;
+  the wrapped step of a 0.1M-parameter GPT against torch's clip + step, and its first
+  step against a later one; and ``torch.compile(opt.step)`` against the eager step
+  (:mod:`benchmarks.host`).
 - ``compiled recipe``: foreach AdamW and SGD on the step layout compiled with inductor:
   the clipped step (a fixed threshold, ZClip, ``nonfinite="skip"``) against the bare
   compiled step and torch's compiled ``clip_grad_norm_`` + step
   (:mod:`benchmarks.compiled`).
 
 ``--only SECTION[,SECTION]`` runs only those sections (``clip``, ``step``, ``amp``,
-``end_to_end``, ``host``, ``compiled``, ``compiled_recipe``); targets whose rows were not
-measured are left out.
+``end_to_end``, ``host``, ``small_model``, ``compiled``, ``compiled_recipe``); targets
+whose rows were not measured are left out.
 ``compiled`` runs only when named: inductor compiling AdamW over 2000 tensors took more
 than 20 minutes on the 2-core machine of docs/benchmarks.md.
 
@@ -81,6 +83,7 @@ from benchmarks.common import (
     Contenders,
     Row,
     ShrinkingMaxNorm,
+    TinyLM,
     _grads_and_flat_copy,
     format_table,
     machine,
@@ -346,23 +349,6 @@ def bench_amp(config: Config) -> list[Row]:
     return summarize("amp step", case, samples, "GradScaler + fused AdamW: bare")
 
 
-class TinyLM(nn.Module):
-    """A small pre-norm transformer language model, for the end-to-end step."""
-
-    def __init__(self, vocab: int, d: int, layers: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        block = nn.TransformerEncoderLayer(
-            d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        logits: Tensor = self.head(self.blocks(self.embed(tokens)))
-        return logits
-
-
 def bench_end_to_end(config: Config) -> list[Row]:
     """Forward + backward + fused AdamW step: unclipped, ClippedOptimizer, torch's clip."""
     vocab, d, layers, batch, seq = (64, 16, 1, 2, 8) if config.quick else (4096, 256, 4, 8, 128)
@@ -557,6 +543,7 @@ SECTIONS: dict[str, Callable[[Config], list[Row]]] = {
     "amp": bench_amp,
     "end_to_end": bench_end_to_end,
     "host": host.bench_host_cost,
+    "small_model": host.bench_small_model,
     "compiled": host.bench_compiled,
     "compiled_recipe": compiled.bench_recipes,
 }

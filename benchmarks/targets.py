@@ -64,6 +64,7 @@ def check_targets(
             at_most=True,
         ),
         *host_targets(rows, len(many_small_shapes(quick))),
+        *small_model_targets(rows),
     )
     targets += _memory_target(memory, "peak_rss_growth_bytes", "memory: clipped peak RSS growth")
     return targets
@@ -187,3 +188,28 @@ def cuda_targets(
         memory, "peak_cuda_growth_bytes", "cuda memory: clipped peak allocation growth"
     )
     return targets
+
+
+def small_model_targets(rows: list[Row]) -> list[Callable[[], Target]]:
+    """The small GPT: the wrapped step no slower than torch's clip + step, and the
+    wrapper's first step at most twice a later one."""
+
+    def ratio(case: str, contender: str, baseline: str) -> float:
+        return _median(rows, "small model", case, contender) / _median(
+            rows, "small model", case, baseline
+        )
+
+    return [
+        lambda: Target(
+            "GPT 2x64: ClippedOptimizer(AdamW) / torch clip + step",
+            ratio(host.SMALL_CASE, host.SMALL_WRAPPED, host.SMALL_TORCH),
+            1.0,
+            True,
+        ),
+        lambda: Target(
+            "GPT 2x64: ClippedOptimizer's first step / a later one",
+            ratio(host.FIRST_CASE, "first", "later"),
+            2.0,
+            True,
+        ),
+    ]

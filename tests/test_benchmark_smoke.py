@@ -60,6 +60,13 @@ def test_every_section_and_contender_is_reported(
     assert e2e == {"unclipped", "ClippedOptimizer", "torch clip + step"}
     host_cases = {r["case"] for r in rows if r["section"] == "host cost"}
     assert host_cases == {host.HOST_CASE}
+    small = {(r["case"], r["contender"]) for r in rows if r["section"] == "small model"}
+    assert small == {
+        (host.SMALL_CASE, host.SMALL_TORCH),
+        (host.SMALL_CASE, host.SMALL_WRAPPED),
+        (host.FIRST_CASE, "first"),
+        (host.FIRST_CASE, "later"),
+    }
     compiled = {(r["case"], r["contender"]) for r in rows if r["section"] == "compiled step"}
     for layout in ("transformer", "many_small"):
         for kind in ("eager", "compiled"):
@@ -77,6 +84,7 @@ def test_every_section_and_contender_is_reported(
             assert (case, name) in recipe
     names = {t["name"] for t in results["targets"]}
     assert "many_small fp32: ClippedOptimizer's clip / floor" in names
+    assert "GPT 2x64: ClippedOptimizer(AdamW) / torch clip + step" in names
     assert "step transformer bf16: ClippedOptimizer(fused AdamW) / folded floor" in names
 
 
@@ -107,8 +115,8 @@ def test_accuracy_memory_and_targets_are_reported(
     assert len(recipe) == len(recipes.KINDS) * len(recipes.CLIPPED) * 3
     clip_cases = {r["case"] for r in results["rows"] if r["section"] == "clip"}
     # one per clip case; the inf-norm's lead, the step, two folded steps, end to end,
-    # three of host cost; and memory where measured
-    assert len(names) - len(recipe) - len(clip_cases) in (8, 9)
+    # three of host cost, two of the small model; and memory where measured
+    assert len(names) - len(recipe) - len(clip_cases) in (10, 11)
     assert all(isinstance(t["held"], bool) for t in results["targets"])
 
 
