@@ -44,7 +44,7 @@ def _grads(parameters: list[Tensor]) -> list[Tensor]:
 
 
 def _scales(grads: list[Tensor], max_norm: MaxNorm) -> bool:
-    """Whether any grad may change: a float ``max_norm`` of inf only measures."""
+    """False where nothing can change: no grads, or a float ``max_norm`` of inf."""
     return bool(grads) and (isinstance(max_norm, Tensor) or max_norm != math.inf)
 
 
@@ -67,29 +67,20 @@ def get_total_norm(
     replicated: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
-    """The norm of all ``tensors`` together, as if concatenated into one vector.
-
-    DTensors are measured across their mesh, plain tensors across ``process_group``
-    (see :mod:`clipopt.distributed`): every rank gets the same tensor, for one
-    ``all_reduce``.
+    """The norm of all ``tensors`` together, as if concatenated into one vector; DTensors
+    across their mesh, the same on every rank (see :mod:`clipopt.distributed`).
 
     Args:
-      tensors: a tensor or an iterable of tensors, read once; None entries are skipped.
-        Devices, dtypes and sparse COO layouts may mix.
+      tensors: a tensor or tensors, read once, None skipped; devices, dtypes, sparse mix.
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
-      error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN or inf norm (a
-        host read).
+      error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN or inf norm.
       foreach: multi-tensor kernels (True or None) or per-tensor ops (False).
-      process_group: the group plain ``tensors`` are split across: ``norm**p`` is summed
-        over it (max for inf).
-      replicated: those of ``tensors`` identical on every rank of ``process_group``:
-        they count once.
-      pp_mesh: the 1-D mesh or group of the pipeline stages (torchtitan's ``pp_mesh``):
-        the stages' ``norm**p`` are summed over it in one more ``all_reduce``.
+      process_group: the group plain ``tensors`` are split across.
+      replicated: those of ``tensors`` that are the same on every rank of it.
+      pp_mesh: the 1-D mesh or group of the pipeline stages (torchtitan's ``pp_mesh``).
 
     Returns:
-      A 0-dim float32 tensor (float64 if any input is) on the first tensor's device;
-      ``tensor(0.)`` without tensors, a zero of their dtype with only empty ones.
+      A 0-dim float32 tensor (float64 if any input is) on the first tensor's device.
 
     Example:
       >>> import torch, clipopt
@@ -115,14 +106,12 @@ def get_total_norm(
 def clip_grads_with_norm_(
     parameters: TensorOrTensors, max_norm: MaxNorm, total_norm: Tensor, foreach: bool | None = None
 ) -> None:
-    """Scale grads in place by ``min(1, max_norm / (total_norm + 1e-6))``, computed on the
-    device; grads under the threshold stay bit-identical.
+    """Scale grads in place by ``min(1, max_norm / (total_norm + 1e-6))``, on the device.
 
     Args:
-      parameters: a tensor or an iterable of tensors whose ``.grad`` is scaled, read once.
+      parameters: a tensor or tensors whose ``.grad`` is scaled, read once.
       max_norm: the largest allowed norm, > 0 (``inf``: scale nothing), or a 0-dim tensor.
-      total_norm: the norm to clip against, e.g. from :func:`get_total_norm`.
-      foreach: as in :func:`get_total_norm`.
+      total_norm: the norm to clip against. foreach: as in :func:`get_total_norm`.
 
     Example:
       >>> import torch, clipopt
@@ -150,8 +139,7 @@ def _clip(
     pp_mesh: DeviceMesh | ProcessGroup | None,
     in_place: bool,
 ) -> tuple[list[Tensor | None], Tensor]:
-    """:func:`clip_grad_norm_` (``in_place``) or :func:`clip_grad_norm`: the clipped copies
-    (none in place) and the pre-clip norm; every argument is checked first."""
+    """The clipped copies (none ``in_place``) and the pre-clip norm."""
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
     params = _as_list(parameters)
@@ -203,24 +191,18 @@ def clip_grad_norm_(
     replicated_params: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
-    """Clip the grads' total norm to ``max_norm`` in place; return the pre-clip norm.
-
-    Drop-in for :func:`torch.nn.utils.clip_grad_norm_` (Pascanu et al., 2013). Arguments
-    are checked before any grad is read, and ``error_if_nonfinite`` raises before any
-    grad is written.
+    """Clip the grads' total norm to ``max_norm`` in place, as
+    :func:`torch.nn.utils.clip_grad_norm_`; raise before any grad is written.
 
     Args:
-      parameters: a tensor or an iterable of tensors (read once); grads that are None
-        are skipped.
-      max_norm: the largest allowed total norm, > 0 (``inf``: measure only), or a 0-dim
-        tensor.
-      norm_type, error_if_nonfinite, foreach, process_group, pp_mesh: as in
-        :func:`get_total_norm` (with ``pp_mesh``, ``parameters`` are this stage's).
-      replicated_params: those of ``parameters`` identical on every rank of
-        ``process_group``: their grads count once.
+      parameters: a tensor or tensors (read once); grads that are None are skipped.
+      max_norm: the largest allowed total norm, > 0 (``inf``: measure only), or a tensor.
+      norm_type: as in :func:`get_total_norm`, as are ``error_if_nonfinite``,
+        ``foreach``, ``process_group``, ``pp_mesh``, and its ``replicated``
+        (``replicated_params`` here).
 
     Returns:
-      The total norm before clipping, a 0-dim float32 tensor (float64 for double grads).
+      The total norm before clipping, as :func:`get_total_norm` returns it.
 
     Example:
       >>> import torch, clipopt
@@ -246,12 +228,10 @@ def clip_grad_norm(
     replicated_params: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> tuple[list[Tensor | None], Tensor]:
-    """:func:`clip_grad_norm_` out of place, with the same arguments: no ``.grad`` changes
-    (torch's deprecated ``clip_grad_norm`` is an in-place alias).
+    """:func:`clip_grad_norm_` out of place, same arguments: no ``.grad`` changes.
 
     Returns:
-      ``(clipped, total_norm)``: a new clipped grad per parameter (None where it has no
-      grad), and the pre-clip norm.
+      A new clipped grad per parameter (None where it has none), and the pre-clip norm.
 
     Example:
       >>> import torch, clipopt
@@ -268,14 +248,12 @@ def clip_grad_norm(
 def clip_grad_value_(
     parameters: TensorOrTensors, clip_value: float, foreach: bool | None = None
 ) -> None:
-    """Clamp every grad element into ``[-clip_value, clip_value]`` in place.
-
-    Drop-in for :func:`torch.nn.utils.clip_grad_value_`, ``clip_value`` checked.
+    """Clamp every grad element into ``[-clip_value, clip_value]`` in place, as
+    :func:`torch.nn.utils.clip_grad_value_`.
 
     Args:
-      parameters: a tensor or an iterable of tensors (read once).
+      parameters: a tensor or tensors (read once). foreach: as in :func:`get_total_norm`.
       clip_value: the largest allowed magnitude, > 0 (``inf``: nothing changes).
-      foreach: as in :func:`get_total_norm`.
 
     Example:
       >>> import torch, clipopt

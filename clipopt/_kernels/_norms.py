@@ -60,17 +60,6 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return torch.float32 if dtype in _HALF else None
 
 
-def _accumulate(t: Tensor, p: float) -> torch.dtype | None:
-    """float64 for orders other than 1, 2 and inf and the CPU's 1-norm, where it exists."""
-    if p == math.inf:
-        return None  # a max is exact in any dtype
-    cpu = t.device.type == "cpu"
-    exact = p == 2.0 or (p == 1.0 and not cpu) or t.dtype in _DOUBLE
-    if exact or not (cpu or t.device.type == "cuda"):
-        return accumulate_dtype(t.dtype)
-    return torch.complex128 if t.is_complex() else torch.float64
-
-
 def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
     """1-D partial norms of one (device, dtype) group of dense tensors: one per non-empty
     tensor, unless a CPU one has ``ROWS_FROM`` elements or more (see ``ROW``)."""
@@ -112,7 +101,10 @@ def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Ten
         lows, highs = (torch.stack(side) for side in zip(*ends, strict=True))
         parts.append(torch.maximum(highs, -lows))
     if views:
-        acc = _accumulate(first, p)
+        acc = None if p == math.inf else accumulate_dtype(first.dtype)  # a max is exact
+        wide = p not in (2.0, math.inf) and (p != 1.0 or cpu) and first.dtype not in _DOUBLE
+        if wide and (cpu or first.device.type == "cuda"):  # other orders, the CPU's 1-norm
+            acc = torch.complex128 if first.is_complex() else torch.float64
         if foreach is False:
             norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in views]
         else:

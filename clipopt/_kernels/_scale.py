@@ -27,11 +27,9 @@ def _beside(value: Tensor, other: Tensor) -> Tensor:
 
 
 def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:
-    """:func:`coefficient` for a user's ``max_norm``, no host sync: exactly 1 for a tensor
-    ``max_norm`` of inf (as a float inf), and NaN, so that the grads turn NaN rather than
-    change silently, for a tensor ``max_norm`` not > 0 and for a coefficient below the
-    dtype's smallest normal (a fused step's ``grad_scale``, its reciprocal, overflows).
-    """
+    """:func:`coefficient` for a user's ``max_norm``: 1 for a tensor ``max_norm`` of inf;
+    NaN (the grads turn NaN, not silently wrong) for a tensor one not > 0, and below the
+    dtype's smallest normal, where its reciprocal, a fused step's ``grad_scale``, overflows."""
     coef = coefficient(max_norm, norm)
     invalid = (coef > 0) & (coef < torch.finfo(coef.dtype).tiny)
     if isinstance(max_norm, Tensor):
@@ -47,8 +45,7 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor, foreach: bool | None = None)
 
 
 def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> None:
-    """:func:`scale_` over grouped tensors: one ``_foreach_mul_`` a group (``mul_`` a
-    tensor with ``foreach=False``); ``coef`` moved to each device once."""
+    """:func:`scale_` over grouped tensors: one ``_foreach_mul_`` a group."""
     coef_on: dict[torch.device, Tensor] = {}
     for (device, _), tensors in groups.dense.items():
         if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()):
@@ -71,10 +68,8 @@ def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> 
 
 
 def grad_scale_of(max_norm: float | Tensor, norm: Tensor) -> Tensor:
-    """A fused optimizer's ``grad_scale``, ``max(1, (norm + EPS) / max_norm)``, made
-    directly: ``1 / clip_coefficient(max_norm, norm)``, NaN where that is (inf for an
-    infinite norm), except NaN for a non-finite norm with a tensor ``max_norm`` of inf.
-    """
+    """A fused optimizer's ``grad_scale``, ``1 / clip_coefficient(max_norm, norm)`` made
+    directly (but NaN for a non-finite norm with a tensor ``max_norm`` of inf)."""
     scale = torch.clamp((norm + EPS) / max_norm, min=1.0)
     info = torch.finfo(scale.dtype)
     # Past 1 / tiny: NaN for a finite norm (sqrt of a negative), inf for an infinite one.

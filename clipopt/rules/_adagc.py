@@ -13,20 +13,13 @@ from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, n
 
 
 class AdaGC(ClipRule):
-    """AdaGC (Wang et al., *AdaGC: Enhancing LLM Pretraining Stability via Adaptive
-    Gradient Clipping*, ICML 2026), as the class ``AdaGC`` of the authors' Megatron patch.
-
-    Warm-up clips globally at ``warmup_max_norm``, and each tensor's ``gamma`` is the
-    least of its clipped norms; after it, a tensor's norm ``n > ratio * gamma`` is
-    clipped to ``ratio * gamma``, then ``gamma = beta * gamma + (1 - beta) * n``. A
-    non-finite norm never enters the state. docs/adaptive.md, "AdaGC", has the details.
+    """AdaGC (Wang et al., ICML 2026): clip each tensor against an EMA of its own clipped
+    norms, as the authors' Megatron patch does (docs/adaptive.md, "AdaGC").
 
     Args:
-      ratio: the relative threshold ``lambda_rel``, > 0.
-      beta: the EMA factor, in [0, 1).
-      warmup_steps: the steps clipped globally first, >= 0.
-      warmup_max_norm: warm-up's global threshold, in (0, inf).
-      eps: added to the norm in each division, >= 0.
+      ratio: the relative threshold, > 0. beta: the EMA factor, in [0, 1).
+      warmup_steps: the steps clipped globally at ``warmup_max_norm`` first, >= 0.
+      warmup_max_norm: in (0, inf). eps: added to the norm in each division, >= 0.
 
     Example:
       >>> import torch, clipopt

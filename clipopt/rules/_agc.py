@@ -25,18 +25,14 @@ def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -
 
 
 class AGC(UnitWiseRule):
-    """Adaptive Gradient Clipping (Brock, De, Smith and Simonyan, 2021, the NFNets paper):
-    each unit's grad (a slice along dim 0 of a tensor of 2 dims or more, or the whole of
-    a 0- or 1-D one) is clipped at ``clipping * max(||W||, eps)``, ``W`` its weights:
-    timm's ``adaptive_clip_grad``, bit for bit in float32 on CPU. ``last_threshold`` is
-    every unit's threshold in one 1-D tensor. L2 norms only; DTensor grads are measured
-    by the whole unit across ranks (docs/adaptive.md, "AGC").
+    """Adaptive Gradient Clipping (Brock et al., 2021): clip each unit's grad (a slice
+    along dim 0, or a whole 0- or 1-D tensor) at ``clipping * max(||W||, eps)``, ``W``
+    its weights, as timm's ``adaptive_clip_grad`` (docs/adaptive.md, "AGC").
 
     Args:
       clipping: the largest ratio of a unit's grad norm to its weight norm, > 0.
       eps: the smallest weight norm that counts, >= 0.
-      exclude: parameters left unclipped, matched by identity, e.g.
-        ``model.fc.parameters()``.
+      exclude: parameters left unclipped, matched by identity.
 
     Example:
       >>> import torch, clipopt

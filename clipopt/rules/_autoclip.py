@@ -26,13 +26,6 @@ def _ranks(filled: Tensor, q: float, dtype: torch.dtype) -> Tensor:
     return steps.to(torch.float64) * float(struct.unpack("f", struct.pack("f", q))[0])
 
 
-def sorted_history(buffer: Tensor, count: Tensor) -> Tensor:
-    """Each row's filled values of a ring ``[rows, history]`` ascending, then ``+inf``."""
-    columns = torch.arange(buffer.shape[1], device=buffer.device)
-    filled = torch.clamp(count, max=buffer.shape[1])
-    return torch.where(columns < filled[:, None], buffer, math.inf).sort(dim=1).values
-
-
 def replace_sorted(ordered: Tensor, leaving: Tensor, entering: Tensor) -> Tensor:
     """Ascending rows ``ordered`` with ``leaving[r]`` (in row ``r``) taken out and
     ``entering[r]`` (not NaN) put in, by two shifted copies: values moved, not computed.
@@ -52,17 +45,13 @@ def replace_sorted(ordered: Tensor, leaving: Tensor, entering: Tensor) -> Tensor
 
 
 class AutoClip(ClipRule):
-    """AutoClip (Seetharaman et al., 2020): clip at the ``percentile`` (interpolated as
-    ``torch.quantile``) of the last ``history`` finite pre-clip norms, kept on the
-    grads' device; a step's own norm enters after, so the first step does not clip.
-    ``autoclip.torch.QuantileClip(quantile=percentile / 100, history_length=history,
-    global_threshold=not per_tensor)``, step for step (docs/adaptive.md, "AutoClip").
+    """AutoClip (Seetharaman et al., 2020): clip at the ``percentile`` of the last
+    ``history`` finite pre-clip norms, as ``autoclip.torch.QuantileClip`` does
+    (docs/adaptive.md, "AutoClip").
 
     Args:
-      percentile: in [0, 100].
-      history: how many past norms count, >= 1.
-      per_tensor: one history and threshold per grad (every step must have the same
-        grads).
+      percentile: in [0, 100]. history: how many past norms count, >= 1.
+      per_tensor: one history and threshold per grad.
 
     Example:
       >>> import torch, clipopt
@@ -114,8 +103,12 @@ class AutoClip(ClipRule):
         buffer, count = state["buffer"], state["count"]
         rows = norms.reshape(-1).to(buffer.dtype)
         self._same_grads(buffer.shape[0], rows.shape[0])
-        ordered = state["sorted"] if "sorted" in state else sorted_history(buffer, count)
         filled = torch.clamp(count, max=self.history)
+        if "sorted" in state:
+            ordered = state["sorted"]
+        else:  # after a load: each row's filled values ascending, then +inf
+            columns = torch.arange(self.history, device=buffer.device)
+            ordered = torch.where(columns < filled[:, None], buffer, math.inf).sort(dim=1).values
         # torch.quantile's interpolation: rank = q * (n - 1), the values at its floor and
         # ceiling, lerp by the fraction. Unfilled rows lerp 0s, not +infs: inductor folds a
         # fresh history's inf - inf and fails ("sympy expression is NaN").

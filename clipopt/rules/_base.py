@@ -13,8 +13,6 @@ from torch import Tensor
 
 from clipopt._kernels._scale import coefficient
 
-__all__ = ["ClipRule", "Evaluation", "State", "Stateful", "checked", "flag", "integer", "number"]
-
 _Self = TypeVar("_Self", bound="Stateful")
 State: TypeAlias = dict[str, Tensor]
 
@@ -53,10 +51,13 @@ def checked(name: str, value: Tensor, shape: tuple[int, ...] | None, floating: b
         raise ValueError(f"state {name!r} must be a {kind} tensor of shape {shape}, got {value!r}")
 
 
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
 class Evaluation(NamedTuple):
-    """What :meth:`ClipRule.evaluate` returns: the thresholds (shaped as the norms), the
-    state after the step, and the coefficients where they are not torch's
-    ``min(1, threshold / (norm + 1e-6))`` (None)."""
+    """:meth:`ClipRule.evaluate`'s thresholds (shaped as the norms), state after the step,
+    and coefficients where they are not ``min(1, threshold / (norm + 1e-6))``."""
 
     thresholds: Tensor
     state: State
@@ -64,11 +65,11 @@ class Evaluation(NamedTuple):
 
 
 class Stateful:
-    """A rule's or SpikeSkip's state: tensors under ``state_keys``, made by
-    :meth:`init_state`, checked by :meth:`check_state` on a load."""
+    """A rule's or SpikeSkip's state: tensors under ``state_keys``, saved and loaded."""
 
     settings: tuple[str, ...] = ()
     state_keys: tuple[str, ...] = ()
+    extra_keys: tuple[str, ...] = ()  # attributes saved too: ints, tensors, None
 
     def __init__(self) -> None:
         self.state: State = {}
@@ -87,15 +88,14 @@ class Stateful:
         """Raise ValueError where a loaded state could not be this rule's."""
 
     def prepare(self, norms: Tensor) -> None:
-        """Make the state for norms like ``norms`` before the first step (so that a
-        compiled step does not compile again at its second); no-op once stepped."""
+        """Make the state for norms like ``norms`` before the first step (a compiled step
+        then compiles once); no-op once stepped."""
         if not self._stepped:
             self.state = self.init_state(norms)
             self._made_for = (tuple(norms.shape), norms.dtype, norms.device)
 
     def current(self, norms: Tensor) -> State:
-        """The state to evaluate ``norms`` on: a new one where none is made, or where
-        :meth:`prepare` made it for other norms and no step has run."""
+        """The state for ``norms``: a new one if none, or if prepared for others, unstepped."""
         here = (tuple(norms.shape), norms.dtype, norms.device)
         # `_stepped` is read last: a compiled step guards on `_made_for`, which stays put.
         if not self.state or (self._made_for not in (None, here) and not self._stepped):
@@ -105,27 +105,16 @@ class Stateful:
     def install(self, state: State) -> None:
         self.state, self._stepped = state, True
 
-    def extras(self) -> dict[str, Any]:
-        """Saved beside the state: ints, int64 0-dim tensors, float tensors or None."""
-        return {}
-
-    def set_extras(self, extras: Mapping[str, Any]) -> None:
-        pass
-
     def state_dict(self) -> dict[str, Any]:
-        """``{"type", "config", "state"}`` and :meth:`extras`, all tensors and plain values."""
+        """``{"type", "config", "state"}`` and the ``extra_keys``: tensors and plain values."""
         state = {k: self.state[k].clone() for k in self.state_keys} if self._stepped else {}
-        mine = {"type": type(self).__name__, "config": self.config(), "state": state}
-        return {**mine, **self.extras()}
+        extras = {k: _clone(getattr(self, k)) for k in self.extra_keys}
+        return {"type": type(self).__name__, "config": self.config(), "state": state, **extras}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output, all checked before anything changes.
-
-        Raises:
-          ValueError: another rule's checkpoint, other settings, or a malformed one.
-        """
-        extras, name = self.extras(), type(self).__name__
-        keys = {"type", "config", "state", *extras}
+        """Load :meth:`state_dict`'s output, all checked (ValueError) before anything changes."""
+        name = type(self).__name__
+        keys = {"type", "config", "state", *self.extra_keys}
         if not isinstance(state_dict, Mapping) or set(state_dict) != keys:
             raise ValueError(f"a {name} state dict must have the keys {sorted(keys)}")
         if state_dict["type"] != name or state_dict["config"] != self.config():
@@ -133,8 +122,8 @@ class Stateful:
                 f"the checkpoint was saved with {state_dict['type']}({state_dict['config']}), "
                 f"this optimizer uses {self!r}; construct it with the one it was saved with"
             )
-        for key, now in extras.items():
-            value = state_dict[key]
+        for key in self.extra_keys:
+            value, now = state_dict[key], getattr(self, key)
             if isinstance(now, int):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"{key} must be an int >= 0, got {value!r}")
@@ -155,8 +144,8 @@ class Stateful:
         state = {k: v.clone() for k, v in state.items()}
         if state or self._stepped:
             self.state, self._stepped = state, bool(state)
-        saved = {k: state_dict[k] for k in extras}
-        self.set_extras({k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.items()})
+        for key in self.extra_keys:
+            setattr(self, key, _clone(state_dict[key]))
 
     def to(self, device: torch.device) -> None:
         """Move the state and tensor attributes to ``device``, after a load."""
@@ -166,11 +155,10 @@ class Stateful:
                 setattr(self, key, value.to(device))
 
     def borrowed(self) -> tuple[object, ...]:
-        """Objects referred to but not owned (AGC's excluded parameters)."""
+        """Objects referred to but not owned, which :meth:`trial_copy` shares."""
         return ()
 
     def trial_copy(self: _Self) -> _Self:
-        """A deep copy to try a load on, sharing :meth:`borrowed`."""
         return copy.deepcopy(self, {id(x): x for x in self.borrowed()})
 
     def __repr__(self) -> str:
@@ -179,13 +167,11 @@ class Stateful:
 
 
 class ClipRule(Stateful):
-    """The protocol of an adaptive clip rule, passed as ``max_norm``: a subclass checks
-    its settings in ``__init__`` and declares ``settings``, :meth:`evaluate` and, with
-    state, ``state_keys``, :meth:`init_state` and :meth:`check_state`;
-    ``per_tensor = True`` gives it one norm per grad. One rule belongs to one optimizer.
-    """
+    """The protocol of an adaptive clip rule, passed as ``max_norm`` (docs/adaptive.md,
+    "Writing a rule"). One rule belongs to one optimizer."""
 
     per_tensor: bool = False
+    extra_keys = ("last_threshold",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -196,15 +182,9 @@ class ClipRule(Stateful):
     def evaluate(
         self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
-        """This step's thresholds and the state after it; pure, no host read.
-
-        Args:
-          norms: the 0-dim global norm, or (``per_tensor``) one norm per grad.
-          state: the state before the step (do not change it in place).
-          norm_type: the order p of ``norms``.
-          total_norm: the whole model's norm where ``norms`` are one pipeline stage's;
-            None: that of ``norms``.
-        """
+        """This step's thresholds and state after it, from the 0-dim global norm (or with
+        ``per_tensor`` one norm per grad) and the state before; pure, no host read.
+        ``total_norm``: the whole model's norm where ``norms`` are one pipeline stage's."""
         raise NotImplementedError
 
     def _same_grads(self, held: int, given: int) -> None:
@@ -217,11 +197,9 @@ class ClipRule(Stateful):
     def decide(
         self, norms: Tensor, *, norm_type: float = 2.0, total_norm: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """This step's coefficients and thresholds in ``norms``' dtype; the state after it
-        waits for :meth:`commit`."""
-        found = self.evaluate(
-            norms, self.current(norms), norm_type=norm_type, total_norm=total_norm
-        )
+        """This step's coefficients and thresholds; the state waits for :meth:`commit`."""
+        state = self.current(norms)
+        found = self.evaluate(norms, state, norm_type=norm_type, total_norm=total_norm)
         thresholds, self._next, *given = found  # a plain (thresholds, state) tuple too
         own = given[0] if given else None
         coefficients = coefficient(thresholds, norms) if own is None else own
@@ -234,14 +212,8 @@ class ClipRule(Stateful):
             self._next = None
         self.last_threshold = thresholds
 
-    def extras(self) -> dict[str, Any]:
-        last = None if self.last_threshold is None else self.last_threshold.detach().clone()
-        return {"last_threshold": last}
-
-    def set_extras(self, extras: Mapping[str, Any]) -> None:
-        self.last_threshold, self._next = extras["last_threshold"], None
-
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if isinstance(state_dict, Mapping):  # a rule's own old count: the wrapper's counts
             state_dict = {k: v for k, v in state_dict.items() if k != "clipped_count"}
         super().load_state_dict(state_dict)
+        self._next = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -13,18 +12,14 @@ from clipopt.rules._base import State, Stateful, checked, integer, number
 
 
 class SpikeSkip(Stateful):
-    """Skip a step whose pre-clip norm is a spike: ``skip_spikes=`` of ClippedOptimizer.
-
-    A step is skipped (parameters, optimizer state and grads untouched) when
-    ``|norm - mean| / std > sigma`` over the previous up to ``window`` finite norms
-    (``std`` unbiased), once ``min_history`` of them are seen; every finite norm then
-    enters the history. OLMo-core's ``SkipStepOptimizer`` rule for the grad norm.
+    """Skip a step (parameters, optimizer state and grads untouched) whose pre-clip norm
+    has ``|norm - mean| / std > sigma`` over the last ``window`` finite norms:
+    ``skip_spikes=`` of ClippedOptimizer, OLMo-core's rule (docs/adaptive.md).
 
     Args:
-      window: how many previous norms count, >= 2.
-      sigma: > 0.
-      min_history: norms needed before anything is skipped, in [2, window]; None is
-        ``max(20, window // 2)`` (capped at ``window``).
+      window: how many previous norms count, >= 2. sigma: > 0.
+      min_history: norms seen before anything is skipped, in [2, window]; None:
+        ``min(max(20, window // 2), window)``.
 
     Example:
       >>> import torch, clipopt
@@ -41,6 +36,7 @@ class SpikeSkip(Stateful):
 
     settings = ("window", "sigma", "min_history")
     state_keys = ("buffer", "count")  # the last `window` finite norms, as a ring; their count
+    extra_keys = ("spike_count", "steps_seen")
 
     def __init__(self, window: int = 128, sigma: float = 6.0, min_history: int | None = None):
         super().__init__()
@@ -95,9 +91,3 @@ class SpikeSkip(Stateful):
         spikes = self.spike_count.to(norm.device)
         self.spike_count = spikes if spike is None else spikes + spike.to(torch.int64)
         self.steps_seen += 1
-
-    def extras(self) -> dict[str, Any]:
-        return {"spike_count": self.spike_count.clone(), "steps_seen": self.steps_seen}
-
-    def set_extras(self, extras: Mapping[str, Any]) -> None:
-        self.spike_count, self.steps_seen = extras["spike_count"], extras["steps_seen"]

@@ -24,21 +24,15 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 class ZClip(ClipRule):
-    """ZClip (Kumar et al., 2025): clip norms that are outliers of an EMA of past norms,
-    with the argument names, defaults and semantics of the ``zclip`` 1.0.0 package's
-    ``ZClip``, step for step, on the device (docs/adaptive.md, "ZClip").
-
-    The first ``warmup_steps`` norms are clipped at ``max_grad_norm`` only and start the
-    EMAs of the norm's mean and variance; after, a norm with z-score above ``z_thresh``
-    is clipped towards the mean, and the EMAs take the clipped value. A non-finite norm
-    changes nothing.
+    """ZClip (Kumar et al., 2025): clip norms that are z-score outliers of an EMA of past
+    norms, as the ``zclip`` 1.0.0 package's ``ZClip`` does, with its arguments
+    (docs/adaptive.md, "ZClip").
 
     Args:
       alpha: the EMA factor, in (0, 1). z_thresh: > 0. eps: added to the std, >= 0.
       max_grad_norm: a cap > 0 on every threshold, warm-up included, or None.
-      warmup_steps: >= 1.
-      mode: ``"zscore"`` or ``"percentile"``; clip_option: ``"adaptive_scaling"`` or
-        ``"mean"`` (``"zscore"`` mode only); clip_factor: > 0.
+      warmup_steps: >= 1. mode: ``"zscore"`` or ``"percentile"``.
+      clip_option: ``"adaptive_scaling"`` or ``"mean"``. clip_factor: > 0.
       skip_update_on_spike: leave the EMAs unchanged on a spike.
 
     Example:
@@ -85,13 +79,8 @@ class ZClip(ClipRule):
         if norms.dim() != 0:
             raise ValueError("ZClip is a global rule: it takes the 0-dim global norm")
         zero = torch.zeros((), dtype=combine_dtype(norms.device), device=norms.device)
-        count = torch.zeros((), dtype=torch.int64, device=norms.device)
-        return {
-            "buffer": zero.new_zeros(self.warmup_steps),
-            "count": count,
-            "mean": zero,
-            "var": zero,
-        }
+        buffer, count = zero.new_zeros(self.warmup_steps), zero.to(torch.int64)
+        return {"buffer": buffer, "count": count, "mean": zero, "var": zero}
 
     def check_state(self, state: Mapping[str, Tensor]) -> None:
         for key, shape in zip(self.state_keys, ((self.warmup_steps,), (), (), ()), strict=True):
