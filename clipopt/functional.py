@@ -1,9 +1,5 @@
-"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions: same names
-and signatures, plus half-type norms in float32, accurate large CPU norms, arguments
-checked before any grad is touched, sparse and complex grads, and an out-of-place
-:func:`clip_grad_norm` (docs/functional.md says what differs and why). Nothing here
-reads a tensor's value on the host unless ``error_if_nonfinite=True``.
-"""
+"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions, and an
+out-of-place :func:`clip_grad_norm`; docs/functional.md says what differs from torch."""
 
 from __future__ import annotations
 
@@ -39,7 +35,6 @@ MaybeTensors: TypeAlias = Tensor | Iterable[Tensor | None]
 
 
 def _as_list(tensors: MaybeTensors) -> list[Tensor]:
-    """Materialise a tensor, list or generator exactly once."""
     return [tensors] if isinstance(tensors, Tensor) else list(tensors)  # type: ignore[arg-type]
 
 
@@ -48,9 +43,9 @@ def _grads(parameters: list[Tensor]) -> list[Tensor]:
     return [g for g in every if g is not None]
 
 
-def _measures_only(max_norm: MaxNorm) -> bool:
-    """True for a numeric ``max_norm`` of inf: the norm is measured, nothing is scaled."""
-    return not isinstance(max_norm, Tensor) and max_norm == math.inf
+def _scales(grads: list[Tensor], max_norm: MaxNorm) -> bool:
+    """False where nothing can change: no grads, or a float ``max_norm`` of inf."""
+    return bool(grads) and (isinstance(max_norm, Tensor) or max_norm != math.inf)
 
 
 def _raise_if_nonfinite(norm: Tensor, norm_type: float) -> None:
@@ -72,35 +67,20 @@ def get_total_norm(
     replicated: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
-    """The norm of all ``tensors`` together, as if concatenated into one vector.
-
-    DTensors (FSDP2, HSDP, tensor parallel) are measured across their device mesh; plain
-    tensors across ``process_group`` when one is given; see :mod:`clipopt.distributed`.
-    Either way every rank gets the same plain tensor, at the cost of one ``all_reduce``.
+    """The norm of all ``tensors`` together, as if concatenated into one vector; DTensors
+    across their mesh, the same on every rank (see :mod:`clipopt.distributed`).
 
     Args:
-      tensors: a tensor or an iterable of tensors (usually grads), read once; None
-        entries are skipped. Devices, dtypes and sparse COO layouts may mix.
+      tensors: a tensor or tensors, read once, None skipped; devices, dtypes, sparse mix.
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
-      error_if_nonfinite: raise :class:`NonFiniteNormError` if the norm is NaN or inf.
-        This reads the norm on the host, so it waits for the device.
-      foreach: multi-tensor kernels (True or None) or per-tensor ops (False); on the
-        CPU, ``_foreach_norm`` is a C++ loop of torch's per-tensor kernels.
-      process_group: the group plain ``tensors`` are split across (model parallel):
-        ``norm**p`` is summed over it (max for inf). None: local tensors, or DTensors,
-        which carry their mesh.
-      replicated: those of ``tensors`` (by identity) that are identical on every rank of
-        ``process_group`` (tied embeddings, layer norms under tensor parallel): they
-        count once, not once per rank.
-      pp_mesh: under pipeline parallelism, the 1-D mesh or group joining this rank to
-        one rank of each other stage (torchtitan's ``pp_mesh``): ``tensors`` are this
-        stage's, measured as above, then the stages' ``norm**p`` are summed over it
-        (max for inf) in one more ``all_reduce``.
+      error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN or inf norm.
+      foreach: multi-tensor kernels (True or None) or per-tensor ops (False).
+      process_group: the group plain ``tensors`` are split across.
+      replicated: those of ``tensors`` that are the same on every rank of it.
+      pp_mesh: the 1-D mesh or group of the pipeline stages (torchtitan's ``pp_mesh``).
 
     Returns:
-      A 0-dim float32 tensor (float64 if any input is) on the first tensor's device; a
-      zero when there is nothing to measure: ``tensor(0.)`` without tensors, and with
-      only empty ones a zero of that dtype on the first one's device, as torch gives.
+      A 0-dim float32 tensor (float64 if any input is) on the first tensor's device.
 
     Example:
       >>> import torch, clipopt
@@ -114,30 +94,8 @@ def get_total_norm(
     pp_group = _stages.stage_group(pp_mesh)
     present = [t for t in _as_list(tensors) if t is not None]
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
-    return _global_norm(present, p, error_if_nonfinite, foreach, process_group, shared, pp_group)
-
-
-def _global_norm(
-    tensors: list[Tensor],
-    p: float,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    process_group: ProcessGroup | None,
-    replicated: list[Tensor],
-    pp_group: ProcessGroup | None,
-    params: list[Tensor] | None = None,
-) -> Tensor:
-    """The global norm of ``tensors``, raising if asked; ``params``, whose grads
-    ``tensors`` are, let a rank that holds none of them still join a reduction over
-    their DTensor mesh."""
     norm = _reduce.global_norm(
-        tensors,
-        p,
-        foreach,
-        process_group=process_group,
-        replicated=replicated,
-        params=params or (),
-        pp_group=pp_group,
+        present, p, foreach, process_group=process_group, replicated=shared, pp_group=pp_group
     )
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
@@ -148,16 +106,12 @@ def _global_norm(
 def clip_grads_with_norm_(
     parameters: TensorOrTensors, max_norm: MaxNorm, total_norm: Tensor, foreach: bool | None = None
 ) -> None:
-    """Scale grads in place by ``min(1, max_norm / (total_norm + 1e-6))``.
-
-    The coefficient is computed on the device; grads under the threshold are multiplied
-    by exactly 1.0 and so stay bit-identical. ``max_norm=inf`` scales nothing.
+    """Scale grads in place by ``min(1, max_norm / (total_norm + 1e-6))``, on the device.
 
     Args:
-      parameters: a tensor or an iterable of tensors whose ``.grad`` is scaled, read once.
-      max_norm: the largest allowed norm, > 0 (``inf`` allowed), or a 0-dim tensor.
-      total_norm: the norm to clip against, e.g. from :func:`get_total_norm`.
-      foreach: as in :func:`get_total_norm`.
+      parameters: a tensor or tensors whose ``.grad`` is scaled, read once.
+      max_norm: the largest allowed norm, > 0 (``inf``: scale nothing), or a 0-dim tensor.
+      total_norm: the norm to clip against. foreach: as in :func:`get_total_norm`.
 
     Example:
       >>> import torch, clipopt
@@ -168,32 +122,9 @@ def clip_grads_with_norm_(
     """
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
-    _scale_by_norm_(_grads(_as_list(parameters)), max_norm, total_norm, foreach)
-
-
-def _coefficient(max_norm: MaxNorm, norm: Tensor, error_if_nonfinite: bool) -> Tensor:
-    """The clip coefficient; with ``error_if_nonfinite``, a NaN one (a tensor ``max_norm``
-    that is not > 0, an absurd ``norm / max_norm``) raises before any grad is written."""
-    coef = _scale.clip_coefficient(max_norm, norm)
-    if error_if_nonfinite and not torch.isfinite(coef).item():  # the caller asked for this
-        raise NonFiniteNormError(
-            f"the clip coefficient for max_norm={max_norm!r} and a total norm of "
-            f"{norm.item()} is NaN: a tensor max_norm must be > 0, and norm / max_norm "
-            "within the dtype's range. To clip anyway, pass error_if_nonfinite=False."
-        )
-    return coef
-
-
-def _scale_by_norm_(
-    grads: list[Tensor],
-    max_norm: MaxNorm,
-    total_norm: Tensor,
-    foreach: bool | None,
-    error_if_nonfinite: bool = False,
-) -> None:
-    """Scale ``grads`` in place by the clip coefficient of ``total_norm``, if any could apply."""
-    if grads and not _measures_only(max_norm):
-        coef = _coefficient(max_norm, total_norm, error_if_nonfinite)
+    grads = _grads(_as_list(parameters))
+    if _scales(grads, max_norm):
+        coef = _scale.clip_coefficient(max_norm, total_norm)
         _scale.scale_(_mesh.local_tensors(grads), coef, foreach)
 
 
@@ -208,13 +139,11 @@ def _clip(
     pp_mesh: DeviceMesh | ProcessGroup | None,
     in_place: bool,
 ) -> tuple[list[Tensor | None], Tensor]:
-    """:func:`clip_grad_norm_` (``in_place``; no copies) or :func:`clip_grad_norm`: the
-    clipped copies of the grads and the pre-clip norm. Every argument is checked first;
-    an empty generator warns, as torch does: it is usually one consumed earlier."""
+    """The clipped copies (none ``in_place``) and the pre-clip norm."""
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
     params = _as_list(parameters)
-    if not params and isinstance(parameters, types.GeneratorType):
+    if not params and isinstance(parameters, types.GeneratorType):  # as torch warns
         warnings.warn(
             "`parameters` is an empty generator, no gradient clipping will occur.",
             stacklevel=4,  # past this, the entry point and torch.no_grad's wrapper
@@ -225,21 +154,28 @@ def _clip(
         _reduce.check_members("replicated_params", shared, params, "parameters")
         replicated = _grads(shared)
     grads = _grads(params)
+    copies: list[Tensor | None] = []
     # With no grad here, the parameters say whether other ranks reduce over a mesh.
     local = process_group is None and replicated_params is None and pp_group is None
     if in_place and local and _mesh.all_plain(grads or params):
         norm, groups = _norms.grouped_total_norm(grads, p, foreach)  # one grouping for both
-        if error_if_nonfinite:
-            _raise_if_nonfinite(norm, p)
-        if grads and not _measures_only(max_norm):
-            _scale.scale_groups_(groups, _coefficient(max_norm, norm, error_if_nonfinite), foreach)
-        return [], norm
-    norm = _global_norm(
-        grads, p, error_if_nonfinite, foreach, process_group, replicated, pp_group, params
-    )
-    copies = [] if in_place else [None if q.grad is None else q.grad.clone() for q in params]
-    targets = grads if in_place else [c for c in copies if c is not None]
-    _scale_by_norm_(targets, max_norm, norm, foreach, error_if_nonfinite)
+    else:
+        scope = {"process_group": process_group, "replicated": replicated, "pp_group": pp_group}
+        norm, groups = _reduce.global_norm(grads, p, foreach, params=params, **scope), None
+    if error_if_nonfinite:
+        _raise_if_nonfinite(norm, p)
+    if not in_place:
+        copies = [None if q.grad is None else q.grad.clone() for q in params]
+        grads = [c for c in copies if c is not None]
+    if _scales(grads, max_norm):
+        coef = _scale.clip_coefficient(max_norm, norm)
+        if error_if_nonfinite and not torch.isfinite(coef).item():  # the caller asked
+            raise NonFiniteNormError(
+                f"the clip coefficient for max_norm={max_norm!r} and a total norm of "
+                f"{norm.item()} is NaN: a tensor max_norm must be > 0, and norm / max_norm "
+                "within the dtype's range. To clip anyway, pass error_if_nonfinite=False."
+            )
+        _scale.scale_groups_(groups or _norms.group(_mesh.local_tensors(grads)), coef, foreach)
     return copies, norm
 
 
@@ -255,28 +191,18 @@ def clip_grad_norm_(
     replicated_params: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
-    """Clip the grads' total norm to ``max_norm`` in place; return the pre-clip norm.
-
-    Drop-in for :func:`torch.nn.utils.clip_grad_norm_` (Pascanu et al., 2013, "On the
-    difficulty of training recurrent neural networks"). Arguments are validated before
-    any grad is read, and a non-finite norm with ``error_if_nonfinite=True`` raises
-    before any grad is written.
+    """Clip the grads' total norm to ``max_norm`` in place, as
+    :func:`torch.nn.utils.clip_grad_norm_`; raise before any grad is written.
 
     Args:
-      parameters: a tensor or an iterable of tensors (read once); grads that are None
-        are skipped.
-      max_norm: the largest allowed total norm, > 0 (``inf``: measure only).
-      norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
-      error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN/inf norm (a sync).
-      foreach: as in :func:`get_total_norm`.
-      process_group: as in :func:`get_total_norm`.
-      pp_mesh: as in :func:`get_total_norm` (``parameters`` are this stage's, clipped by
-        the whole model's norm).
-      replicated_params: those of ``parameters`` that are identical on every rank of
-        ``process_group``: their grads count once.
+      parameters: a tensor or tensors (read once); grads that are None are skipped.
+      max_norm: the largest allowed total norm, > 0 (``inf``: measure only), or a tensor.
+      norm_type: as in :func:`get_total_norm`, as are ``error_if_nonfinite``,
+        ``foreach``, ``process_group``, ``pp_mesh``, and its ``replicated``
+        (``replicated_params`` here).
 
     Returns:
-      The total norm before clipping, a 0-dim float32 tensor (float64 for double grads).
+      The total norm before clipping, as :func:`get_total_norm` returns it.
 
     Example:
       >>> import torch, clipopt
@@ -302,16 +228,10 @@ def clip_grad_norm(
     replicated_params: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> tuple[list[Tensor | None], Tensor]:
-    """The out-of-place twin of :func:`clip_grad_norm_`, with the same arguments: no
-    ``.grad`` is modified.
-
-    Unlike torch's deprecated ``clip_grad_norm`` (an in-place alias), this follows the
-    convention that a name without a trailing underscore does not mutate.
+    """:func:`clip_grad_norm_` out of place, same arguments: no ``.grad`` changes.
 
     Returns:
-      ``(clipped, total_norm)``: ``clipped[i]`` is a new tensor holding the clipped grad
-      of the i-th parameter (None where it has no grad), and ``total_norm`` is the
-      pre-clip norm.
+      A new clipped grad per parameter (None where it has none), and the pre-clip norm.
 
     Example:
       >>> import torch, clipopt
@@ -328,16 +248,12 @@ def clip_grad_norm(
 def clip_grad_value_(
     parameters: TensorOrTensors, clip_value: float, foreach: bool | None = None
 ) -> None:
-    """Clamp every grad element into ``[-clip_value, clip_value]`` in place.
-
-    Drop-in for :func:`torch.nn.utils.clip_grad_value_`, with ``clip_value`` validated
-    (torch accepts a negative value and produces a meaningless clamp).
+    """Clamp every grad element into ``[-clip_value, clip_value]`` in place, as
+    :func:`torch.nn.utils.clip_grad_value_`.
 
     Args:
-      parameters: a tensor or an iterable of tensors (read once).
+      parameters: a tensor or tensors (read once). foreach: as in :func:`get_total_norm`.
       clip_value: the largest allowed magnitude, > 0 (``inf``: nothing changes).
-      foreach: one foreach clamp per (device, dtype) group (True/None) or
-        per-tensor ops (False).
 
     Example:
       >>> import torch, clipopt
@@ -363,6 +279,5 @@ def clip_grad_value_(
         else:
             torch._foreach_clamp_min_(dense, -value)
             torch._foreach_clamp_max_(dense, value)
-    for sparse in groups.sparse.values():
-        for g in sparse:
-            g.values().clamp_(-value, value)
+    for g in (g for sparse in groups.sparse.values() for g in sparse):
+        g.values().clamp_(-value, value)

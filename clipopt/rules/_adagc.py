@@ -11,42 +11,15 @@ from torch import Tensor
 from clipopt._kernels._norms import combine_dtype
 from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, number
 
-__all__ = ["AdaGC"]
-
 
 class AdaGC(ClipRule):
-    """AdaGC (Wang et al., 2026): clip each tensor against an EMA of its own clipped norms.
-
-    Wang, Li, Chen, Zeng, Yang, Yu, Ma and Shen, *AdaGC: Enhancing LLM Pretraining
-    Stability via Adaptive Gradient Clipping* (ICML 2026), as the authors' Megatron patch
-    (``megatron/optimizer/clip_grads.py``, class ``AdaGC``) applies it, with ``n`` each
-    tensor's norm (of the optimizer's ``norm_type``) and ``gamma`` its state:
-
-    - warm-up, the first ``warmup_steps`` steps: every grad is scaled by
-      ``min(1, warmup_max_norm / (total + eps))``, ``total`` the p-norm of all grads
-      before the clip, and ``gamma`` is the minimum of the tensor's clipped norm over
-      these steps (the first one's to start). ``last_threshold`` holds each tensor's
-      ``warmup_max_norm * (n + eps) / (total + eps)``, at which torch's
-      ``threshold / (n + eps)`` is the global coefficient.
-    - after: a tensor with ``n > ratio * gamma`` is scaled by
-      ``ratio * gamma / (n + eps)`` and counts as ``n = ratio * gamma``; then
-      ``gamma = beta * gamma + (1 - beta) * n``. ``last_threshold`` is ``ratio * gamma``
-      of before the step. With ``warmup_steps=0`` a tensor's first norm starts ``gamma``.
-
-    Non-finite norms never enter the state: a warm-up step whose total is not finite
-    changes nothing and does not count as one of the ``warmup_steps`` (its coefficient
-    is 0 or NaN, and the wrapper's ``nonfinite`` policy decides the step); after warm-up
-    a tensor with a non-finite norm keeps its ``gamma``. The state is one value per grad
-    (float64 where the device has it) and a warm-up counter, on the grads' device;
-    every step must have the same grads.
+    """AdaGC (Wang et al., ICML 2026): clip each tensor against an EMA of its own clipped
+    norms, as the authors' Megatron patch does (docs/adaptive.md, "AdaGC").
 
     Args:
-      ratio: the relative threshold ``lambda_rel``, > 0 (below 1, ``gamma`` can only
-        fall, and a norm equal to it is clipped).
-      beta: the EMA factor, in [0, 1).
-      warmup_steps: the steps clipped globally first, >= 0.
-      warmup_max_norm: warm-up's global threshold, in (0, inf).
-      eps: added to the norm in each division, >= 0.
+      ratio: the relative threshold, > 0. beta: the EMA factor, in [0, 1).
+      warmup_steps: the steps clipped globally at ``warmup_max_norm`` first, >= 0.
+      warmup_max_norm: in (0, inf). eps: added to the norm in each division, >= 0.
 
     Example:
       >>> import torch, clipopt
@@ -56,11 +29,8 @@ class AdaGC(ClipRule):
       >>> for gw, gb in (([3.0, 4.0], [12.0]), ([6.0, 8.0], [3.0])):
       ...     w.grad, b.grad = torch.tensor(gw), torch.tensor(gb)
       ...     opt.step()
-      ...     print(rule.last_threshold, w.grad, b.grad)
-      tensor([2.5000, 6.0000]) tensor([1.5000, 2.0000]) tensor([6.0000])
-      tensor([3.7500, 9.0000]) tensor([2.2500, 3.0000]) tensor([3.])
-      >>> rule.state["gamma"], opt.clipped_count, opt.last_norm
-      (tensor([3.1250, 4.5000], dtype=torch.float64), tensor(2), tensor(10.4403))
+      >>> rule.last_threshold, w.grad, b.grad
+      (tensor([3.7500, 9.0000]), tensor([2.2500, 3.0000]), tensor([3.]))
     """
 
     per_tensor = True
@@ -90,11 +60,10 @@ class AdaGC(ClipRule):
         return {"gamma": gamma, "count": torch.zeros((), dtype=torch.int64, device=norms.device)}
 
     def check_state(self, state: Mapping[str, Tensor]) -> None:
-        checked("gamma", state["gamma"], None, floating=True)
-        if state["gamma"].dim() != 1:
-            raise ValueError(
-                f"AdaGC gamma must be 1-D (one value per grad), got {state['gamma']!r}"
-            )
+        gamma = state["gamma"]
+        checked("gamma", gamma, None, floating=True)
+        if gamma.dim() != 1:
+            raise ValueError(f"AdaGC gamma must be 1-D (one value per grad), got {gamma!r}")
         checked("count", state["count"], (), floating=False)
 
     def evaluate(

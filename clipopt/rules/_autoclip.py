@@ -11,9 +11,6 @@ from torch import Tensor
 
 from clipopt.rules._base import ClipRule, Evaluation, State, checked, flag, integer, number
 
-__all__ = ["AutoClip", "replace_sorted", "sorted_history"]
-
-
 # torch.quantile's rank q * (n - 1) is taken in float64 from torch 2.14 on, in the values'
 # dtype before: read once from torch, on values where the two differ.
 _RANKS_IN_FLOAT64 = float(torch.quantile(torch.tensor([0.0, 0.0, 1.0, 1.0]), 0.4)) != float(
@@ -29,30 +26,10 @@ def _ranks(filled: Tensor, q: float, dtype: torch.dtype) -> Tensor:
     return steps.to(torch.float64) * float(struct.unpack("f", struct.pack("f", q))[0])
 
 
-def sorted_history(buffer: Tensor, count: Tensor) -> Tensor:
-    """Each row's filled values of a ring ``[rows, history]`` (``count[r]`` written to row
-    ``r``) in ascending order, then ``+inf``: one sort.
-
-    Example:
-      >>> sorted_history(torch.tensor([[3.0, 1.0, 2.0]]), torch.tensor([2]))
-      tensor([[1., 3., inf]])
-    """
-    columns = torch.arange(buffer.shape[1], device=buffer.device)
-    filled = torch.clamp(count, max=buffer.shape[1])
-    return torch.where(columns < filled[:, None], buffer, math.inf).sort(dim=1).values
-
-
 def replace_sorted(ordered: Tensor, leaving: Tensor, entering: Tensor) -> Tensor:
-    """``ordered`` (ascending rows) with ``leaving[r]``, a value of row ``r``, taken out
-    and ``entering[r]`` (not NaN) put in: two shifted copies instead of a sort, values
-    moved, never computed. A row needs a ``+inf`` once ``leaving`` is out.
-
-    Example:
-      >>> ordered = torch.tensor([[1.0, 2.0, 3.0], [5.0, math.inf, math.inf]])
-      >>> replace_sorted(ordered, torch.tensor([1.0, math.inf]), torch.tensor([2.5, 4.0]))
-      tensor([[2.0000, 2.5000, 3.0000],
-              [4.0000, 5.0000,    inf]])
-    """
+    """Ascending rows ``ordered`` with ``leaving[r]`` (in row ``r``) taken out and
+    ``entering[r]`` (not NaN) put in, by two shifted copies: values moved, not computed.
+    A row needs a ``+inf`` once ``leaving`` is out."""
     columns = torch.arange(ordered.shape[1], device=ordered.device)
     spare, result = torch.empty_like(ordered), torch.empty_like(ordered)
     # The shifts run over the flat rows, so that every `out=` is contiguous (dynamo takes
@@ -68,21 +45,13 @@ def replace_sorted(ordered: Tensor, leaving: Tensor, entering: Tensor) -> Tensor
 
 
 class AutoClip(ClipRule):
-    """AutoClip (Seetharaman et al., 2020): clip at a percentile of the norms seen so far.
-
-    Each step's threshold is the ``percentile`` (linear interpolation, as
-    ``torch.quantile``) of the pre-clip norms of the previous steps, at most the last
-    ``history`` of them, kept in a ring on the grads' device; the step's own norm enters
-    after, so the first step does not clip; a non-finite norm never enters. This is
-    ``autoclip.torch.QuantileClip(quantile=percentile / 100, history_length=history,
-    global_threshold=not per_tensor)``, step for step. A sorted copy of the ring,
-    updated by one removal and one insertion a step, gives the percentile without a sort.
+    """AutoClip (Seetharaman et al., 2020): clip at the ``percentile`` of the last
+    ``history`` finite pre-clip norms, as ``autoclip.torch.QuantileClip`` does
+    (docs/adaptive.md, "AutoClip").
 
     Args:
-      percentile: in [0, 100].
-      history: how many past norms count, >= 1.
-      per_tensor: one history and threshold per grad, each clipped by its own norm
-        (QuantileClip's default mode); every step must then have the same grads.
+      percentile: in [0, 100]. history: how many past norms count, >= 1.
+      per_tensor: one history and threshold per grad.
 
     Example:
       >>> import torch, clipopt
@@ -134,8 +103,12 @@ class AutoClip(ClipRule):
         buffer, count = state["buffer"], state["count"]
         rows = norms.reshape(-1).to(buffer.dtype)
         self._same_grads(buffer.shape[0], rows.shape[0])
-        ordered = state["sorted"] if "sorted" in state else sorted_history(buffer, count)
         filled = torch.clamp(count, max=self.history)
+        if "sorted" in state:
+            ordered = state["sorted"]
+        else:  # after a load: each row's filled values ascending, then +inf
+            columns = torch.arange(self.history, device=buffer.device)
+            ordered = torch.where(columns < filled[:, None], buffer, math.inf).sort(dim=1).values
         # torch.quantile's interpolation: rank = q * (n - 1), the values at its floor and
         # ceiling, lerp by the fraction. Unfilled rows lerp 0s, not +infs: inductor folds a
         # fresh history's inf - inf and fails ("sympy expression is NaN").

@@ -1,8 +1,5 @@
-"""The clip-rule protocol (:class:`ClipRule`) and the state handling rules and SpikeSkip
-share. Per ``step()`` the wrapper calls ``rule.decide(norms, norm_type=...,
-total_norm=...)``, then ``rule.commit(norms, coefficients, thresholds)`` after the step;
-see ``docs/adaptive.md``, "Writing a rule".
-"""
+"""The clip-rule protocol (:class:`ClipRule`) and the state rules and SpikeSkip share;
+``docs/adaptive.md``, "Writing a rule", says what the wrapper calls and when."""
 
 from __future__ import annotations
 
@@ -16,15 +13,12 @@ from torch import Tensor
 
 from clipopt._kernels._scale import coefficient
 
-__all__ = ["ClipRule", "Evaluation", "State", "Stateful", "checked", "flag", "integer", "number"]
-
 _Self = TypeVar("_Self", bound="Stateful")
 State: TypeAlias = dict[str, Tensor]
 
 
 def number(name: str, value: Any, interval: str) -> float:
-    """``value`` as a float in ``interval`` (e.g. ``"(0, inf)"``, ``"[0, 1)"``);
-    ValueError/TypeError naming it otherwise."""
+    """``value`` as a float in ``interval`` (e.g. ``"[0, 1)"``), else TypeError/ValueError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
     low, high = (float(end) for end in interval[1:-1].split(","))
@@ -36,7 +30,6 @@ def number(name: str, value: Any, interval: str) -> float:
 
 
 def integer(name: str, value: Any, low: int) -> int:
-    """``value`` as an int of at least ``low``; ValueError/TypeError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if int(value) < low:
@@ -45,7 +38,6 @@ def integer(name: str, value: Any, low: int) -> int:
 
 
 def flag(name: str, value: Any) -> bool:
-    """``value``, a bool; TypeError naming it otherwise."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
@@ -59,24 +51,13 @@ def checked(name: str, value: Tensor, shape: tuple[int, ...] | None, floating: b
         raise ValueError(f"state {name!r} must be a {kind} tensor of shape {shape}, got {value!r}")
 
 
-def _check_extra(name: str, value: Any, now: Any) -> None:
-    """A saved counter (an int, or an int64 0-dim tensor) or last value (a float tensor or
-    None) of the kind the current one is, else ValueError."""
-    counter = isinstance(now, Tensor) and now.dtype == torch.int64
-    if isinstance(now, int) and (
-        isinstance(value, bool) or not isinstance(value, int) or value < 0
-    ):
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    if not isinstance(now, int) and (counter or value is not None):
-        if not isinstance(value, Tensor):
-            raise ValueError(f"{name} must be a tensor, got {value!r}")
-        checked(name, value, () if counter else None, floating=not counter)
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else value
 
 
 class Evaluation(NamedTuple):
-    """What :meth:`ClipRule.evaluate` returns: the thresholds (shaped as the norms), the
-    state after the step, and the coefficients where they are not torch's
-    ``min(1, threshold / (norm + 1e-6))`` (None)."""
+    """:meth:`ClipRule.evaluate`'s thresholds (shaped as the norms), state after the step,
+    and coefficients where they are not ``min(1, threshold / (norm + 1e-6))``."""
 
     thresholds: Tensor
     state: State
@@ -84,11 +65,11 @@ class Evaluation(NamedTuple):
 
 
 class Stateful:
-    """A rule's or SpikeSkip's state: tensors under ``state_keys``, made by
-    :meth:`init_state`, checked by :meth:`check_state` on a load."""
+    """A rule's or SpikeSkip's state: tensors under ``state_keys``, saved and loaded."""
 
     settings: tuple[str, ...] = ()
     state_keys: tuple[str, ...] = ()
+    extra_keys: tuple[str, ...] = ()  # attributes saved too: ints, tensors, None
 
     def __init__(self) -> None:
         self.state: State = {}
@@ -96,8 +77,7 @@ class Stateful:
         self._stepped = False
 
     def config(self) -> dict[str, Any]:
-        """The settings, plain Python values; a checkpoint loads only into equal ones.
-        The default: the attributes named in ``settings``."""
+        """The settings as plain values; a checkpoint loads only into equal ones."""
         return {name: getattr(self, name) for name in self.settings}
 
     def init_state(self, norms: Tensor) -> State:
@@ -105,22 +85,19 @@ class Stateful:
         return {}
 
     def check_state(self, state: Mapping[str, Tensor]) -> None:
-        """Raise ValueError where a loaded state (tensors under ``state_keys``) could not
-        be this rule's."""
+        """Raise ValueError where a loaded state could not be this rule's."""
 
     def prepare(self, norms: Tensor) -> None:
-        """Make the state for norms like ``norms`` ahead of the first step (a compiled
-        step then does not compile again at its second call); no-op once stepped."""
+        """Make the state for norms like ``norms`` before the first step (a compiled step
+        then compiles once); no-op once stepped."""
         if not self._stepped:
             self.state = self.init_state(norms)
             self._made_for = (tuple(norms.shape), norms.dtype, norms.device)
 
     def current(self, norms: Tensor) -> State:
-        """The state to evaluate ``norms`` on: new where none is made, or where the one
-        :meth:`prepare` made is for norms of another shape, dtype or device."""
+        """The state for ``norms``: a new one if none, or if prepared for others, unstepped."""
         here = (tuple(norms.shape), norms.dtype, norms.device)
-        # `_stepped` is read only where the norms are not those prepared for: a compiled
-        # step guards on `_made_for`, which stays as it is.
+        # `_stepped` is read last: a compiled step guards on `_made_for`, which stays put.
         if not self.state or (self._made_for not in (None, here) and not self._stepped):
             return self.init_state(norms)
         return self.state
@@ -128,66 +105,60 @@ class Stateful:
     def install(self, state: State) -> None:
         self.state, self._stepped = state, True
 
-    def extras(self) -> dict[str, Any]:
-        """What :meth:`state_dict` saves beside the state: counters, last values."""
-        return {}
-
-    def set_extras(self, extras: Mapping[str, Any]) -> None:
-        """Install :meth:`extras` from a checked checkpoint."""
-
     def state_dict(self) -> dict[str, Any]:
-        """``{"type", "config", "state"}`` and :meth:`extras`: tensors and plain values,
-        so ``torch.load(weights_only=True)`` reads it."""
+        """``{"type", "config", "state"}`` and the ``extra_keys``: tensors and plain values."""
         state = {k: self.state[k].clone() for k in self.state_keys} if self._stepped else {}
-        mine = {"type": type(self).__name__, "config": self.config(), "state": state}
-        return {**mine, **self.extras()}
+        extras = {k: _clone(getattr(self, k)) for k in self.extra_keys}
+        return {"type": type(self).__name__, "config": self.config(), "state": state, **extras}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output, all checked before anything changes.
-
-        Raises:
-          ValueError: another rule's checkpoint, other settings, or a malformed one.
-        """
-        extras = self.extras()
-        keys = {"type", "config", "state", *extras}
+        """Load :meth:`state_dict`'s output, all checked (ValueError) before anything changes."""
+        name = type(self).__name__
+        keys = {"type", "config", "state", *self.extra_keys}
         if not isinstance(state_dict, Mapping) or set(state_dict) != keys:
-            raise ValueError(
-                f"a {type(self).__name__} state dict must have the keys {sorted(keys)}"
-            )
-        if state_dict["type"] != type(self).__name__ or state_dict["config"] != self.config():
+            raise ValueError(f"a {name} state dict must have the keys {sorted(keys)}")
+        if state_dict["type"] != name or state_dict["config"] != self.config():
             raise ValueError(
                 f"the checkpoint was saved with {state_dict['type']}({state_dict['config']}), "
                 f"this optimizer uses {self!r}; construct it with the one it was saved with"
             )
-        for name, now in extras.items():
-            _check_extra(name, state_dict[name], now)
+        for key in self.extra_keys:
+            value, now = state_dict[key], getattr(self, key)
+            if isinstance(now, int):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{key} must be an int >= 0, got {value!r}")
+                continue
+            counter = isinstance(now, Tensor) and now.dtype == torch.int64
+            if counter or value is not None:
+                if not isinstance(value, Tensor):
+                    raise ValueError(f"{key} must be a tensor, got {value!r}")
+                checked(key, value, () if counter else None, floating=not counter)
         state = state_dict["state"]
         ok = isinstance(state, Mapping) and set(state) in (set(), set(self.state_keys))
         if not (ok and all(isinstance(v, Tensor) for v in state.values())):
             names = ", ".join(self.state_keys)
             has = f"state must have the keys {names}, tensors" if names else "has no state"
-            raise ValueError(f"{type(self).__name__} {has}, got {state!r}")
+            raise ValueError(f"{name} {has}, got {state!r}")
         if state:
             self.check_state(state)
         state = {k: v.clone() for k, v in state.items()}
         if state or self._stepped:
             self.state, self._stepped = state, bool(state)
-        saved = {k: state_dict[k] for k in extras}
-        self.set_extras({k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.items()})
+        for key in self.extra_keys:
+            setattr(self, key, _clone(state_dict[key]))
 
     def to(self, device: torch.device) -> None:
-        """Move the state and counters to ``device``, after a load."""
+        """Move the state and tensor attributes to ``device``, after a load."""
         self.state = {k: v.to(device) for k, v in self.state.items()}
-        for name, value in list(vars(self).items()):
+        for key, value in list(vars(self).items()):
             if isinstance(value, Tensor):
-                setattr(self, name, value.to(device))
+                setattr(self, key, value.to(device))
 
     def borrowed(self) -> tuple[object, ...]:
-        """Objects this one refers to but does not own (AGC's excluded parameters)."""
+        """Objects referred to but not owned, which :meth:`trial_copy` shares."""
         return ()
 
     def trial_copy(self: _Self) -> _Self:
-        """A deep copy to try a load on, sharing :meth:`borrowed`."""
         return copy.deepcopy(self, {id(x): x for x in self.borrowed()})
 
     def __repr__(self) -> str:
@@ -196,14 +167,11 @@ class Stateful:
 
 
 class ClipRule(Stateful):
-    """The protocol of an adaptive clip rule; subclass it and pass an instance as
-    ``max_norm``. A subclass validates its settings in ``__init__`` and declares
-    ``settings``, :meth:`evaluate` and, where it has state, ``state_keys``,
-    :meth:`init_state` and :meth:`check_state`; ``per_tensor = True`` gives it one norm
-    per grad. One rule object belongs to one optimizer: its state is that history.
-    """
+    """The protocol of an adaptive clip rule, passed as ``max_norm`` (docs/adaptive.md,
+    "Writing a rule"). One rule belongs to one optimizer."""
 
     per_tensor: bool = False
+    extra_keys = ("last_threshold",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -214,19 +182,12 @@ class ClipRule(Stateful):
     def evaluate(
         self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
-        """This step's thresholds and the state after it; pure, no host read.
-
-        Args:
-          norms: the 0-dim global norm, or (``per_tensor``) one norm per grad.
-          state: the state before the step (do not change it in place).
-          norm_type: the order p of ``norms``.
-          total_norm: where ``norms`` are one pipeline stage's, the whole model's
-            norm; None: that of ``norms``.
-        """
+        """This step's thresholds and state after it, from the 0-dim global norm (or with
+        ``per_tensor`` one norm per grad) and the state before; pure, no host read.
+        ``total_norm``: the whole model's norm where ``norms`` are one pipeline stage's."""
         raise NotImplementedError
 
     def _same_grads(self, held: int, given: int) -> None:
-        """Refuse a per-tensor step on other grads than the state's (ValueError)."""
         if held != given:
             raise ValueError(
                 f"{type(self).__name__} has a state for {held} grads but this step has "
@@ -236,8 +197,7 @@ class ClipRule(Stateful):
     def decide(
         self, norms: Tensor, *, norm_type: float = 2.0, total_norm: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """This step's coefficients and thresholds, in ``norms``' dtype; the state after
-        it is kept for :meth:`commit`."""
+        """This step's coefficients and thresholds; the state waits for :meth:`commit`."""
         state = self.current(norms)
         found = self.evaluate(norms, state, norm_type=norm_type, total_norm=total_norm)
         thresholds, self._next, *given = found  # a plain (thresholds, state) tuple too
@@ -246,23 +206,14 @@ class ClipRule(Stateful):
         return coefficients.to(norms.dtype), thresholds.to(norms.dtype)
 
     def commit(self, norms: Tensor, coefficients: Tensor, thresholds: Tensor) -> None:
-        """After the step: install the state :meth:`decide` evaluated (the wrapper counts
-        the clips, ``ClippedOptimizer.clipped_count``)."""
+        """After the step: install the state :meth:`decide` evaluated."""
         if self._next is not None:
             self.install(self._next)
             self._next = None
         self.last_threshold = thresholds
 
-    def extras(self) -> dict[str, Any]:
-        last = None if self.last_threshold is None else self.last_threshold.detach().clone()
-        return {"last_threshold": last}
-
-    def set_extras(self, extras: Mapping[str, Any]) -> None:
-        self.last_threshold, self._next = extras["last_threshold"], None
-
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        # A rule saved before the wrapper counted the clips has its own "clipped_count":
-        # the wrapper's count supersedes it, so it is ignored.
-        if isinstance(state_dict, Mapping):
+        if isinstance(state_dict, Mapping):  # a rule's own old count: the wrapper's counts
             state_dict = {k: v for k, v in state_dict.items() if k != "clipped_count"}
         super().load_state_dict(state_dict)
+        self._next = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -11,23 +10,16 @@ from torch import Tensor
 from clipopt._kernels._norms import combine_dtype
 from clipopt.rules._base import State, Stateful, checked, integer, number
 
-__all__ = ["SpikeSkip"]
-
 
 class SpikeSkip(Stateful):
-    """Skip a step whose pre-clip norm is a spike: ``skip_spikes=`` of ClippedOptimizer.
-
-    A step is skipped (parameters, optimizer state and grads untouched; ``skip_count``
-    grows) when ``|norm - mean| / std > sigma`` over the previous up to ``window`` finite
-    norms (``std`` unbiased, as ``torch.std_mean``), once at least ``min_history`` of
-    them have been seen; every finite norm, a spike's too, then enters the history.
-    The rule of OLMo-core's ``SkipStepOptimizer`` for the grad norm.
+    """Skip a step (parameters, optimizer state and grads untouched) whose pre-clip norm
+    has ``|norm - mean| / std > sigma`` over the last ``window`` finite norms:
+    ``skip_spikes=`` of ClippedOptimizer, OLMo-core's rule (docs/adaptive.md).
 
     Args:
-      window: how many previous norms count, >= 2.
-      sigma: > 0.
-      min_history: norms needed before anything is skipped, in [2, window]; None is
-        ``max(20, window // 2)`` (capped at ``window``).
+      window: how many previous norms count, >= 2. sigma: > 0.
+      min_history: norms seen before anything is skipped, in [2, window]; None:
+        ``min(max(20, window // 2), window)``.
 
     Example:
       >>> import torch, clipopt
@@ -44,6 +36,7 @@ class SpikeSkip(Stateful):
 
     settings = ("window", "sigma", "min_history")
     state_keys = ("buffer", "count")  # the last `window` finite norms, as a ring; their count
+    extra_keys = ("spike_count", "steps_seen")
 
     def __init__(self, window: int = 128, sigma: float = 6.0, min_history: int | None = None):
         super().__init__()
@@ -54,7 +47,8 @@ class SpikeSkip(Stateful):
         self.min_history = integer("min_history", min_history, 2)
         if self.min_history > self.window:
             raise ValueError(f"min_history must be <= window ({self.window}), got {min_history!r}")
-        self._spikes: Tensor | None = None
+        self.spike_count = torch.zeros((), dtype=torch.int64)
+        """Steps skipped as spikes, a 0-dim int64 tensor."""
         self.steps_seen = 0  # on the host: an upper bound of the finite norms seen
 
     def init_state(self, norms: Tensor) -> State:
@@ -67,8 +61,7 @@ class SpikeSkip(Stateful):
 
     def prepare(self, norms: Tensor) -> None:
         super().prepare(norms)
-        if self._spikes is None:
-            self._spikes = torch.zeros((), dtype=torch.int64, device=norms.device)
+        self.spike_count = self.spike_count.to(norms.device)
 
     def may_trigger(self) -> bool:
         """Whether a spike is possible yet (known on the host, no read)."""
@@ -96,16 +89,5 @@ class SpikeSkip(Stateful):
         buffer = buffer.scatter(0, slot, torch.where(finite, value, buffer.gather(0, slot)))
         self.install({"buffer": buffer, "count": count + finite.to(torch.int64)})
         spikes = self.spike_count.to(norm.device)
-        self._spikes = spikes if spike is None else spikes + spike.to(torch.int64)
+        self.spike_count = spikes if spike is None else spikes + spike.to(torch.int64)
         self.steps_seen += 1
-
-    @property
-    def spike_count(self) -> Tensor:
-        """Steps skipped as spikes, a 0-dim int64 tensor."""
-        return torch.zeros((), dtype=torch.int64) if self._spikes is None else self._spikes
-
-    def extras(self) -> dict[str, Any]:
-        return {"spike_count": self.spike_count.clone(), "steps_seen": self.steps_seen}
-
-    def set_extras(self, extras: Mapping[str, Any]) -> None:
-        self._spikes, self.steps_seen = extras["spike_count"], extras["steps_seen"]

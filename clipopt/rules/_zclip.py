@@ -13,8 +13,6 @@ from clipopt._kernels._norms import combine_dtype
 from clipopt._kernels._scale import coefficient
 from clipopt.rules._base import ClipRule, Evaluation, State, checked, flag, integer, number
 
-__all__ = ["ZClip", "ZClipMode", "ZClipOption"]
-
 ZClipMode = Literal["zscore", "percentile"]
 ZClipOption = Literal["adaptive_scaling", "mean"]
 
@@ -26,32 +24,15 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 class ZClip(ClipRule):
-    """ZClip (Kumar et al., 2025): clip norms that are outliers of an EMA of past norms.
-
-    With the argument names, defaults and semantics of the ``zclip`` 1.0.0 package's
-    ``ZClip``, step for step, on the device:
-
-    - warm-up: the first ``warmup_steps`` norms are collected (and clipped at
-      ``max_grad_norm`` only, as ``torch.nn.utils.clip_grad_norm_`` does); then the
-      mean and (population) variance of those norms start the EMAs.
-    - after: with ``mode="zscore"``, ``z = (norm - mean) / (std + eps)``; a norm with
-      ``z > z_thresh`` is clipped to ``mean + z_thresh * std / (z / z_thresh)`` times
-      ``clip_factor`` (``clip_option="adaptive_scaling"``) or to ``mean`` (``"mean"``).
-      With ``mode="percentile"`` a norm above ``mean + z_thresh * std`` is clipped to it.
-      The threshold is capped at ``max_grad_norm`` (None: no cap), and a grad is scaled
-      by ``threshold / (norm + 1e-6)`` only where ``norm > threshold``.
-    - the EMAs then take the clipped value (the uncapped threshold) for a spike, the norm
-      otherwise, ``mean = alpha * mean + (1 - alpha) * x`` and then
-      ``var = alpha * var + (1 - alpha) * (x - mean) ** 2`` with the new mean; with
-      ``skip_update_on_spike`` a spike leaves them as they were. A non-finite norm
-      changes nothing.
+    """ZClip (Kumar et al., 2025): clip norms that are z-score outliers of an EMA of past
+    norms, as the ``zclip`` 1.0.0 package's ``ZClip`` does, with its arguments
+    (docs/adaptive.md, "ZClip").
 
     Args:
       alpha: the EMA factor, in (0, 1). z_thresh: > 0. eps: added to the std, >= 0.
       max_grad_norm: a cap > 0 on every threshold, warm-up included, or None.
-      warmup_steps: >= 1 (the package treats 0 as 1).
-      mode: ``"zscore"`` or ``"percentile"``; clip_option: ``"adaptive_scaling"`` or
-        ``"mean"`` (``"zscore"`` mode only); clip_factor: > 0.
+      warmup_steps: >= 1. mode: ``"zscore"`` or ``"percentile"``.
+      clip_option: ``"adaptive_scaling"`` or ``"mean"``. clip_factor: > 0.
       skip_update_on_spike: leave the EMAs unchanged on a spike.
 
     Example:
@@ -85,9 +66,8 @@ class ZClip(ClipRule):
         super().__init__()
         self.alpha = number("alpha", alpha, "(0, 1)")
         self.z_thresh = number("z_thresh", z_thresh, "(0, inf]")
-        self.max_grad_norm = (
-            None if max_grad_norm is None else number("max_grad_norm", max_grad_norm, "(0, inf]")
-        )
+        cap = max_grad_norm
+        self.max_grad_norm = None if cap is None else number("max_grad_norm", cap, "(0, inf]")
         self.eps = number("eps", eps, "[0, inf]")
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
         self.mode = _choice("mode", mode, ("zscore", "percentile"))
@@ -99,8 +79,7 @@ class ZClip(ClipRule):
         if norms.dim() != 0:
             raise ValueError("ZClip is a global rule: it takes the 0-dim global norm")
         zero = torch.zeros((), dtype=combine_dtype(norms.device), device=norms.device)
-        buffer = zero.new_zeros(self.warmup_steps)
-        count = torch.zeros((), dtype=torch.int64, device=norms.device)
+        buffer, count = zero.new_zeros(self.warmup_steps), zero.to(torch.int64)
         return {"buffer": buffer, "count": count, "mean": zero, "var": zero}
 
     def check_state(self, state: Mapping[str, Tensor]) -> None:
