@@ -1,11 +1,6 @@
-"""DeepSpeed stepping the wrapper: told by the user, checked by structure.
-
-ZeRO-1 and -2 step the client once per param group, each this rank's flat fp32
-partition: with one group, its ``norm**p`` summed over the data-parallel group is the
-global norm; with several, only DeepSpeed's own (``_global_grad_norm``) is. Stage 0
-steps whole grads (fp16/bf16: fp32 copies, after a start-up step on zero grads).
-Untold, :meth:`Watch.call` refuses foreign tensors in the param groups but for that step.
-"""
+"""DeepSpeed stepping the wrapper, as the user attached it. ZeRO-1 and -2 step the client
+once per param group, on this rank's flat fp32 partition: with one group its ``norm**p``
+summed over the data-parallel group is the global norm; with several, only DeepSpeed's is."""
 
 from __future__ import annotations
 
@@ -22,13 +17,11 @@ from torch.optim import Optimizer
 from clipopt._dist import _mesh
 from clipopt._dist._reduce import NormScope
 
-__all__ = ["Binding", "Watch", "ZeroStep", "bind", "ds_global_norm", "zero_source"]
-
 
 @dataclass(frozen=True)
 class Binding:
-    """What :func:`bind` learned: ``caller`` for messages (``"DeepSpeed ZeRO-2"``) and
-    ``owner``, DeepSpeed's ZeRO optimizer (None where it steps whole parameters)."""
+    """``caller`` for messages, and ``owner``: DeepSpeed's ZeRO optimizer, None where it
+    steps whole parameters."""
 
     caller: str
     owner: Any = None
@@ -44,14 +37,10 @@ class ZeroStep:
     dp_group: Any
     owner: Any
 
-    @property
-    def last_call(self) -> bool:
-        return self.group_index == self.group_count - 1
-
 
 class Watch:
-    """The parameters a wrapper was built with, whether it has stepped, and the engine
-    it was attached to (a copy or a pickle is not attached: attach it again)."""
+    """The wrapper's parameters, whether it has stepped, and the engine it was attached to
+    (a copy or a pickle is not attached)."""
 
     def __init__(self, params: Iterable[Tensor]) -> None:
         self.params = list(params)
@@ -69,8 +58,19 @@ class Watch:
         not DeepSpeed's start-up step, nor a ZeRO call but its step's last."""
         if self.binding is not None:
             self.stepped = True
-            zero = _zero_call(self.binding, param_groups)
-            return zero, zero is None or zero.last_call
+            owner = self.binding.owner
+            if owner is None:
+                return None, True
+            partitions = owner.single_partition_of_fp32_groups
+            held = param_groups[0]["params"] if len(param_groups) == 1 else []
+            at = [i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]]
+            if not at:
+                raise ValueError(
+                    f"{self.binding.caller} steps one param group: step the engine, not the wrapper"
+                )
+            dp_group = owner.real_dp_process_group[at[0]]
+            call = ZeroStep(self.binding.caller, at[0], len(partitions), dp_group, owner)
+            return call, at[0] == len(partitions) - 1
         tensors = [p for group in param_groups for p in group["params"]]
         plain = [p for p in tensors if not isinstance(p, nn.Parameter)]
         known = {id(p) for p in self.params} if plain else set()
@@ -90,24 +90,9 @@ class Watch:
         )
 
 
-def _zero_call(binding: Binding, param_groups: Sequence[dict[str, Any]]) -> ZeroStep | None:
-    owner = binding.owner
-    if owner is None:
-        return None
-    partitions = owner.single_partition_of_fp32_groups
-    held: list[Tensor] = list(param_groups[0]["params"]) if len(param_groups) == 1 else []
-    index = next((i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]), None)
-    if index is None:
-        raise ValueError(
-            f"{binding.caller} steps one param group: step the engine, not the wrapper"
-        )
-    dp_group = owner.real_dp_process_group[index]
-    return ZeroStep(binding.caller, index, len(partitions), dp_group, owner)
-
-
 def bind(engine: Any, optimizer: Optimizer) -> Binding:
-    """Read how ``engine`` steps ``optimizer``; a ValueError naming the setting to change
-    where it cannot give the true norm."""
+    """How ``engine`` steps ``optimizer``; a ValueError naming the setting to change where
+    it cannot give the true norm."""
     import deepspeed.runtime.fp16.unfused_optimizer as unfused  # type: ignore[import-untyped]
     import deepspeed.runtime.zero.stage_1_and_2 as zero12  # type: ignore[import-untyped]
 
@@ -116,8 +101,7 @@ def bind(engine: Any, optimizer: Optimizer) -> Binding:
         raise ValueError(
             f"the engine steps {type(basic).__name__}: pass deepspeed.initialize(optimizer=opt)"
         )
-    stage = int(engine.zero_optimization_stage())
-    caller = f"DeepSpeed ZeRO-{stage}"
+    caller = f"DeepSpeed ZeRO-{int(engine.zero_optimization_stage())}"
     clipping = float(engine.gradient_clipping() or 0.0)
     if clipping > 0:
         raise ValueError(
@@ -157,8 +141,7 @@ def zero_source(
 ) -> tuple[NormScope, Tensor | None]:
     """Where the norm of a step under ``call`` comes from: (DeepSpeed's data-parallel
     group, None) with one param group, (``scope``, DeepSpeed's norm) with several; a
-    ValueError naming the setting to use where neither is right (``measures_each_grad``:
-    grad by grad or unit by unit, which a flat partition cannot give)."""
+    ValueError naming the setting to use where neither is right."""
     if measures_each_grad:
         raise ValueError(
             f"{call.caller} steps flat partitions, whose grads cannot be measured one by "
@@ -182,16 +165,11 @@ def zero_source(
             f"{call.caller} steps each of {call.group_count} param groups apart, so the "
             "norm is DeepSpeed's L2 one: use norm_type=2 and per_group=False, or one group"
         )
-    return scope, ds_global_norm(call)
-
-
-def ds_global_norm(call: ZeroStep) -> Tensor:
-    """DeepSpeed's global L2 grad norm of this step (ValueError where it computed none)."""
     norm = getattr(call.owner, "_global_grad_norm", None)
     if isinstance(norm, Tensor):
-        return norm.detach().reshape(())
+        return scope, norm.detach().reshape(())
     if isinstance(norm, float) and not math.isnan(norm) and norm >= 0:
-        return torch.tensor(norm, dtype=torch.float32)
+        return scope, torch.tensor(norm, dtype=torch.float32)
     raise ValueError(
         f"{call.caller} computed no grad norm this step (got {norm!r}): set "
         "'zero_optimization': {'compute_grad_norm': true}, or use one param group"

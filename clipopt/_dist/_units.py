@@ -1,13 +1,11 @@
-"""AGC's units (a slice along dim 0 of a tensor of 2 dims or more, or the whole of a 0-
-or 1-D one): where each lies on this rank, and their L2 norms across ranks. Each rank
-puts its squared shares of its rows (one contiguous range), divided by their replica
-count, at the units' global positions: one float64 ``all_reduce`` gives every unit's norm.
-"""
+"""AGC's units (a row along dim 0 of a tensor of 2 dims or more, else the whole tensor):
+where each lies on this rank, and their L2 norms across ranks in one float64 all_reduce."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -25,8 +23,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
-
-__all__ = ["Rows", "UnitNorms", "local_rows", "rows_at", "unit_norms", "whole_unit_norms"]
 
 
 @dataclass(frozen=True)
@@ -46,20 +42,18 @@ def _layout_error(t: DTensor, why: str) -> ValueError:
 
 
 def _sharding() -> tuple[type, type]:
-    """Shard and FSDP2's strided shard (the placement it gives dim 0 over TP)."""
+    """Shard, and FSDP2's strided shard (the placement it gives dim 0 over TP)."""
     from torch.distributed.tensor import placement_types as kinds
 
     return kinds.Shard, getattr(kinds, "_StridedShard", kinds.Shard)
 
 
 def _shard_dim(placement: Placement) -> int | None:
-    """The tensor dim a Shard or strided shard splits, None for another placement."""
     return int(cast(Any, placement).dim) if isinstance(placement, _sharding()) else None
 
 
 def local_rows(t: Tensor) -> Rows:
-    """This rank's units of ``t`` (all of a plain tensor's); a ValueError for a DTensor
-    placed otherwise than Shard or Replicate, or whose rows are not one range."""
+    """This rank's units of ``t``; a ValueError where a DTensor's are not one range."""
     if not _mesh.dtensors([t]):
         units = t.shape[0] if t.dim() >= 2 else 1
         return Rows(units, 0, units)
@@ -83,7 +77,6 @@ def local_rows(t: Tensor) -> Rows:
 def _dtensor_rows(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
 ) -> Rows:
-    """This rank's rows of a DTensor of ``shape`` (2 dims or more), once per layout."""
     rows = rows_at(shape, tuple(mesh.shape), tuple(mesh.get_coordinate() or ()), placements)
     if rows is None:
         raise ValueError(
@@ -94,31 +87,20 @@ def _dtensor_rows(
     return rows
 
 
-class _MeshAt:
-    """What torch 2.6's ``compute_local_shape_and_global_offset`` reads of a mesh."""
-
-    def __init__(self, shape: tuple[int, ...], coordinate: list[int]) -> None:
-        self._shape, self._coordinate, self.ndim = shape, coordinate, len(shape)
-
-    def size(self, mesh_dim: int) -> int:
-        return self._shape[mesh_dim]
-
-    def get_coordinate(self) -> list[int]:
-        return self._coordinate
-
-
 def _local_shape_and_offset(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements: Any
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The local shape and global offset, by torch's own rule (a private one)."""
+    """The local shape and global offset, by torch's own (private) rule."""
     from torch.distributed.tensor import _utils
 
     compute = getattr(_utils, "_compute_local_shape_and_global_offset", None)  # 2.7 on
     if compute is not None:
         local, offset = compute(shape, mesh_shape, coordinate, placements)
-    else:
-        at: Any = _MeshAt(mesh_shape, coordinate)
-        local, offset = _utils.compute_local_shape_and_global_offset(shape, at, placements)
+    else:  # torch 2.6 reads these of a mesh
+        mesh: Any = types.SimpleNamespace(
+            ndim=len(mesh_shape), size=mesh_shape.__getitem__, get_coordinate=lambda: coordinate
+        )
+        local, offset = _utils.compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(local), tuple(offset)
 
 
@@ -128,10 +110,9 @@ def rows_at(
     coordinate: tuple[int, ...],
     placements: tuple[Placement, ...],
 ) -> Rows | None:
-    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` of a
-    mesh of ``mesh_shape`` holds; None when some rank's rows are not one range. Shards cut
-    as ``torch.chunk``, left to right; with a strided shard, by torch's rule (which reads
-    the host), when the ranges ``[offset, offset + count)`` of all ranks tile the rows."""
+    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` holds;
+    None when some rank's rows are not one range. Shards cut as ``torch.chunk``; with a
+    strided shard, by torch's rule, where all ranks' ranges tile the rows."""
     splitting = [m for m, p in enumerate(placements) if _shard_dim(p) == 0]
     if not any(isinstance(placements[m], _sharding()[1]) for m in splitting):
         start, count = 0, shape[0]
@@ -162,8 +143,7 @@ def unit_norms(
     whole: Sequence[Tensor] = (),
 ) -> Tensor:
     """The L2 norm of every unit of every tensor, then of each of ``whole`` (one unit
-    each, a sparse one by its values), 1-D in order, on ``device`` in ``dtype``. Half
-    types accumulate in float32, others in their own dtype, as timm's ``unitwise_norm``."""
+    each), 1-D in order; half types accumulate in float32, as timm's ``unitwise_norm``."""
     every = [*tensors, *whole]
     parts: dict[int, Tensor] = {}
     batched: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -195,11 +175,9 @@ def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
 
 @dataclass(frozen=True)
 class UnitNorms:
-    """What :func:`whole_unit_norms` measures, the same on every rank: each unit's norm
-    of the ``grads`` and ``weights`` (1-D, in order), each grad's :class:`Rows`, the
-    ``grad_squares`` and ``whole_squares`` summed across ranks before any root (float64,
-    float32 on a device without it), and ``check`` (``strict`` only): 0-dim, NaN where
-    the ranks held different numbers of grads, else 0."""
+    """Each unit's norm of the ``grads`` and ``weights``, each grad's :class:`Rows`, the
+    ``grad_squares`` and ``whole_squares`` before any root, and ``check`` (``strict``
+    only: NaN where the ranks held different numbers of grads, else 0); alike on all ranks."""
 
     grads: Tensor
     weights: Tensor
@@ -216,25 +194,23 @@ def whole_unit_norms(
     whole: Sequence[Tensor | None] = (),
     strict: bool = False,
 ) -> UnitNorms:
-    """Every unit's norm of every grad and of its weight, whole across ranks, and each of
-    ``whole``'s squared norm (AGC's excluded grads, one unit each): plain tensors locally,
-    DTensors in ONE float64 ``all_reduce``, every rank passing the same parameters in the
-    same order. A None (DTensors, ``strict``) is no grad on this rank: zero shares. With
-    ``strict`` the ranks' counts of grads travel along: where they differ every value and
-    ``check`` are NaN. Layouts it cannot measure raise a ValueError on every rank alike,
-    before anything is sent.
-    """
+    """Every unit's norm of every grad and its weight, whole across ranks, and each of
+    ``whole``'s squared norm (one unit each): DTensors in ONE float64 ``all_reduce``. A
+    None (DTensors) is no grad on this rank. With ``strict`` the ranks' counts of grads
+    travel along (:func:`clipopt._dist._mesh.all_reduce`). Layouts it cannot measure raise
+    a ValueError on every rank alike, before anything is sent."""
     present = [g for g in grads if g is not None]
     tensors = [*present, *(w.detach() for w in weights), *(t for t in whole if t is not None)]
     measured = len(present) + len(weights)
     found = _mesh.dtensors(tensors)
+    units = sum(1 if w.dim() <= 1 else w.shape[0] for w in weights)
     if not found:
         if strict:
             raise ValueError("strict whole_unit_norms measures DTensor parameters, got plain ones")
         device = tensors[0].device
         rows = [local_rows(g) for g in present]
         norms = unit_norms(tensors[:measured], device, combine_dtype(device), tensors[measured:])
-        own, theirs, rest = _split_units(norms, rows, len(whole))
+        own, theirs, rest = torch.split(norms, [units, units, len(whole)])
         return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     _mesh.check_unmixed(tensors, found, "grads and weights")
     for g, w in zip(grads, cast("list[DTensor]", weights), strict=True):
@@ -252,22 +228,20 @@ def whole_unit_norms(
     device = found[0].device
     shards = [t._local_tensor for t in found]
     squares = unit_norms(shards[:measured], device, REDUCE_DTYPE, shards[measured:]).square()
-    slots = [*grads, *weights, *whole]
     placed = [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)]
-    parts = iter(
-        torch.split(squares, [r.count for t, r in zip(slots, placed, strict=True) if t is not None])
-    )
+    slots = list(zip([*grads, *weights, *whole], placed, strict=True))
+    parts = iter(torch.split(squares, [r.count for t, r in slots if t is not None]))
     shares = [
         squares.new_zeros(r.units)
         if t is None
         else _placed(next(parts), r, _mesh.replica_count(cast("DTensor", t), mesh))
-        for t, r in zip(slots, placed, strict=True)
+        for t, r in slots
     ]
     count = len(tensors) - len(weights) if strict else None
     groups = _mesh.mesh_groups(mesh, None)
     reduced = _mesh.all_reduce(shares, True, groups, device, count, mesh.size())
     wide = combine_dtype(device)
-    own, theirs, rest = _split_units(reduced[:-1] if strict else reduced, rows, len(whole))
+    own, theirs, rest = torch.split(reduced[:-1] if strict else reduced, [units, units, len(whole)])
     return UnitNorms(
         own.sqrt().to(device=device, dtype=dtype),
         theirs.sqrt().to(device=device, dtype=dtype),
@@ -276,9 +250,3 @@ def whole_unit_norms(
         rest.to(device=device, dtype=wide),
         reduced[-1].to(device=device, dtype=wide) if strict else None,
     )
-
-
-def _split_units(values: Tensor, rows: Sequence[Rows], whole: int) -> tuple[Tensor, ...]:
-    """``values`` split into the grads' units, their weights' and ``whole``'s."""
-    units = sum(r.units for r in rows)
-    return torch.split(values, [units, units, whole])
