@@ -20,8 +20,7 @@ from clipopt._dist._reduce import NormScope
 
 @dataclass(frozen=True)
 class Binding:
-    """``caller`` for messages, and ``owner``: DeepSpeed's ZeRO optimizer, None where it
-    steps whole parameters."""
+    """``caller`` for messages; ``owner``: DeepSpeed's ZeRO optimizer, or None (whole grads)."""
 
     caller: str
     owner: Any = None
@@ -57,8 +56,7 @@ class Watch:
         """This step's ZeRO call (None on whole parameters) and whether it is recorded:
         not DeepSpeed's start-up step, nor a ZeRO call but its step's last."""
         if self.binding is not None:
-            self.stepped = True
-            owner = self.binding.owner
+            self.stepped, owner = True, self.binding.owner
             if owner is None:
                 return None, True
             partitions = owner.single_partition_of_fp32_groups
@@ -68,8 +66,8 @@ class Watch:
                 raise ValueError(
                     f"{self.binding.caller} steps one param group: step the engine, not the wrapper"
                 )
-            dp_group = owner.real_dp_process_group[at[0]]
-            call = ZeroStep(self.binding.caller, at[0], len(partitions), dp_group, owner)
+            group = owner.real_dp_process_group[at[0]]
+            call = ZeroStep(self.binding.caller, at[0], len(partitions), group, owner)
             return call, at[0] == len(partitions) - 1
         tensors = [p for group in param_groups for p in group["params"]]
         plain = [p for p in tensors if not isinstance(p, nn.Parameter)]
@@ -82,11 +80,9 @@ class Watch:
         if first and [t.shape for t in tensors] == [p.shape for p in self.params]:
             return None, False  # DeepSpeed's start-up step on zero grads
         raise ValueError(
-            f"ClippedOptimizer's param groups hold {len(foreign)} tensor(s) that are not "
-            f"its parameters (first of shape {tuple(foreign[0].shape)}), as DeepSpeed's "
-            "flat partitions or fp32 copies, whose norm it cannot know: under DeepSpeed "
-            "call opt.attach_deepspeed(engine) after deepspeed.initialize; another "
-            "optimizer that replaces the parameters is not supported"
+            f"ClippedOptimizer's param groups hold {len(foreign)} tensor(s) that are not its "
+            f"parameters (first of shape {tuple(foreign[0].shape)}), whose norm it cannot know: "
+            "under DeepSpeed call opt.attach_deepspeed(engine) after deepspeed.initialize"
         )
 
 
@@ -105,14 +101,13 @@ def bind(engine: Any, optimizer: Optimizer) -> Binding:
     clipping = float(engine.gradient_clipping() or 0.0)
     if clipping > 0:
         raise ValueError(
-            f"{caller} clips the grads itself (gradient_clipping={clipping}), so they "
-            "would be clipped twice: set 'gradient_clipping': 0 in the DeepSpeed config"
+            f"{caller} clips the grads itself (gradient_clipping={clipping}), twice with "
+            "clipopt: set 'gradient_clipping': 0 in the DeepSpeed config"
         )
     if engine.fp16_enabled() and engine.dynamic_loss_scale():
         raise ValueError(
-            f"{caller}'s fp16 dynamic loss scale changes before the grads are unscaled, "
-            "so some norms are wrong: set a static 'fp16': {'loss_scale': <a power of "
-            "2>}, or use bf16"
+            f"{caller}'s fp16 dynamic loss scale changes before the grads are unscaled: set "
+            "a static 'fp16': {'loss_scale': <a power of 2>}, or use bf16"
         )
     owner = engine.optimizer
     if owner is optimizer or isinstance(owner, unfused.FP16_UnfusedOptimizer):
@@ -133,25 +128,18 @@ def _ranks(group: Any) -> list[int]:
 
 
 def zero_source(
-    call: ZeroStep,
-    scope: NormScope,
-    norm_types: list[float],
-    per_group: bool,
-    measures_each_grad: bool,
+    call: ZeroStep, scope: NormScope, norm_types: list[float], per_group: bool, each: bool
 ) -> tuple[NormScope, Tensor | None]:
     """Where the norm of a step under ``call`` comes from: (DeepSpeed's data-parallel
     group, None) with one param group, (``scope``, DeepSpeed's norm) with several; a
-    ValueError naming the setting to use where neither is right."""
-    if measures_each_grad:
-        raise ValueError(
-            f"{call.caller} steps flat partitions, whose grads cannot be measured one by "
-            "one: track_tensor_norms, per-tensor and unit-wise rules are not available"
-        )
-    flat = f"{call.caller} steps flat partitions of one data-parallel group: remove"
-    if scope.pp_group is not None:
-        raise ValueError(f"{flat} pp_mesh (DeepSpeed's pipeline engine is not supported)")
-    if scope.replicated_params:
-        raise ValueError(f"{flat} replicated_params")
+    ValueError naming the setting to use where neither is right (``each``: a norm of each
+    grad or unit is asked, which a flat partition cannot give)."""
+    flat = f"{call.caller} steps flat partitions of one data-parallel group"
+    if each:
+        raise ValueError(f"{flat}: track_tensor_norms, per-tensor and unit-wise rules cannot run")
+    if scope.pp_group is not None or scope.replicated_params:
+        setting = "pp_mesh" if scope.pp_group is not None else "replicated_params"
+        raise ValueError(f"{flat}: remove {setting}")
     dp_ranks = _ranks(call.dp_group)
     if scope.process_group is not None and _ranks(scope.process_group) != dp_ranks:
         raise ValueError(
@@ -162,8 +150,8 @@ def zero_source(
         return NormScope(call.dp_group), None
     if per_group or any(p != 2.0 for p in norm_types):
         raise ValueError(
-            f"{call.caller} steps each of {call.group_count} param groups apart, so the "
-            "norm is DeepSpeed's L2 one: use norm_type=2 and per_group=False, or one group"
+            f"{call.caller} steps each of {call.group_count} param groups apart, so the norm "
+            "is DeepSpeed's L2 one: use norm_type=2 and per_group=False, or one group"
         )
     norm = getattr(call.owner, "_global_grad_norm", None)
     if isinstance(norm, Tensor):

@@ -72,7 +72,7 @@ def reduce_by_order(
     ranks: int = 1,
 ) -> list[Tensor]:
     """Each of ``parts`` reduced: finite orders' summed in one :func:`all_reduce`, the
-    inf-norm's maxed in another; in order."""
+    inf-norm's maxed in another."""
     out: dict[int, Tensor] = {}
     for summed in (True, False):
         at = [i for i, p in enumerate(norm_types) if (p != math.inf) == summed]
@@ -83,34 +83,27 @@ def reduce_by_order(
     return [out[i] for i in range(len(parts))]
 
 
-def _dtensor_type() -> type[DTensor] | None:
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
 def all_plain(tensors: Sequence[Tensor]) -> bool:
-    """True if no tensor is a DTensor."""
-    dtensor = _dtensor_type()
-    if dtensor is None:
+    """True if no tensor is a DTensor (by type, each distinct one once)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
         return True
     if torch.compiler.is_compiling():
-        return not any(isinstance(t, dtensor) for t in tensors)
-    return not any(issubclass(kind, dtensor) for kind in set(map(type, tensors)))
+        return not any(isinstance(t, module.DTensor) for t in tensors)
+    return not any(issubclass(kind, module.DTensor) for kind in set(map(type, tensors)))
 
 
 def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
-    dtensor = _dtensor_type()
-    if dtensor is None or all_plain(tensors):
+    if all_plain(tensors):
         return []
-    return [t for t in tensors if isinstance(t, dtensor)]
+    return [t for t in tensors if isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)]
 
 
 def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     """``tensors`` with every DTensor replaced by its local shard (the same storage)."""
-    dtensor = _dtensor_type()
-    if dtensor is None or all_plain(tensors):
-        return list(tensors)
-    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
+    return (
+        list(tensors) if all_plain(tensors) else [getattr(t, "_local_tensor", t) for t in tensors]
+    )
 
 
 def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str = "grads") -> None:
@@ -131,10 +124,9 @@ def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
             f"on {mesh} cannot be reduced over {reduction_mesh}: a Partial one has no "
             "norm until redistributed to Shard or Replicate, and the mesh sizes must divide"
         )
-    for dim, placement in enumerate(grad.placements):
-        if placement.is_replicate():
-            count *= mesh.size(dim)
-    return count
+    return count * math.prod(
+        mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate()
+    )
 
 
 def by_replicas(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[int]]:
@@ -156,9 +148,8 @@ def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 
 def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    method = getattr(mesh, "_get_root_mesh", None)  # torch 2.10 on
-    if method is not None:
-        return method()  # type: ignore[no-any-return]
+    if hasattr(mesh, "_get_root_mesh"):  # torch 2.10 on
+        return mesh._get_root_mesh()
     from torch.distributed import device_mesh
 
     lookup = getattr(getattr(device_mesh, "_mesh_resources", None), "get_root_mesh", None)
@@ -191,17 +182,8 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
     return root if len(names) == len(root_names) else root[names]
 
 
-def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
+def mesh_groups(mesh: DeviceMesh) -> list[Any]:
     """The groups to all_reduce over in turn to sum every rank of ``mesh``."""
-    if process_group is not None:
-        ranks = mesh_ranks(mesh)
-        if group_ranks(process_group) != ranks:
-            raise ValueError(
-                f"process_group spans ranks {list(group_ranks(process_group))}, the grads' "
-                f"mesh {list(ranks)}: pass one over the same ranks, or None (pipeline "
-                "stages go in pp_mesh)"
-            )
-        return [process_group]
     if mesh.size() == dist.get_world_size():
         return [None]
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
@@ -211,7 +193,8 @@ def reduction_for(
     tensors: Sequence[Tensor], params: Sequence[Tensor] = (), process_group: Any = None
 ) -> tuple[DeviceMesh, list[Any]] | None:
     """The mesh and groups to reduce DTensor ``tensors`` over (None for plain ones),
-    decided with the DTensor ``params`` that require grad, so a rank without grads joins."""
+    decided with the DTensor ``params`` that require grad, so a rank without grads joins;
+    ``process_group``, if given, must span the mesh's ranks."""
     found = dtensors(tensors)
     if tensors and not found:
         return None
@@ -220,4 +203,12 @@ def reduction_for(
     if not spanned:
         return None
     mesh = reduction_mesh(spanned)
-    return mesh, mesh_groups(mesh, process_group)
+    if process_group is None:
+        return mesh, mesh_groups(mesh)
+    ranks = list(group_ranks(process_group))
+    if ranks != list(mesh_ranks(mesh)):
+        raise ValueError(
+            f"process_group spans ranks {ranks}, the grads' mesh {list(mesh_ranks(mesh))}: "
+            "pass one over the same ranks, or None (pipeline stages go in pp_mesh)"
+        )
+    return mesh, [process_group]

@@ -30,20 +30,10 @@ def global_tensor_powers(
     params: Sequence[Tensor] = (),
     strict: bool = False,
 ) -> list[Tensor]:
-    """Each slot's whole-tensor ``norm**p`` across ranks (its max ``|x|`` for inf): one
-    1-D float64 tensor per bucket, alike on every rank, finite orders in one
-    ``all_reduce(SUM)``, inf ones in one ``MAX``.
-
-    Args:
-      buckets: each a list of slots, one per parameter (its DTensor grad, or None where
-        this rank has none), as many in the same order on every rank.
-      params: as in :func:`clipopt._dist._mesh.reduction_for`.
-      strict: the ranks must hold as many grads; where they do not, every value is NaN.
-
-    Raises:
-      ValueError: no DTensor among grads and ``params``, or as
-        :func:`clipopt._dist._mesh.reduction_for`.
-    """
+    """Each slot's whole-tensor ``norm**p`` across ranks (max ``|x|`` for inf), one 1-D
+    float64 tensor per bucket, alike on every rank. ``buckets`` hold one slot per parameter
+    (its DTensor grad, or None where this rank has none), the same on every rank; with
+    ``strict`` every value is NaN where the ranks hold different numbers of grads."""
     flat = [t for bucket in buckets for t in bucket if t is not None]
     reduction = _mesh.reduction_for(flat, params)
     if reduction is None:

@@ -109,9 +109,14 @@ def global_norms(
             shared = [t for t in b if id(t) in ids]
             classes.append([(1.0, [t for t in b if id(t) not in ids]), (1.0 / size, shared)])
         stage, what = _mesh.group_ranks(process_group) if groups else (), "process_group"
-    if pp_group is not None:
-        if stage:
-            _stages.check_disjoint(pp_group, stage, what)
+    if pp_group is not None:  # meeting this stage's ranks only here, else a norm adds to itself
+        pp_ranks = _mesh.group_ranks(pp_group)
+        common = sorted(set(pp_ranks) & set(stage))
+        if stage and common != [dist.get_rank()]:
+            raise ValueError(
+                f"pp_mesh spans ranks {list(pp_ranks)}, sharing {common} with {what} "
+                f"{sorted(stage)}: it must hold this rank and one of each other stage"
+            )
         groups = [*groups, pp_group]
     device = _mesh.collective_device(flat, groups)
     by_order = zip(classes, norm_types, strict=True)

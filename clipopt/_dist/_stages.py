@@ -13,17 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt._dist._mesh import REDUCE_DTYPE, collective_device, group_ranks, reduce_by_order
+from clipopt._dist._mesh import REDUCE_DTYPE, collective_device, reduce_by_order
 
 
 def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
     """The group of ``pp_mesh`` (None, a 1-D ``DeviceMesh`` or a ``ProcessGroup``), None
     where it holds only this rank."""
-    module = sys.modules.get("torch.distributed.device_mesh")  # no mesh exists before
-    mesh_type = getattr(module, "DeviceMesh", None)
+    mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", ())
     if pp_mesh is None:
         return None
-    if mesh_type is not None and isinstance(pp_mesh, mesh_type):
+    if isinstance(pp_mesh, mesh_type):  # no mesh exists before its module is imported
         if pp_mesh.ndim != 1:
             raise ValueError(f"pp_mesh must be a 1-D DeviceMesh (as mesh['pp']), got {pp_mesh}")
         group = pp_mesh.get_group()
@@ -37,17 +36,6 @@ def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
     return None if dist.get_world_size(group) == 1 else group
 
 
-def check_disjoint(pp_group: Any, stage_ranks: Sequence[int], what: str) -> None:
-    """Raise a ValueError unless the pipeline group meets ``stage_ranks`` only here."""
-    pp_ranks = group_ranks(pp_group)
-    shared = sorted(set(pp_ranks) & set(stage_ranks))
-    if shared != [dist.get_rank()]:
-        raise ValueError(
-            f"pp_mesh spans ranks {list(pp_ranks)}, sharing {shared} with {what} "
-            f"{sorted(stage_ranks)}: it must hold this rank and one of each other stage"
-        )
-
-
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def check_layout(
     pp_group: Any,
@@ -58,7 +46,7 @@ def check_layout(
 ) -> None:
     """Raise a ValueError on every rank unless every stage has this stage's clip layout:
     one ``all_reduce(MAX)`` of ``per_group``, the group count and the layout's CRC-32,
-    each beside its negation (so the maximum gives the least too), read on the host."""
+    each beside its negation (so the maximum gives the least too)."""
     if per_group:  # a tensor threshold by kind, not value
         pairs = [
             (p, "a tensor" if isinstance(t, Tensor) else t)
