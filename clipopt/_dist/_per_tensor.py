@@ -43,7 +43,7 @@ def global_tensor_powers(
     shares = []
     for slots, p in zip(buckets, norm_types, strict=True):
         positions = [slot for slot, t in enumerate(slots) if t is not None]
-        grads = _mesh.dtensors([slots[slot] for slot in positions])  # type: ignore[misc]
+        grads = _mesh.dtensors([t for t in slots if t is not None])
         order: list[int] = []
         values: list[Tensor] = []
         for replicas, indices in _mesh.by_replicas(grads, mesh).items():  # one norm call each
