@@ -96,7 +96,8 @@ def all_plain(tensors: Sequence[Tensor]) -> bool:
 def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
     if all_plain(tensors):
         return []
-    return [t for t in tensors if isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)]
+    dtensor = sys.modules["torch.distributed.tensor"].DTensor
+    return [t for t in tensors if isinstance(t, dtensor)]
 
 
 def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
