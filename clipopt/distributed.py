@@ -1,13 +1,5 @@
-"""The true global gradient norm under ``torch.distributed``, and checkpoints that keep it.
-
-Every element of the model's gradient counts once: DDP grads are whole on every rank
-(nothing is sent); DTensor grads (FSDP2, HSDP, tensor parallel, MoE meshes) send each
-shard's ``norm**p`` weighted by ``1 / replicas`` in one float64 ``all_reduce``; plain
-grads split across a ``process_group`` send theirs, declared replicated ones counted
-once; pipeline stages (``pp_mesh``) add one ``all_reduce`` over the stages. See
-docs/distributed.md. :class:`ClippedOptimizerState` keeps the clip state in DCP
-checkpoints.
-"""
+"""The true global gradient norm under ``torch.distributed`` (docs/distributed.md says
+how every layout is reduced), and :class:`ClippedOptimizerState` for DCP checkpoints."""
 
 from __future__ import annotations
 
@@ -27,14 +19,12 @@ __all__ = ["ClippedOptimizerState"]
 class ClippedOptimizerState:
     """The clip state of a :class:`clipopt.ClippedOptimizer` as a DCP ``Stateful``.
 
-    Put it in the checkpoint beside the model and the optimizer, under a name of its own
-    (``dcp.save`` / ``dcp.load``, torchtitan's ``CheckpointManager(states=...)``). Its
-    state dict is ``{"stage<i>": bytes}``: the wrapper's ``"clip"`` entry ``torch.save``-d
-    to bytes, read back with ``weights_only=True`` and validated before anything loads;
-    ``i`` is this rank's stage in ``pp_mesh`` (0 without one), so each pipeline stage
-    loads its own. A partial ``dcp.load`` of a checkpoint without this entry warns and
-    keeps the clip state. Making it tells the wrapper that its ``load_state_dict`` will
-    get no ``"clip"`` entry (torch's DCP functions drop it).
+    Save it beside the model and the optimizer under a name of its own (``dcp.save`` /
+    ``dcp.load``, torchtitan's ``CheckpointManager(states=...)``): torch's DCP functions
+    drop the wrapper's ``"clip"`` entry. Its state dict is ``{"stage<i>": bytes}``, the
+    entry ``torch.save``-d, ``i`` this rank's stage in ``pp_mesh`` (0 without one); it
+    loads with ``weights_only=True``, validated first. A partial ``dcp.load`` without it
+    warns and keeps the clip state.
 
     Raises:
       TypeError: ``optimizer`` is not a ``ClippedOptimizer``.
@@ -54,8 +44,7 @@ class ClippedOptimizerState:
         return f"stage{0 if group is None else dist.get_rank(group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        # Bytes: one leaf that DCP saves and loads whole (a fresh optimizer has no template
-        # of the same shapes); kept to recognise it handed back by a partial dcp.load.
+        # One leaf DCP loads whole; kept to recognise it handed back by a partial dcp.load.
         buffer = io.BytesIO()
         torch.save(self.optimizer._extra_state(), buffer)
         self._template = buffer.getvalue()
@@ -69,7 +58,8 @@ class ClippedOptimizerState:
                 f"ClippedOptimizerState's state dict has no {key!r} (this rank's pipeline "
                 f"stage), got {shown!r}; nothing was loaded"
             )
-        if state_dict[key] is self._template:
+        blob = state_dict[key]
+        if blob is self._template:
             warnings.warn(
                 f"the checkpoint has no {key!r} ClippedOptimizerState entry (a partial "
                 "dcp.load got back the template's own bytes): the clip state is kept as it "
@@ -78,16 +68,12 @@ class ClippedOptimizerState:
                 stacklevel=2,
             )
             return
-        blob = state_dict[key]
-        if not isinstance(blob, bytes):
+        entry = blob
+        if isinstance(blob, bytes):
+            entry = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if not isinstance(blob, bytes) or not isinstance(entry, dict):
             raise TypeError(
-                f"ClippedOptimizerState's {key!r} must be the bytes its state_dict wrote, got "
-                f"{type(blob).__name__}; nothing was loaded"
-            )
-        entry = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        if not isinstance(entry, dict):
-            raise TypeError(
-                f"ClippedOptimizerState's {key!r} must hold a dict, got {type(entry).__name__}; "
-                "nothing was loaded"
+                f"ClippedOptimizerState's {key!r} must be the bytes of a dict its state_dict "
+                f"wrote, got {type(entry).__name__}; nothing was loaded"
             )
         self.optimizer._load_extra(entry)

@@ -1,2 +1,1 @@
-"""Norms across ranks: meshes and the one all_reduce (``_mesh``), pipeline stages,
-global, per-tensor and unit norms, and DeepSpeed's engine as the user attached it."""
+"""Norms across ranks: meshes, pipeline stages, global, per-tensor and unit norms, DeepSpeed."""

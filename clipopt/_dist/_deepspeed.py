@@ -1,11 +1,6 @@
-"""DeepSpeed stepping the wrapper: told by the user, checked by structure.
-
-ZeRO-1 and -2 step the client once per param group, each this rank's flat fp32
-partition: with one group, its ``norm**p`` summed over the data-parallel group is the
-global norm; with several, only DeepSpeed's own (``_global_grad_norm``) is. Stage 0
-steps whole grads (fp16/bf16: fp32 copies, after a start-up step on zero grads).
-Untold, :meth:`Watch.call` refuses foreign tensors in the param groups but for that step.
-"""
+"""DeepSpeed stepping the wrapper, as the user attached it. ZeRO-1 and -2 step the client
+once per param group, on this rank's flat fp32 partition: with one group its ``norm**p``
+summed over the data-parallel group is the global norm; with several, only DeepSpeed's is."""
 
 from __future__ import annotations
 
@@ -22,13 +17,10 @@ from torch.optim import Optimizer
 from clipopt._dist import _mesh
 from clipopt._dist._reduce import NormScope
 
-__all__ = ["Binding", "Watch", "ZeroStep", "bind", "ds_global_norm", "zero_source"]
-
 
 @dataclass(frozen=True)
 class Binding:
-    """What :func:`bind` learned: ``caller`` for messages (``"DeepSpeed ZeRO-2"``) and
-    ``owner``, DeepSpeed's ZeRO optimizer (None where it steps whole parameters)."""
+    """``caller`` for messages; ``owner``: DeepSpeed's ZeRO optimizer, or None (whole grads)."""
 
     caller: str
     owner: Any = None
@@ -44,14 +36,10 @@ class ZeroStep:
     dp_group: Any
     owner: Any
 
-    @property
-    def last_call(self) -> bool:
-        return self.group_index == self.group_count - 1
-
 
 class Watch:
-    """The parameters a wrapper was built with, whether it has stepped, and the engine
-    it was attached to (a copy or a pickle is not attached: attach it again)."""
+    """The wrapper's parameters, whether it has stepped, and the engine it was attached to
+    (a copy or a pickle is not attached)."""
 
     def __init__(self, params: Iterable[Tensor]) -> None:
         self.params = list(params)
@@ -68,9 +56,19 @@ class Watch:
         """This step's ZeRO call (None on whole parameters) and whether it is recorded:
         not DeepSpeed's start-up step, nor a ZeRO call but its step's last."""
         if self.binding is not None:
-            self.stepped = True
-            zero = _zero_call(self.binding, param_groups)
-            return zero, zero is None or zero.last_call
+            self.stepped, owner = True, self.binding.owner
+            if owner is None:
+                return None, True
+            partitions = owner.single_partition_of_fp32_groups
+            held = param_groups[0]["params"] if len(param_groups) == 1 else []
+            at = [i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]]
+            if not at:
+                raise ValueError(
+                    f"{self.binding.caller} steps one param group: step the engine, not the wrapper"
+                )
+            group = owner.real_dp_process_group[at[0]]
+            call = ZeroStep(self.binding.caller, at[0], len(partitions), group, owner)
+            return call, at[0] == len(partitions) - 1
         tensors = [p for group in param_groups for p in group["params"]]
         plain = [p for p in tensors if not isinstance(p, nn.Parameter)]
         known = {id(p) for p in self.params} if plain else set()
@@ -82,32 +80,15 @@ class Watch:
         if first and [t.shape for t in tensors] == [p.shape for p in self.params]:
             return None, False  # DeepSpeed's start-up step on zero grads
         raise ValueError(
-            f"ClippedOptimizer's param groups hold {len(foreign)} tensor(s) that are not "
-            f"its parameters (first of shape {tuple(foreign[0].shape)}), as DeepSpeed's "
-            "flat partitions or fp32 copies, whose norm it cannot know: under DeepSpeed "
-            "call opt.attach_deepspeed(engine) after deepspeed.initialize; another "
-            "optimizer that replaces the parameters is not supported"
+            f"ClippedOptimizer's param groups hold {len(foreign)} tensor(s) that are not its "
+            f"parameters (first of shape {tuple(foreign[0].shape)}), whose norm it cannot know: "
+            "under DeepSpeed call opt.attach_deepspeed(engine) after deepspeed.initialize"
         )
-
-
-def _zero_call(binding: Binding, param_groups: Sequence[dict[str, Any]]) -> ZeroStep | None:
-    owner = binding.owner
-    if owner is None:
-        return None
-    partitions = owner.single_partition_of_fp32_groups
-    held: list[Tensor] = list(param_groups[0]["params"]) if len(param_groups) == 1 else []
-    index = next((i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]), None)
-    if index is None:
-        raise ValueError(
-            f"{binding.caller} steps one param group: step the engine, not the wrapper"
-        )
-    dp_group = owner.real_dp_process_group[index]
-    return ZeroStep(binding.caller, index, len(partitions), dp_group, owner)
 
 
 def bind(engine: Any, optimizer: Optimizer) -> Binding:
-    """Read how ``engine`` steps ``optimizer``; a ValueError naming the setting to change
-    where it cannot give the true norm."""
+    """How ``engine`` steps ``optimizer``; a ValueError naming the setting to change where
+    it cannot give the true norm."""
     import deepspeed.runtime.fp16.unfused_optimizer as unfused  # type: ignore[import-untyped]
     import deepspeed.runtime.zero.stage_1_and_2 as zero12  # type: ignore[import-untyped]
 
@@ -116,19 +97,17 @@ def bind(engine: Any, optimizer: Optimizer) -> Binding:
         raise ValueError(
             f"the engine steps {type(basic).__name__}: pass deepspeed.initialize(optimizer=opt)"
         )
-    stage = int(engine.zero_optimization_stage())
-    caller = f"DeepSpeed ZeRO-{stage}"
+    caller = f"DeepSpeed ZeRO-{int(engine.zero_optimization_stage())}"
     clipping = float(engine.gradient_clipping() or 0.0)
     if clipping > 0:
         raise ValueError(
-            f"{caller} clips the grads itself (gradient_clipping={clipping}), so they "
-            "would be clipped twice: set 'gradient_clipping': 0 in the DeepSpeed config"
+            f"{caller} clips the grads itself (gradient_clipping={clipping}), twice with "
+            "clipopt: set 'gradient_clipping': 0 in the DeepSpeed config"
         )
     if engine.fp16_enabled() and engine.dynamic_loss_scale():
         raise ValueError(
-            f"{caller}'s fp16 dynamic loss scale changes before the grads are unscaled, "
-            "so some norms are wrong: set a static 'fp16': {'loss_scale': <a power of "
-            "2>}, or use bf16"
+            f"{caller}'s fp16 dynamic loss scale changes before the grads are unscaled: set "
+            "a static 'fp16': {'loss_scale': <a power of 2>}, or use bf16"
         )
     owner = engine.optimizer
     if owner is optimizer or isinstance(owner, unfused.FP16_UnfusedOptimizer):
@@ -149,26 +128,18 @@ def _ranks(group: Any) -> list[int]:
 
 
 def zero_source(
-    call: ZeroStep,
-    scope: NormScope,
-    norm_types: list[float],
-    per_group: bool,
-    measures_each_grad: bool,
+    call: ZeroStep, scope: NormScope, norm_types: list[float], per_group: bool, each: bool
 ) -> tuple[NormScope, Tensor | None]:
     """Where the norm of a step under ``call`` comes from: (DeepSpeed's data-parallel
     group, None) with one param group, (``scope``, DeepSpeed's norm) with several; a
-    ValueError naming the setting to use where neither is right (``measures_each_grad``:
-    grad by grad or unit by unit, which a flat partition cannot give)."""
-    if measures_each_grad:
-        raise ValueError(
-            f"{call.caller} steps flat partitions, whose grads cannot be measured one by "
-            "one: track_tensor_norms, per-tensor and unit-wise rules are not available"
-        )
-    flat = f"{call.caller} steps flat partitions of one data-parallel group: remove"
-    if scope.pp_group is not None:
-        raise ValueError(f"{flat} pp_mesh (DeepSpeed's pipeline engine is not supported)")
-    if scope.replicated_params:
-        raise ValueError(f"{flat} replicated_params")
+    ValueError naming the setting to use where neither is right (``each``: a norm of each
+    grad or unit is asked, which a flat partition cannot give)."""
+    flat = f"{call.caller} steps flat partitions of one data-parallel group"
+    if each:
+        raise ValueError(f"{flat}: track_tensor_norms, per-tensor and unit-wise rules cannot run")
+    if scope.pp_group is not None or scope.replicated_params:
+        setting = "pp_mesh" if scope.pp_group is not None else "replicated_params"
+        raise ValueError(f"{flat}: remove {setting}")
     dp_ranks = _ranks(call.dp_group)
     if scope.process_group is not None and _ranks(scope.process_group) != dp_ranks:
         raise ValueError(
@@ -179,19 +150,14 @@ def zero_source(
         return NormScope(call.dp_group), None
     if per_group or any(p != 2.0 for p in norm_types):
         raise ValueError(
-            f"{call.caller} steps each of {call.group_count} param groups apart, so the "
-            "norm is DeepSpeed's L2 one: use norm_type=2 and per_group=False, or one group"
+            f"{call.caller} steps each of {call.group_count} param groups apart, so the norm "
+            "is DeepSpeed's L2 one: use norm_type=2 and per_group=False, or one group"
         )
-    return scope, ds_global_norm(call)
-
-
-def ds_global_norm(call: ZeroStep) -> Tensor:
-    """DeepSpeed's global L2 grad norm of this step (ValueError where it computed none)."""
     norm = getattr(call.owner, "_global_grad_norm", None)
     if isinstance(norm, Tensor):
-        return norm.detach().reshape(())
+        return scope, norm.detach().reshape(())
     if isinstance(norm, float) and not math.isnan(norm) and norm >= 0:
-        return torch.tensor(norm, dtype=torch.float32)
+        return scope, torch.tensor(norm, dtype=torch.float32)
     raise ValueError(
         f"{call.caller} computed no grad norm this step (got {norm!r}): set "
         "'zero_optimization': {'compute_grad_norm': true}, or use one param group"

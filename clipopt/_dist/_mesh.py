@@ -1,8 +1,5 @@
 """DTensor shards and meshes, and the float64 all_reduce every norm across ranks takes.
-
-Nothing here imports ``torch.distributed.tensor`` (about a second): no grad can be a
-DTensor before the user has imported it.
-"""
+Nothing here imports ``torch.distributed.tensor``: no grad is a DTensor before the user has."""
 
 from __future__ import annotations
 
@@ -20,30 +17,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-__all__ = [
-    "REDUCE_DTYPE",
-    "all_plain",
-    "all_reduce",
-    "by_replicas",
-    "check_unmixed",
-    "collective_device",
-    "dtensors",
-    "group_ranks",
-    "local_tensors",
-    "mesh_groups",
-    "mesh_ranks",
-    "reduce_by_order",
-    "reduction_for",
-    "reduction_mesh",
-    "replica_count",
-]
-
-REDUCE_DTYPE = torch.float64
-"""What every rank sends: one dtype (gloo aborts otherwise), wide enough for ``norm**p``."""
+REDUCE_DTYPE = torch.float64  # one dtype on every rank (gloo aborts otherwise), wide enough
 
 
 def collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch.device:
-    """The device the reduction runs on: the grads', or the group's when a rank has none."""
+    """The grads' device, or the group's when this rank has none."""
     if tensors:
         return tensors[0].device
     device_types = getattr(groups[0] or dist.group.WORLD, "_device_types", [])
@@ -61,10 +39,9 @@ def all_reduce(
     count: int | None = None,
     ranks: int = 1,
 ) -> Tensor:
-    """The 1-D ``parts`` concatenated on ``device``, summed (or maxed, keeping NaN, which
-    backends may drop) over each group in turn: one collective per group. With ``count``
-    (this rank's number of tensors) the result ends with one value more: 0, or NaN where
-    the ``ranks`` ranks' counts differ (every value is NaN then)."""
+    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group in
+    turn. With ``count`` (this rank's tensors) one value more ends it: 0, or NaN where the
+    ``ranks`` ranks' counts differ (every value is NaN then)."""
     values = torch.cat([p.to(device) for p in parts])
     if count is not None:  # counts equal iff ranks * sum(n**2) == sum(n)**2, or max(n) == min(n)
         pair = (count, count * count if summed else -count)
@@ -73,7 +50,7 @@ def all_reduce(
     if summed:
         for group in groups:
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
-    else:
+    else:  # backends may drop NaN from a max: send it apart
         n = values.numel()
         packed = torch.cat([values.nan_to_num(nan=math.inf), values.isnan().to(values.dtype)])
         for group in groups:
@@ -94,54 +71,43 @@ def reduce_by_order(
     count: int | None = None,
     ranks: int = 1,
 ) -> list[Tensor]:
-    """Each of ``parts`` reduced across ranks: those of finite order summed in one
-    :func:`all_reduce`, the inf-norm's maxed in another; split back, in order."""
+    """Each of ``parts`` reduced: finite orders' summed in one :func:`all_reduce`, the
+    inf-norm's maxed in another."""
     out: dict[int, Tensor] = {}
     for summed in (True, False):
         at = [i for i, p in enumerate(norm_types) if (p != math.inf) == summed]
         if at:
             values = all_reduce([parts[i] for i in at], summed, groups, device, count, ranks)
             sizes = [parts[i].numel() for i in at]
-            found = torch.split(values[: sum(sizes)], sizes)
-            out.update(zip(at, found, strict=True))
+            out.update(zip(at, torch.split(values[: sum(sizes)], sizes), strict=True))
     return [out[i] for i in range(len(parts))]
 
 
-def _dtensor_type() -> type[DTensor] | None:
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
 def all_plain(tensors: Sequence[Tensor]) -> bool:
-    """True if no tensor is a DTensor: measuring them needs no mesh and no collective."""
-    dtensor = _dtensor_type()
-    if dtensor is None:
+    """True if no tensor is a DTensor (by type, each distinct one once)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
         return True
     if torch.compiler.is_compiling():
-        return not any(isinstance(t, dtensor) for t in tensors)
-    # By type, each distinct one once: thousands of grads share one or two types.
-    return not any(issubclass(kind, dtensor) for kind in set(map(type, tensors)))
+        return not any(isinstance(t, module.DTensor) for t in tensors)
+    return not any(issubclass(kind, module.DTensor) for kind in set(map(type, tensors)))
 
 
 def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
-    """The DTensors among ``tensors``, in order."""
-    dtensor = _dtensor_type()
-    if dtensor is None or all_plain(tensors):
+    if all_plain(tensors):
         return []
+    dtensor = sys.modules["torch.distributed.tensor"].DTensor
     return [t for t in tensors if isinstance(t, dtensor)]
 
 
 def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``tensors`` with every DTensor replaced by its local shard (the same storage), so
-    scaling in place needs no communication and no two operands' meshes must match."""
-    dtensor = _dtensor_type()
-    if dtensor is None or all_plain(tensors):
-        return list(tensors)
-    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
+    """``tensors`` with every DTensor replaced by its local shard (the same storage)."""
+    return (
+        list(tensors) if all_plain(tensors) else [getattr(t, "_local_tensor", t) for t in tensors]
+    )
 
 
 def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str = "grads") -> None:
-    """Raise a ValueError unless every one of ``tensors`` is among ``found``, their DTensors."""
     if len(found) != len(tensors):
         raise ValueError(
             f"{len(found)} of {len(tensors)} {what} are DTensors: DTensor and plain {what} "
@@ -150,9 +116,7 @@ def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str
 
 
 def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
-    """How many ranks of ``reduction_mesh`` hold each element of ``grad``'s shard: the
-    mesh sizes over its Replicate dims, times those of the reduction mesh's dims its mesh
-    lacks. A Partial grad (summands, not a shard) raises a ValueError."""
+    """How many ranks of ``reduction_mesh`` hold each element of ``grad``'s shard."""
     mesh = grad.device_mesh
     count, rest = divmod(reduction_mesh.size(), mesh.size())
     if rest or any(p.is_partial() for p in grad.placements):
@@ -161,14 +125,13 @@ def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
             f"on {mesh} cannot be reduced over {reduction_mesh}: a Partial one has no "
             "norm until redistributed to Shard or Replicate, and the mesh sizes must divide"
         )
-    for dim, placement in enumerate(grad.placements):
-        if placement.is_replicate():
-            count *= mesh.size(dim)
-    return count
+    return count * math.prod(
+        mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate()
+    )
 
 
 def by_replicas(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[int]]:
-    """The indices of ``grads`` grouped by :func:`replica_count` over ``mesh``."""
+    """The indices of ``grads`` grouped by :func:`replica_count`."""
     found: dict[int, list[int]] = {}
     for index, grad in enumerate(grads):
         found.setdefault(replica_count(grad, mesh), []).append(index)
@@ -177,21 +140,17 @@ def by_replicas(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[in
 
 @functools.lru_cache(maxsize=256)
 def mesh_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
-    """The global ranks of ``mesh`` (the part this rank is in), sorted, once per mesh."""
     return tuple(sorted(int(rank) for rank in mesh.mesh.flatten().tolist()))
 
 
 @functools.lru_cache(maxsize=256)
 def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
-    """The global ranks of ``group``, sorted; looked up once per group."""
     return tuple(sorted(dist.get_process_group_ranks(group)))
 
 
 def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The mesh ``mesh`` was sliced from (itself if it was not); None if torch cannot say."""
-    method = getattr(mesh, "_get_root_mesh", None)  # torch 2.10 on
-    if method is not None:
-        return method()  # type: ignore[no-any-return]
+    if hasattr(mesh, "_get_root_mesh"):  # torch 2.10 on
+        return mesh._get_root_mesh()
     from torch.distributed import device_mesh
 
     lookup = getattr(getattr(device_mesh, "_mesh_resources", None), "get_root_mesh", None)
@@ -199,9 +158,8 @@ def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 
 def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
-    """The mesh to reduce over: the grads' one mesh; the one of their meshes holding the
-    others' ranks (by ranks, not names: torchtitan unflattens its meshes from a 1-D
-    root); or the part of their common root spanned by the named dims they use."""
+    """The grads' mesh holding all their meshes' ranks (by ranks, not names: torchtitan
+    unflattens its meshes from a 1-D root), else their root's named dims they use."""
     meshes: list[DeviceMesh] = []
     for g in grads:
         if not any(g.device_mesh is known or g.device_mesh == known for known in meshes):
@@ -225,34 +183,19 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
     return root if len(names) == len(root_names) else root[names]
 
 
-def mesh_groups(mesh: DeviceMesh, process_group: dist.ProcessGroup | None) -> list[Any]:
-    """The groups to all_reduce over in turn so every rank of ``mesh`` is summed:
-    ``process_group`` (exactly the mesh's ranks), the world when the mesh spans it, the
-    mesh's group when 1-D, else one per mesh dimension."""
-    if process_group is not None:
-        ranks = mesh_ranks(mesh)
-        if group_ranks(process_group) != ranks:
-            raise ValueError(
-                f"process_group spans ranks {list(group_ranks(process_group))}, the grads' "
-                f"mesh {list(ranks)}: pass one over the same ranks, or None (pipeline "
-                "stages go in pp_mesh)"
-            )
-        return [process_group]
+def mesh_groups(mesh: DeviceMesh) -> list[Any]:
+    """The groups to all_reduce over in turn to sum every rank of ``mesh``."""
     if mesh.size() == dist.get_world_size():
         return [None]
-    if mesh.ndim == 1:
-        return [mesh.get_group()]
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
 def reduction_for(
     tensors: Sequence[Tensor], params: Sequence[Tensor] = (), process_group: Any = None
 ) -> tuple[DeviceMesh, list[Any]] | None:
-    """The mesh and groups to reduce DTensor ``tensors`` over, None for plain ones. The
-    DTensor ``params`` that require grad decide the mesh with them, so a rank without
-    some grads, or any, joins the same collective. A ValueError for DTensors mixed with
-    plain tensors, meshes that cannot be reduced together, or a wrong ``process_group``.
-    """
+    """The mesh and groups to reduce DTensor ``tensors`` over (None for plain ones),
+    decided with the DTensor ``params`` that require grad, so a rank without grads joins;
+    ``process_group``, if given, must span the mesh's ranks."""
     found = dtensors(tensors)
     if tensors and not found:
         return None
@@ -261,4 +204,12 @@ def reduction_for(
     if not spanned:
         return None
     mesh = reduction_mesh(spanned)
-    return mesh, mesh_groups(mesh, process_group)
+    if process_group is None:
+        return mesh, mesh_groups(mesh)
+    ranks = list(group_ranks(process_group))
+    if ranks != list(mesh_ranks(mesh)):
+        raise ValueError(
+            f"process_group spans ranks {ranks}, the grads' mesh {list(mesh_ranks(mesh))}: "
+            "pass one over the same ranks, or None (pipeline stages go in pp_mesh)"
+        )
+    return mesh, [process_group]

@@ -1,8 +1,5 @@
 """Global norms across ranks (:mod:`clipopt.distributed` says how), in one collective.
-
-Wrong settings are refused before any collective starts: a rank that raised after its
-peers entered one would leave them waiting.
-"""
+Wrong settings raise before any collective starts, so no peer is left waiting."""
 
 from __future__ import annotations
 
@@ -19,14 +16,11 @@ from clipopt._dist import _mesh, _stages
 from clipopt._dist._mesh import REDUCE_DTYPE
 from clipopt._kernels import _norms
 
-__all__ = ["NormScope", "check_members", "check_process_group", "global_norm", "global_norms"]
-
 
 def check_members(
     name: str, members: Iterable[Tensor], pool: Iterable[Tensor], pool_name: str
 ) -> None:
-    """Raise a ValueError naming ``name`` unless every one of ``members`` is (by identity)
-    in ``pool``."""
+    """Raise a ValueError unless every one of ``members`` is (by identity) in ``pool``."""
     known = {id(t) for t in pool}
     for t in members:
         if id(t) not in known:
@@ -36,7 +30,6 @@ def check_members(
 
 
 def check_process_group(process_group: object) -> None:
-    """Raise a TypeError unless ``process_group`` is None or a ``ProcessGroup``."""
     if process_group is not None and (
         not dist.is_available() or not isinstance(process_group, dist.ProcessGroup)
     ):
@@ -51,8 +44,8 @@ def _local_contribution(
     foreach: bool | None,
     device: torch.device,
 ) -> Tensor:
-    """This rank's share of a bucket, ``sum w * norm**p`` (``max norm`` for inf), float64
-    of shape (1,); with no tensor, a zero made on ``device`` (never copied there)."""
+    """``sum weight * norm**p`` (``max norm`` for inf) over the (weight, tensors) classes,
+    float64 of shape (1,); with no tensor, a zero made on ``device`` (never copied there)."""
     parts: list[Tensor] = []
     for weight, tensors in classes:
         if tensors:
@@ -74,10 +67,9 @@ def global_norms(
     params: Sequence[Tensor] = (),
     pp_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
-    """The global p-norm of each bucket (a 0-dim plain tensor, the same on every rank, on
-    its first tensor's device, float32 or float64 as torch's): finite orders in one
-    ``all_reduce(SUM)``, the inf-norm's in one ``MAX``; nothing sent without DTensors,
-    groups or stages. Every rank passes as many buckets of the same orders.
+    """The global p-norm of each bucket, 0-dim, the same on every rank, in torch's dtype:
+    finite orders in one ``all_reduce(SUM)``, the inf-norm's in one ``MAX``; nothing sent
+    without DTensors, groups or stages.
 
     Args:
       process_group: the group plain tensors are split across; for DTensors, optionally
@@ -117,14 +109,18 @@ def global_norms(
             shared = [t for t in b if id(t) in ids]
             classes.append([(1.0, [t for t in b if id(t) not in ids]), (1.0 / size, shared)])
         stage, what = _mesh.group_ranks(process_group) if groups else (), "process_group"
-    if pp_group is not None:
-        if stage:
-            _stages.check_disjoint(pp_group, stage, what)
+    if pp_group is not None:  # meeting this stage's ranks only here, else a norm adds to itself
+        pp_ranks = _mesh.group_ranks(pp_group)
+        common = sorted(set(pp_ranks) & set(stage))
+        if stage and common != [dist.get_rank()]:
+            raise ValueError(
+                f"pp_mesh spans ranks {list(pp_ranks)}, sharing {common} with {what} "
+                f"{sorted(stage)}: it must hold this rank and one of each other stage"
+            )
         groups = [*groups, pp_group]
     device = _mesh.collective_device(flat, groups)
-    shares = [
-        _local_contribution(c, p, foreach, device) for c, p in zip(classes, norm_types, strict=True)
-    ]
+    by_order = zip(classes, norm_types, strict=True)
+    shares = [_local_contribution(c, p, foreach, device) for c, p in by_order]
     reduced = _mesh.reduce_by_order(shares, norm_types, groups, device)
     results = []
     for value, p, bucket in zip(reduced, norm_types, buckets, strict=True):
@@ -138,17 +134,13 @@ def global_norms(
 def global_norm(
     tensors: Sequence[Tensor], p: float, foreach: bool | None = None, **scope: Any
 ) -> Tensor:
-    """:func:`global_norms` of one bucket, ``scope`` its keyword arguments."""
     return global_norms([tensors], [p], foreach, **scope)[0]
 
 
 class NormScope:
     """Where a clipping norm is reduced: a process group, the parameters replicated on it
-    (counted once) and the pipeline stages' group (from ``pp_mesh``, see
-    :func:`clipopt._dist._stages.stage_group`). A copy shares the groups (live
-    connections); pickling a scope that holds one raises a TypeError. ``params``, when
-    given, must hold every replicated parameter.
-    """
+    (counted once) and the pipeline stages' group. A copy shares the groups; pickling a
+    scope that holds one raises a TypeError."""
 
     def __init__(
         self,
@@ -181,20 +173,14 @@ class NormScope:
         params: Sequence[Tensor] = (),
     ) -> list[Tensor]:
         """:func:`global_norms` of the buckets, with the replicated parameters' grads."""
-        shared: list[Tensor] = []
-        if self.replicated_params:
-            present = {id(t) for bucket in buckets for t in bucket}
-            shared = [
-                q.grad
-                for q in self.replicated_params
-                if q.grad is not None and id(q.grad) in present
-            ]
+        present = {id(t) for bucket in buckets for t in bucket} if self.replicated_params else ()
+        shared = [q.grad for q in self.replicated_params if id(q.grad) in present]
         return global_norms(
             buckets,
             norm_types,
             foreach,
             process_group=self.process_group,
-            replicated=shared,
+            replicated=[g for g in shared if g is not None],
             params=params,
             pp_group=self.pp_group,
         )
@@ -206,10 +192,8 @@ class NormScope:
         thresholds: Sequence[object],
         names: Sequence[str | int] = (),
     ) -> None:
-        """Under pipeline stages, refuse stages whose clip layouts differ
-        (:func:`clipopt._dist._stages.check_layout`, a collective over the stages): the
-        first time, and again where ``per_group``, with it the group count, or the clip
-        group ``names`` changed."""
+        """Under pipeline stages, :func:`clipopt._dist._stages.check_layout` the first
+        time, and again where ``per_group``, the group count or the group ``names`` changed."""
         key = (per_group, len(norm_types) if per_group else 0, tuple(names))
         if self.pp_group is None or self.stages_checked == key:
             return

@@ -1,8 +1,5 @@
-"""Pipeline stages: the model's norm is ``(sum over stages of norm_s**p) ** (1/p)`` (the
-maximum for inf), one ``all_reduce`` more over ``pp_mesh``, which joins one rank of
-every stage. The stages' sums line up by position: :func:`check_layout` refuses stages
-whose clip settings differ.
-"""
+"""Pipeline stages: the model's norm is the p-norm of the stages' norms, one all_reduce
+more over ``pp_mesh`` (one rank of every stage); :func:`check_layout` lines the stages up."""
 
 from __future__ import annotations
 
@@ -16,24 +13,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from clipopt._dist._mesh import REDUCE_DTYPE, collective_device, group_ranks, reduce_by_order
-
-__all__ = ["check_disjoint", "check_layout", "combine_stages", "stage_group"]
+from clipopt._dist._mesh import REDUCE_DTYPE, collective_device, reduce_by_order
 
 
 def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
-    """The group joining the pipeline stages from ``pp_mesh`` (None, a 1-D ``DeviceMesh``
-    or a ``ProcessGroup``), None where it holds only this rank; a TypeError for another
-    type, a ValueError for a mesh of more dims."""
+    """The group of ``pp_mesh`` (None, a 1-D ``DeviceMesh`` or a ``ProcessGroup``), None
+    where it holds only this rank."""
+    mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", ())
     if pp_mesh is None:
         return None
-    module = sys.modules.get("torch.distributed.device_mesh")  # no mesh exists before
-    mesh_type = getattr(module, "DeviceMesh", None)
-    if mesh_type is not None and isinstance(pp_mesh, mesh_type):
-        mesh: Any = pp_mesh
-        if mesh.ndim != 1:
-            raise ValueError(f"pp_mesh must be a 1-D DeviceMesh (as mesh['pp']), got {mesh}")
-        group = mesh.get_group()
+    if isinstance(pp_mesh, mesh_type):  # no mesh exists before its module is imported
+        if pp_mesh.ndim != 1:
+            raise ValueError(f"pp_mesh must be a 1-D DeviceMesh (as mesh['pp']), got {pp_mesh}")
+        group = pp_mesh.get_group()
     elif dist.is_available() and isinstance(pp_mesh, dist.ProcessGroup):
         group = pp_mesh
     else:
@@ -42,36 +34,6 @@ def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
             f"got {pp_mesh!r}"
         )
     return None if dist.get_world_size(group) == 1 else group
-
-
-def check_disjoint(pp_group: Any, stage_ranks: Sequence[int], what: str) -> None:
-    """Raise a ValueError unless the pipeline group meets ``stage_ranks`` (this stage's
-    reduction, named ``what``) only at this rank: else a stage's norm adds to itself."""
-    pp_ranks = group_ranks(pp_group)
-    shared = sorted(set(pp_ranks) & set(stage_ranks))
-    if shared != [dist.get_rank()]:
-        raise ValueError(
-            f"pp_mesh spans ranks {list(pp_ranks)}, sharing {shared} with {what} "
-            f"{sorted(stage_ranks)}: it must hold this rank and one of each other stage"
-        )
-
-
-def _layout(
-    per_group: bool,
-    norm_types: Sequence[float],
-    thresholds: Sequence[object],
-    names: Sequence[str | int],
-) -> str:
-    """What the stages must agree on, as text (a tensor threshold by kind, not value)."""
-    if names:
-        return f"{_layout(per_group, norm_types, thresholds, ())}, clip groups {list(names)}"
-    if not per_group:
-        return f"per_group=False, clip_norm_type {norm_types[0]}"
-    pairs = [
-        (p, "a tensor" if isinstance(t, Tensor) else t)
-        for p, t in zip(norm_types, thresholds, strict=True)
-    ]
-    return f"per_group=True, (clip_norm_type, clip_max_norm) of each group {pairs}"
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -84,8 +46,16 @@ def check_layout(
 ) -> None:
     """Raise a ValueError on every rank unless every stage has this stage's clip layout:
     one ``all_reduce(MAX)`` of ``per_group``, the group count and the layout's CRC-32,
-    each beside its negation (so the maximum gives the least too), read on the host."""
-    layout = _layout(per_group, norm_types, thresholds, names)
+    each beside its negation (so the maximum gives the least too)."""
+    if per_group:  # a tensor threshold by kind, not value
+        pairs = [
+            (p, "a tensor" if isinstance(t, Tensor) else t)
+            for p, t in zip(norm_types, thresholds, strict=True)
+        ]
+        layout = f"per_group=True, (clip_norm_type, clip_max_norm) of each group {pairs}"
+    else:
+        layout = f"per_group=False, clip_norm_type {norm_types[0]}"
+    layout += f", clip groups {list(names)}" if names else ""
     mine = [float(per_group), float(len(norm_types)), float(zlib.crc32(layout.encode()))]
     device = collective_device([], [pp_group])
     values = torch.tensor([v for m in mine for v in (m, -m)], dtype=REDUCE_DTYPE, device=device)
@@ -112,15 +82,15 @@ def check_layout(
 def combine_stages(
     norms: Sequence[Tensor], norm_types: Sequence[float], pp_group: Any
 ) -> list[Tensor]:
-    """Each of a stage's 0-dim ``norms`` combined with the other stages' (the p-norm of
-    the stages' norms, powers in float64), cast back to its dtype and device."""
+    """Each of a stage's 0-dim ``norms`` combined with the other stages' (powers in
+    float64), in its dtype and device."""
     if pp_group is None or not norms:
         return list(norms)
     device = norms[0].device
     if device.type == "cpu":  # a stage without grads has a CPU zero; NCCL needs its device
         device = collective_device([], [pp_group])
     sent = [
-        n.detach().to(device=device, dtype=REDUCE_DTYPE).reshape(1).pow(1.0 if p == math.inf else p)
+        n.detach().to(device, REDUCE_DTYPE).reshape(1).pow(1.0 if p == math.inf else p)
         for n, p in zip(norms, norm_types, strict=True)
     ]
     reduced = reduce_by_order(sent, norm_types, [pp_group], device)

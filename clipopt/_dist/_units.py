@@ -1,13 +1,11 @@
-"""AGC's units (a slice along dim 0 of a tensor of 2 dims or more, or the whole of a 0-
-or 1-D one): where each lies on this rank, and their L2 norms across ranks. Each rank
-puts its squared shares of its rows (one contiguous range), divided by their replica
-count, at the units' global positions: one float64 ``all_reduce`` gives every unit's norm.
-"""
+"""AGC's units (rows along dim 0 of a tensor of 2 dims or more, else the whole tensor):
+where each lies on this rank, and their L2 norms across ranks in one float64 all_reduce."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -18,15 +16,11 @@ from torch import Tensor
 
 from clipopt._dist import _mesh
 from clipopt._dist._mesh import REDUCE_DTYPE
-from clipopt._kernels import _norms
-from clipopt._kernels._norms import accumulate_dtype, combine_dtype
+from clipopt._kernels._norms import accumulate_dtype, combine_dtype, per_tensor_norms
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
-
-__all__ = ["Rows", "UnitNorms", "local_rows", "rows_at", "unit_norms", "whole_unit_norms"]
 
 
 @dataclass(frozen=True)
@@ -45,114 +39,78 @@ def _layout_error(t: DTensor, why: str) -> ValueError:
     )
 
 
-def _sharding() -> tuple[type, type]:
-    """Shard and FSDP2's strided shard (the placement it gives dim 0 over TP)."""
-    from torch.distributed.tensor import placement_types as kinds
-
-    return kinds.Shard, getattr(kinds, "_StridedShard", kinds.Shard)
-
-
-def _shard_dim(placement: Placement) -> int | None:
-    """The tensor dim a Shard or strided shard splits, None for another placement."""
-    return int(cast(Any, placement).dim) if isinstance(placement, _sharding()) else None
-
-
 def local_rows(t: Tensor) -> Rows:
-    """This rank's units of ``t`` (all of a plain tensor's); a ValueError for a DTensor
-    placed otherwise than Shard or Replicate, or whose rows are not one range."""
+    """This rank's units of ``t``; a ValueError where a DTensor's are not one range."""
     if not _mesh.dtensors([t]):
         units = t.shape[0] if t.dim() >= 2 else 1
         return Rows(units, 0, units)
-    grad = cast("DTensor", t)
+    grad, mesh = cast("DTensor", t), cast("DTensor", t).device_mesh
     for placement in grad.placements:
         if placement.is_partial():
             why = "a Partial tensor has no norm until it is reduced; redistribute it first"
             raise _layout_error(grad, why)
-        if not placement.is_replicate() and _shard_dim(placement) is None:
+        if not placement.is_replicate() and not hasattr(placement, "dim"):
             raise _layout_error(grad, "only Shard and Replicate say where its units are")
     if grad.dim() <= 1:
         return Rows(1, 0, 1)
-    rows = _dtensor_rows(tuple(grad.shape), grad.device_mesh, tuple(grad.placements))
-    if grad._local_tensor.shape[0] != rows.count:
-        held = grad._local_tensor.shape[0]
-        raise _layout_error(grad, f"its shard holds {held} rows, not {rows.count}")
-    return rows
-
-
-@functools.lru_cache(maxsize=4096)
-def _dtensor_rows(
-    shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
-) -> Rows:
-    """This rank's rows of a DTensor of ``shape`` (2 dims or more), once per layout."""
-    rows = rows_at(shape, tuple(mesh.shape), tuple(mesh.get_coordinate() or ()), placements)
+    at = tuple(mesh.get_coordinate() or ())
+    rows = rows_at(tuple(grad.shape), tuple(mesh.shape), at, tuple(grad.placements))
     if rows is None:
-        raise ValueError(
-            f"AGC needs each rank's rows of a parameter to be one range; a parameter of "
-            f"shape {shape} with placements {placements} on {mesh} has rows strided across "
-            "ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
+        why = (
+            "its rows are strided across ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
+        )
+        raise _layout_error(grad, why)
+    if grad._local_tensor.shape[0] != rows.count:
+        raise _layout_error(
+            grad, f"its shard holds {grad._local_tensor.shape[0]} rows, not {rows.count}"
         )
     return rows
 
 
-class _MeshAt:
-    """What torch 2.6's ``compute_local_shape_and_global_offset`` reads of a mesh."""
-
-    def __init__(self, shape: tuple[int, ...], coordinate: list[int]) -> None:
-        self._shape, self._coordinate, self.ndim = shape, coordinate, len(shape)
-
-    def size(self, mesh_dim: int) -> int:
-        return self._shape[mesh_dim]
-
-    def get_coordinate(self) -> list[int]:
-        return self._coordinate
-
-
-def _local_shape_and_offset(
-    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements: Any
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The local shape and global offset, by torch's own rule (a private one)."""
-    from torch.distributed.tensor import _utils
-
-    compute = getattr(_utils, "_compute_local_shape_and_global_offset", None)  # 2.7 on
-    if compute is not None:
-        local, offset = compute(shape, mesh_shape, coordinate, placements)
-    else:
-        at: Any = _MeshAt(mesh_shape, coordinate)
-        local, offset = _utils.compute_local_shape_and_global_offset(shape, at, placements)
-    return tuple(local), tuple(offset)
-
-
+@functools.lru_cache(maxsize=4096)
 def rows_at(
     shape: tuple[int, ...],
     mesh_shape: tuple[int, ...],
     coordinate: tuple[int, ...],
     placements: tuple[Placement, ...],
 ) -> Rows | None:
-    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` of a
-    mesh of ``mesh_shape`` holds; None when some rank's rows are not one range. Shards cut
-    as ``torch.chunk``, left to right; with a strided shard, by torch's rule (which reads
-    the host), when the ranges ``[offset, offset + count)`` of all ranks tile the rows."""
-    splitting = [m for m, p in enumerate(placements) if _shard_dim(p) == 0]
-    if not any(isinstance(placements[m], _sharding()[1]) for m in splitting):
+    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` holds;
+    None when some rank's rows are not one range. Shards cut as ``torch.chunk``; with a
+    strided shard, by torch's rule (which reads the host), where all ranks' ranges tile."""
+    from torch.distributed.tensor import _utils
+    from torch.distributed.tensor import placement_types as kinds
+
+    def held(at: Sequence[int]) -> tuple[int, int]:
+        compute = getattr(_utils, "_compute_local_shape_and_global_offset", None)  # 2.7 on
+        if compute is not None:
+            local, offset = compute(shape, mesh_shape, list(at), placements)
+        else:  # what torch 2.6 reads of a mesh
+            mesh: Any = types.SimpleNamespace(
+                ndim=len(mesh_shape), size=mesh_shape.__getitem__, get_coordinate=lambda: list(at)
+            )
+            local, offset = _utils.compute_local_shape_and_global_offset(shape, mesh, placements)
+        return offset[0] if local[0] else shape[0], local[0]
+
+    splitting = [m for m, p in enumerate(placements) if getattr(p, "dim", None) == 0]
+    strided = getattr(kinds, "_StridedShard", kinds.Shard)
+    if not any(isinstance(placements[m], strided) for m in splitting):
         start, count = 0, shape[0]
         for m in splitting:
             length = -(-count // mesh_shape[m])
             begin = min(coordinate[m] * length, count)
             start, count = start + begin, min(begin + length, count) - begin
         return Rows(shape[0], start, count)
-    ranges: list[tuple[int, int]] = []
-    for at in itertools.product(*(range(mesh_shape[m]) for m in splitting)):
+    ranges = []
+    for indices in itertools.product(*(range(mesh_shape[m]) for m in splitting)):
         other = list(coordinate)
-        for m, index in zip(splitting, at, strict=True):
+        for m, index in zip(splitting, indices, strict=True):
             other[m] = index
-        local, offset = _local_shape_and_offset(shape, mesh_shape, other, placements)
-        if local[0]:
-            ranges.append((offset[0], offset[0] + local[0]))
+        start, count = held(other)
+        ranges += [(start, start + count)] if count else []
     edges = [edge for pair in sorted(ranges) for edge in pair]
     if edges[1:-1:2] != edges[2::2] or edges[:1] + edges[-1:] not in ([], [0, shape[0]]):
         return None
-    local, offset = _local_shape_and_offset(shape, mesh_shape, list(coordinate), placements)
-    return Rows(shape[0], offset[0] if local[0] else shape[0], local[0])
+    return Rows(shape[0], *held(coordinate))
 
 
 def unit_norms(
@@ -162,15 +120,14 @@ def unit_norms(
     whole: Sequence[Tensor] = (),
 ) -> Tensor:
     """The L2 norm of every unit of every tensor, then of each of ``whole`` (one unit
-    each, a sparse one by its values), 1-D in order, on ``device`` in ``dtype``. Half
-    types accumulate in float32, others in their own dtype, as timm's ``unitwise_norm``."""
+    each), 1-D in order; half types accumulate in float32, as timm's ``unitwise_norm``."""
     every = [*tensors, *whole]
     parts: dict[int, Tensor] = {}
     batched: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(every):
         one = i >= len(tensors) or t.dim() <= 1
         if t.is_sparse:  # only a whole one: AGC refuses sparse grads it clips
-            parts[i] = _norms.per_tensor_norms([t], 2.0)
+            parts[i] = per_tensor_norms([t], 2.0)
         elif one and t.numel() > 0:  # one foreach norm per device and dtype
             batched.setdefault((t.device, t.dtype), []).append(i)
         else:
@@ -195,11 +152,9 @@ def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
 
 @dataclass(frozen=True)
 class UnitNorms:
-    """What :func:`whole_unit_norms` measures, the same on every rank: each unit's norm
-    of the ``grads`` and ``weights`` (1-D, in order), each grad's :class:`Rows`, the
-    ``grad_squares`` and ``whole_squares`` summed across ranks before any root (float64,
-    float32 on a device without it), and ``check`` (``strict`` only): 0-dim, NaN where
-    the ranks held different numbers of grads, else 0."""
+    """Each unit's norm of the ``grads`` and ``weights``, each grad's :class:`Rows`, the
+    ``grad_squares`` and ``whole_squares``, and ``check`` (``strict`` only: NaN where the
+    ranks held different numbers of grads, else 0), alike on every rank."""
 
     grads: Tensor
     weights: Tensor
@@ -216,14 +171,10 @@ def whole_unit_norms(
     whole: Sequence[Tensor | None] = (),
     strict: bool = False,
 ) -> UnitNorms:
-    """Every unit's norm of every grad and of its weight, whole across ranks, and each of
-    ``whole``'s squared norm (AGC's excluded grads, one unit each): plain tensors locally,
-    DTensors in ONE float64 ``all_reduce``, every rank passing the same parameters in the
-    same order. A None (DTensors, ``strict``) is no grad on this rank: zero shares. With
-    ``strict`` the ranks' counts of grads travel along: where they differ every value and
-    ``check`` are NaN. Layouts it cannot measure raise a ValueError on every rank alike,
-    before anything is sent.
-    """
+    """Every unit's norm of every grad and its weight, whole across ranks, and each of
+    ``whole``'s squared norm (one unit each): DTensors in ONE float64 ``all_reduce``, a
+    None being no grad on this rank; with ``strict`` the ranks' counts of grads travel
+    along. What it cannot measure raises on every rank alike, before anything is sent."""
     present = [g for g in grads if g is not None]
     tensors = [*present, *(w.detach() for w in weights), *(t for t in whole if t is not None)]
     measured = len(present) + len(weights)
@@ -234,40 +185,39 @@ def whole_unit_norms(
         device = tensors[0].device
         rows = [local_rows(g) for g in present]
         norms = unit_norms(tensors[:measured], device, combine_dtype(device), tensors[measured:])
-        own, theirs, rest = _split_units(norms, rows, len(whole))
+        own, theirs, rest = torch.split(norms, [sum(r.units for r in rows)] * 2 + [len(whole)])
         return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     _mesh.check_unmixed(tensors, found, "grads and weights")
     for g, w in zip(grads, cast("list[DTensor]", weights), strict=True):
         grad = cast("DTensor | None", g)
         if grad is None:
             continue
-        if grad.placements != w.placements or grad.device_mesh != w.device_mesh:
-            why = f"its grad has placements {grad.placements} on {grad.device_mesh}"
-            raise _layout_error(w, why)
+        if (grad.placements, grad.device_mesh) != (w.placements, w.device_mesh):
+            raise _layout_error(
+                w, f"its grad has placements {grad.placements} on {grad.device_mesh}"
+            )
         mine, its = tuple(grad._local_tensor.shape), tuple(w._local_tensor.shape)
         if mine != its:
             raise _layout_error(w, f"its grad's shard is {mine}, not {its}")
     rows = [local_rows(w) for w in weights]
-    mesh = _mesh.reduction_mesh(found)
-    device = found[0].device
+    mesh, device = _mesh.reduction_mesh(found), found[0].device
     shards = [t._local_tensor for t in found]
     squares = unit_norms(shards[:measured], device, REDUCE_DTYPE, shards[measured:]).square()
-    slots = [*grads, *weights, *whole]
-    placed = [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)]
-    parts = iter(
-        torch.split(squares, [r.count for t, r in zip(slots, placed, strict=True) if t is not None])
+    slots = list(
+        zip([*grads, *weights, *whole], [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)], strict=True)
     )
+    parts = iter(torch.split(squares, [r.count for t, r in slots if t is not None]))
     shares = [
-        squares.new_zeros(r.units)
-        if t is None
-        else _placed(next(parts), r, _mesh.replica_count(cast("DTensor", t), mesh))
-        for t, r in zip(slots, placed, strict=True)
+        _placed(next(parts), r, _mesh.replica_count(cast("DTensor", t), mesh))
+        if t is not None
+        else squares.new_zeros(r.units)
+        for t, r in slots
     ]
     count = len(tensors) - len(weights) if strict else None
-    groups = _mesh.mesh_groups(mesh, None)
-    reduced = _mesh.all_reduce(shares, True, groups, device, count, mesh.size())
+    reduced = _mesh.all_reduce(shares, True, _mesh.mesh_groups(mesh), device, count, mesh.size())
+    units = [sum(r.units for r in rows)] * 2 + [len(whole)]
+    own, theirs, rest = torch.split(reduced[:-1] if strict else reduced, units)
     wide = combine_dtype(device)
-    own, theirs, rest = _split_units(reduced[:-1] if strict else reduced, rows, len(whole))
     return UnitNorms(
         own.sqrt().to(device=device, dtype=dtype),
         theirs.sqrt().to(device=device, dtype=dtype),
@@ -276,9 +226,3 @@ def whole_unit_norms(
         rest.to(device=device, dtype=wide),
         reduced[-1].to(device=device, dtype=wide) if strict else None,
     )
-
-
-def _split_units(values: Tensor, rows: Sequence[Rows], whole: int) -> tuple[Tensor, ...]:
-    """``values`` split into the grads' units, their weights' and ``whole``'s."""
-    units = sum(r.units for r in rows)
-    return torch.split(values, [units, units, whole])
