@@ -1,11 +1,5 @@
-"""``OptimizerChain``: several optimizers stepped as one, so that one clip spans them all.
-
-``torch.optim.Muon`` takes only 2-D weights, so its users step an AdamW over the rest
-beside it; Megatron's ``ChainedOptimizer`` measures one norm over all of them. The chain
-is an ``Optimizer`` that, like :class:`clipopt._wrapper.OptimizerWrapper`, does not call
-``Optimizer.__init__``: its ``param_groups`` are the inner optimizers' very group dicts,
-its ``state`` a read-only view over theirs, its ``defaults`` its own dict.
-"""
+"""``OptimizerChain``: several optimizers stepped as one (Muon for the 2-D weights, AdamW
+for the rest), so that one clip spans them all."""
 
 from __future__ import annotations
 
@@ -17,23 +11,20 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt._validation import check_not_skip_step
 from clipopt._wrapper import (
     Closure,
     OptimizerShell,
-    OptimizerWrapper,
+    check_optimizer,
     check_state_shapes,
     hooked_step,
     inner_step,
-    restore_point,
 )
 
 __all__ = ["OptimizerChain"]
 
 _EXTRA_KEY = "chain"
 _READ_ONLY = (
-    "OptimizerChain.{} cannot be assigned: it is the inner optimizers'; assign theirs "
-    "(chain.optimizers[i])"
+    "OptimizerChain.{} cannot be assigned: assign the inner optimizers' (chain.optimizers[i])"
 )
 
 
@@ -44,8 +35,7 @@ class OptimizerChain(OptimizerShell):
     ``param_groups`` lists every inner optimizer's group dicts (the very dicts), in
     order; a group added to an inner optimizer is seen at once. ``state`` reads their
     states; ``defaults`` is the chain's own. :meth:`state_dict` has the layout of one
-    torch optimizer holding all the groups (parameters numbered across the optimizers),
-    so that code which counts groups or parameters sees one optimizer.
+    torch optimizer holding all the groups (parameters numbered across the optimizers).
 
     Args:
       optimizers: the optimizers, stepped in this order; no parameter in two of them.
@@ -82,8 +72,8 @@ class OptimizerChain(OptimizerShell):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """Every inner optimizer's param groups, in order: one list, made again when an
-        inner optimizer's list (or its length) has changed."""
+        """Every inner optimizer's param groups, in order: one list, made again only when
+        an inner optimizer's list (or its length) has changed."""
         lists = [opt.param_groups for opt in self.optimizers]
         sizes = [len(groups) for groups in lists]
         if sizes != self._sizes or any(a is not b for a, b in zip(lists, self._lists, strict=True)):
@@ -123,8 +113,7 @@ class OptimizerChain(OptimizerShell):
             opt.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Refused: which optimizer would step the group? Add it to one of
-        :attr:`optimizers`; the chain sees it.
+        """Refused: add the group to one of :attr:`optimizers`; the chain sees it.
 
         Raises:
           ValueError: always, naming the optimizers.
@@ -136,9 +125,8 @@ class OptimizerChain(OptimizerShell):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The state dict one torch optimizer with all the groups would have: ``state``
-        and ``param_groups`` of each optimizer, its parameters numbered after the
-        previous optimizers'. Other top-level keys of an inner dict are kept under
+        """One torch optimizer's state dict with all the groups, parameters numbered
+        across the optimizers; other top-level keys of an inner dict are kept under
         ``"chain"``, one dict per optimizer (absent where there are none)."""
         return self._hooked_state_dict(self._merged)
 
@@ -148,39 +136,28 @@ class OptimizerChain(OptimizerShell):
         extras: list[dict[str, Any]] = []
         for opt in self.optimizers:
             saved = opt.state_dict()
-            index, renumbered = _renumbered(
-                saved["param_groups"], sum(len(g["params"]) for g in groups)
-            )
+            start = sum(len(g["params"]) for g in groups)
+            index, renumbered = _renumbered(saved["param_groups"], start)
             groups += renumbered
             state.update({index[k]: v for k, v in saved["state"].items()})
             extras.append({k: v for k, v in saved.items() if k not in ("state", "param_groups")})
         merged = {"state": state, "param_groups": groups}
-        if any(extras):
-            merged[_EXTRA_KEY] = extras
-        return merged
+        return {**merged, _EXTRA_KEY: extras} if any(extras) else merged
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a dict from :meth:`state_dict`: validated whole, then split and loaded
-        into each optimizer in order; if one optimizer's load raises, every one is put
-        back as it was.
+        """Load a dict from :meth:`state_dict`, validated whole, then split and loaded
+        into each optimizer in order; if one raises, every one is put back as it was.
 
         Raises:
           TypeError: ``state_dict`` or a part of it has the wrong type.
-          ValueError: its groups do not match the optimizers' (their number, or a
-            group's number of parameters).
+          ValueError: its groups do not match the optimizers'.
         """
         self._hooked_load(state_dict, self._load)
 
     def _load(self, loaded: dict[str, Any]) -> None:
-        parts = _split(loaded, self.optimizers)
-        restore = restore_point(self)
-        try:
-            for opt, part in zip(self.optimizers, parts, strict=True):
-                opt.load_state_dict(part)
-                check_state_shapes(opt)
-        except BaseException:
-            restore()
-            raise
+        for opt, part in zip(self.optimizers, _split(loaded, self.optimizers), strict=True):
+            opt.load_state_dict(part)
+            check_state_shapes(opt)
 
     def __repr__(self) -> str:
         inner = "".join("\n  " + repr(opt).replace("\n", "\n  ") for opt in self.optimizers)
@@ -188,7 +165,7 @@ class OptimizerChain(OptimizerShell):
 
 
 class _States(Mapping[Tensor, Any]):
-    """A read-only view of several optimizers' states (no entry made by a look-up)."""
+    """A read-only view of several optimizers' states (a look-up makes no entry)."""
 
     def __init__(self, optimizers: tuple[Optimizer, ...]) -> None:
         self._states = [opt.state for opt in optimizers]
@@ -203,7 +180,7 @@ class _States(Mapping[Tensor, Any]):
         return itertools.chain.from_iterable(self._states)
 
     def __len__(self) -> int:
-        return sum(len(state) for state in self._states)
+        return sum(map(len, self._states))
 
 
 def _names(optimizers: Sequence[object]) -> str:
@@ -211,41 +188,23 @@ def _names(optimizers: Sequence[object]) -> str:
 
 
 def _renumbered(groups: list[Any], start: int = 0) -> tuple[dict[Any, int], list[dict[str, Any]]]:
-    """Saved groups with their parameters numbered in order from ``start``, and the map
-    from the numbers they had."""
+    """Saved groups with their parameters numbered from ``start``; the map from the old."""
     ids = itertools.chain.from_iterable(g["params"] for g in groups)
     index = {old: new for new, old in enumerate(ids, start)}
     return index, [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
 
 
 def _checked(optimizers: Sequence[Optimizer]) -> tuple[Optimizer, ...]:
-    """The optimizers as a tuple, each a distinct optimizer, no parameter in two.
-
-    Raises:
-      TypeError, ValueError: naming the index of the first bad one.
-    """
+    """The optimizers as a tuple, each a distinct optimizer, no parameter in two."""
     if not isinstance(optimizers, (list, tuple)):
         raise TypeError(f"optimizers must be a list of optimizers, got {optimizers!r}")
     if not optimizers:
         raise ValueError(f"optimizers must be a non-empty list of optimizers, got {optimizers!r}")
     owner: dict[int, int] = {}
     for i, opt in enumerate(optimizers):
-        if isinstance(opt, OptimizerWrapper):
-            raise TypeError(
-                f"optimizers[{i}] is a {type(opt).__name__}: inside a chain it would clip "
-                "its own grads before the chain clips them all; pass the optimizer it wraps"
-            )
-        if not isinstance(opt, Optimizer):
-            hint = (
-                "; a list is optimizers to chain, not parameters" if isinstance(opt, Tensor) else ""
-            )
-            raise TypeError(
-                f"optimizers[{i}] must be a torch.optim.Optimizer, got {type(opt).__name__}{hint}"
-            )
-        check_not_skip_step(opt)
-        for j, earlier in enumerate(optimizers[:i]):
-            if earlier is opt:
-                raise ValueError(f"optimizers[{i}] is optimizers[{j}]: it would step twice")
+        check_optimizer(opt, f"optimizers[{i}]")
+        for j in (j for j in range(i) if optimizers[j] is opt):
+            raise ValueError(f"optimizers[{i}] is optimizers[{j}]: it would step twice")
         for p in (p for group in opt.param_groups for p in group["params"]):
             j = owner.setdefault(id(p), i)
             if j != i:
@@ -259,11 +218,7 @@ def _checked(optimizers: Sequence[Optimizer]) -> tuple[Optimizer, ...]:
 
 def _split(loaded: Mapping[str, Any], optimizers: tuple[Optimizer, ...]) -> list[dict[str, Any]]:
     """Each optimizer's part of a merged state dict, its parameters numbered from 0;
-    everything checked before anything is loaded.
-
-    Raises:
-      TypeError, ValueError: naming the first bad part.
-    """
+    all checked before anything is loaded."""
     state, groups = loaded.get("state"), loaded.get("param_groups")
     if not isinstance(state, Mapping):
         raise TypeError(f"state_dict['state'] must be a dict, got {type(state).__name__}")
@@ -288,10 +243,9 @@ def _split(loaded: Mapping[str, Any], optimizers: tuple[Optimizer, ...]) -> list
         )
     parts: list[dict[str, Any]] = []
     known: set[Any] = set()
-    ends = list(itertools.accumulate(sizes))
-    for i, (opt, end) in enumerate(zip(optimizers, ends, strict=True)):
-        start = end - sizes[i]
-        mine = groups[start:end]
+    start = 0
+    for i, (opt, extra) in enumerate(zip(optimizers, extras, strict=True)):
+        mine = groups[start : start + sizes[i]]
         for g, (saved, group) in enumerate(zip(mine, opt.param_groups, strict=True), start):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
@@ -302,7 +256,8 @@ def _split(loaded: Mapping[str, Any], optimizers: tuple[Optimizer, ...]) -> list
         index, renumbered = _renumbered(mine)
         known.update(index)
         own = {index[k]: v for k, v in state.items() if k in index}
-        parts.append({**extras[i], "state": own, "param_groups": renumbered})
+        parts.append({**extra, "state": own, "param_groups": renumbered})
+        start += sizes[i]
     unknown = [k for k in state if k not in known]
     if unknown:
         raise ValueError(

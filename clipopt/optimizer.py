@@ -1,10 +1,5 @@
-"""``ClippedOptimizer``: clip the gradient norm before every step of any torch optimizer.
-
-The clip's settings, its read-only properties and the entry points of its ``"clip"``
-state-dict entry; the step itself, top to bottom, is :mod:`clipopt._step._clip_step`,
-the saved entry :mod:`clipopt._step._saved`, the pass-through plumbing
-:class:`clipopt._wrapper.OptimizerWrapper`.
-"""
+"""``ClippedOptimizer``: its settings, read-outs and state dict. The step, top to bottom,
+is :mod:`clipopt._step._clip_step`; the saved ``"clip"`` entry :mod:`clipopt._step._saved`."""
 
 from __future__ import annotations
 
@@ -12,7 +7,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -34,11 +29,10 @@ from clipopt._validation import (
     Settings,
     check_foreach,
     check_groups,
-    check_not_skip_step,
     clip_layout,
     validated_settings,
 )
-from clipopt._wrapper import OptimizerWrapper
+from clipopt._wrapper import OptimizerShell, check_optimizer, check_state_shapes
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
 from clipopt.rules._unit import UnitWiseRule
@@ -50,90 +44,86 @@ if TYPE_CHECKING:
 __all__ = ["ClippedOptimizer"]
 
 
+def _refuse(name: str, value: object, how: str) -> NoReturn:
+    raise AttributeError(f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): {how}")
+
+
 def _fixed(name: str, doc: str) -> Any:
-    """A read-only property of the wrapper's ``ClipConfig`` that says so when assigned."""
-
-    def refuse(self: Any, value: object) -> None:
-        raise AttributeError(
-            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): it is fixed when "
-            "the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
-        )
-
-    return property(lambda self: getattr(self._clip, name), refuse, doc=doc)
+    """A read-only property of the wrapper's ``ClipConfig``."""
+    how = (
+        "it is fixed when the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
+    )
+    return property(
+        lambda self: getattr(self._clip, name), lambda s, v: _refuse(name, v, how), doc=doc
+    )
 
 
-class ClippedOptimizer(OptimizerWrapper):
+def _inner(name: str) -> Any:
+    """The inner optimizer's attribute ``name``, the very object."""
+    return property(
+        lambda self: getattr(self.optimizer, name),
+        lambda self, value: setattr(self.optimizer, name, value),
+        doc=f"The inner optimizer's ``{name}`` (the very object, not a copy).",
+    )
+
+
+class ClippedOptimizer(OptimizerShell):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
-    Each :meth:`step` computes the total norm of all grads with grouped kernels (one
-    per device and dtype, on the grads' devices, no host sync), scales the grads in
-    place by ``min(1, max_norm / (norm + 1e-6))`` and then runs the inner optimizer's
-    step; it returns what the inner step returns. This is
-    :func:`clipopt.clip_grad_norm_` followed by ``optimizer.step()``, in one object that
-    schedulers and checkpoints treat like the optimizer it wraps (Pascanu et al., 2013).
+    Each :meth:`step` computes the total norm of all grads with grouped kernels (one per
+    device and dtype, no host sync), scales the grads in place by
+    ``min(1, max_norm / (norm + 1e-6))``, then runs the inner optimizer's step and returns
+    what it returns: :func:`clipopt.clip_grad_norm_` then ``optimizer.step()``, in one
+    object that schedulers and checkpoints treat like the optimizer it wraps. Its
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's very objects.
 
     A param group's ``"clip_group"`` (a str or an int) names its clip group: the groups
-    of one clip group share one norm and one threshold (their ``clip_max_norm`` and
-    ``clip_norm_type`` must be equal), each clip group has its own; a group without one
-    is in the clip group ``"default"``, and one with None is neither measured nor
-    scaled. A rule clips one clip group (the others None).
+    of one clip group share one norm and one threshold (equal ``clip_max_norm`` and
+    ``clip_norm_type``); a group without one is in ``"default"``, one with None is
+    neither measured nor scaled. A rule clips one clip group (the others None).
 
     Args:
-      optimizer: the optimizer to wrap; it keeps its param groups and state. Or a list
-        of optimizers (Muon for the 2-D weights, AdamW for the rest), made into a
-        :class:`clipopt.OptimizerChain`: one norm over all their grads, then each steps
-        in order.
-      max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
-        param group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor).
-        Or a clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`,
-        :class:`clipopt.AdaGC`, :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`),
-        which chooses the threshold each step from the norms it has seen (AGC: from the
-        weights, unit by unit): it sets every group's threshold (a group's own
-        ``clip_max_norm`` is refused), needs ``per_group=False``, and a global rule folds
-        into a fused kernel like a number does. See ``docs/adaptive.md``.
-      norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
-        Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
-      per_group: clip each param group by its own norm instead of one global norm over
-        all groups; the per-group norms are in :attr:`last_group_norms`. The shorthand
-        for one clip group per param group: not with ``"clip_group"`` names.
+      optimizer: the optimizer to wrap, or a list of optimizers (Muon for the 2-D
+        weights, AdamW for the rest) made into a :class:`clipopt.OptimizerChain`.
+      max_norm: the default largest allowed norm, > 0 (``inf``: measure only); a param
+        group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a
+        clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`,
+        :class:`clipopt.AdaGC`, :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`) that
+        chooses every group's threshold each step (a group's own ``clip_max_norm`` is
+        refused); it needs ``per_group=False``. See ``docs/adaptive.md``.
+      norm_type: the default order p of the norm: a number > 0, ``inf`` or ``'inf'``; a
+        param group may carry its own ``"clip_norm_type"`` with ``per_group=True``.
+      per_group: clip each param group by its own norm (in :attr:`last_group_norms`)
+        instead of one global norm; not with ``"clip_group"`` names.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest for
         each device (None), as in :func:`clipopt.clip_grad_norm_`.
-      nonfinite: what a NaN/inf norm does. ``"propagate"`` (torch's behaviour, no
-        sync): the grads are scaled by the NaN coefficient and the step runs.
-        ``"skip"``: the inner step is skipped, grads, parameters and optimizer state
-        are left untouched and :attr:`skip_count` grows; this reads one flag on the
-        host per step. ``"raise"``: :class:`clipopt.NonFiniteNormError` (a
-        ``FloatingPointError``) before anything is touched; also one host read.
-        ``"assert"``: a device-side assertion (``torch._assert_async``), no host read:
-        on CPU a ``RuntimeError`` at once, before anything is touched; on CUDA the
-        error surfaces at the next synchronisation, after the step has run, and leaves
-        the CUDA context unusable: the process must restart.
-      max_consecutive_skips: with ``nonfinite="skip"``, the non-finite step that
-        follows this many skipped steps in a row raises
-        :class:`clipopt.NonFiniteNormError` instead of skipping again; None never raises.
-      process_group: the group plain (non-DTensor) parameters are split across in
-        model parallelism: the norm is reduced over it with one ``all_reduce``. DTensor
-        grads (FSDP2, HSDP, tensor parallel) are reduced over their mesh without it, and
-        DDP needs nothing. See :mod:`clipopt.distributed`.
+      nonfinite: what a NaN/inf norm does. ``"propagate"`` (torch's, no sync): the grads
+        are scaled by the NaN coefficient and the step runs. ``"skip"``: the inner step
+        is skipped, nothing is touched and :attr:`skip_count` grows (one host read per
+        step). ``"raise"``: :class:`clipopt.NonFiniteNormError` before anything is
+        touched (one host read). ``"assert"``: ``torch._assert_async``, no host read: on
+        CPU a ``RuntimeError`` before anything is touched; on CUDA an error at the next
+        synchronisation, after the step, that leaves the CUDA context unusable.
+      max_consecutive_skips: with ``nonfinite="skip"``, the non-finite step after this
+        many skips in a row raises :class:`clipopt.NonFiniteNormError`; None never does.
+      process_group: the group plain parameters are split across in model parallelism:
+        the norm is reduced over it with one ``all_reduce``. DTensor grads (FSDP2, HSDP,
+        TP) are reduced over their mesh without it; DDP needs nothing. See
+        :mod:`clipopt.distributed`.
       replicated_params: parameters identical on every rank of ``process_group`` (tied
         embeddings, layer norms under tensor parallel); they count once.
       skip_spikes: a :class:`clipopt.SpikeSkip`: skip the whole step when the pre-clip
-        norm is an outlier of the recent ones. On a fused torch optimizer the skip rides
-        on ``found_inf``; otherwise it costs one host read per step once the rule can
-        fire (as ``nonfinite="skip"`` does, and in the same read).
-      track_tensor_norms: keep each grad's pre-clip norm of the last step, by name, in
-        :attr:`last_tensor_norms`. They are measured in the step's one read of the grads
-        (the global norm is derived from them), not by a second pass; DTensor grads
-        (FSDP2, TP) are measured whole across ranks in the step's one collective.
-        Not with a ``process_group`` (a split tensor's rows differ by rank).
+        norm is an outlier of the recent ones (on a fused torch optimizer through
+        ``found_inf``, else in the host read of ``nonfinite="skip"``).
+      track_tensor_norms: keep each grad's pre-clip norm of the last step in
+        :attr:`last_tensor_norms`, measured in the step's one read of the grads (DTensor
+        grads whole, in its one collective). Not with a ``process_group``.
       pp_mesh: under pipeline parallelism, a 1-D ``DeviceMesh`` (torchtitan's
-        ``world_mesh["pp"]``) or a ``ProcessGroup`` joining this rank to one rank of each
-        other stage; the wrapper holds this stage's parameters. Each stage's norm is
-        reduced as without it, then the stages' ``norm**p`` are summed over it (max for
-        inf) in one more ``all_reduce``, so every stage clips, skips and updates its rule
-        by the whole model's norm. Per-tensor and unit norms, and their rules' state, stay
-        the stage's own. With ``per_group`` the stages' groups are matched by position;
-        the first step refuses stages whose clip settings differ, on every rank.
+        ``world_mesh["pp"]``) or ``ProcessGroup`` joining this rank to one of each other
+        stage: the stages' norms are combined in one more ``all_reduce``, so every stage
+        clips, skips and updates its rule by the whole model's norm (per-tensor and unit
+        norms stay the stage's). With ``per_group`` the stages' groups are matched by
+        position; the first step refuses stages whose clip settings differ.
 
     Raises:
       TypeError: ``optimizer`` (or an element of the list) is not an optimizer or is
@@ -153,11 +143,10 @@ class ClippedOptimizer(OptimizerWrapper):
       (tensor(50.), tensor([0.6000, 0.8000]), tensor([-0.6000, -0.8000]))
     """
 
-    # GradScaler must unscale the grads before step() measures them, even when the inner
-    # optimizer is fused and could take the scale itself: last_norm is the true norm.
+    # GradScaler unscales the grads before step() measures them, even for a fused inner
+    # optimizer that could take the scale itself: last_norm is the true norm.
     _step_supports_amp_scaling = False
-
-    EXTRA_KEY = CLIP_KEY
+    clips = True
 
     def __init__(
         self,
@@ -177,7 +166,10 @@ class ClippedOptimizer(OptimizerWrapper):
     ) -> None:
         if isinstance(optimizer, (list, tuple)):
             optimizer = OptimizerChain(optimizer)
-        optimizer = _check_inner(optimizer)
+        optimizer = check_optimizer(optimizer, "optimizer")
+        groups = optimizer.param_groups
+        if not isinstance(groups, list) or not any(g.get("params") for g in groups):
+            raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
         rule = max_norm if isinstance(max_norm, ClipRule) else None
         settings = validated_settings(
             math.inf if rule is not None else max_norm,
@@ -188,19 +180,14 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         _check_config(rule, settings, process_group, track_tensor_norms, skip_spikes)
         check_foreach(foreach)
-        groups = optimizer.param_groups
         check_groups(groups, settings.max_norm, settings.norm_type, settings.per_group)
         check_rule_groups(groups, rule)
         params = [p for group in groups for p in group["params"]]
-        clipped = [
-            p
-            for g in groups
-            if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None
-            for p in g["params"]
-        ]
         scope = NormScope(process_group, replicated_params, params=params, pp_mesh=pp_mesh)
         # Nothing has been touched above this line.
-        super().__init__(optimizer)
+        self._init_hooks()
+        self.optimizer = optimizer
+        self._extra_saved_apart = False
         self._clip = ClipConfig(
             rule,
             skip_spikes,
@@ -214,12 +201,21 @@ class ClippedOptimizer(OptimizerWrapper):
         )
         self._apply_settings(settings)
         self._record = StepRecord()
-        names = self.clip_groups
-        if len(names) > 1 or settings.per_group:  # shaped from the start: compiles once
-            self._record.clipped_count = torch.zeros(len(names), dtype=torch.int64)
-        _prepare(clipped, rule, skip_spikes)
+        if len(self.clip_groups) > 1 or settings.per_group:  # shaped from the start
+            self._record.clipped_count = torch.zeros(len(self.clip_groups), dtype=torch.int64)
+        _prepare(groups, rule, skip_spikes)
 
     step = _clip_step.step
+    param_groups = _inner("param_groups")
+    state = _inner("state")
+    defaults = _inner("defaults")
+
+    def _parts(self) -> tuple[Optimizer, ...]:
+        return (self.optimizer,)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the grads of every parameter, as the inner optimizer does."""
+        self.optimizer.zero_grad(set_to_none)
 
     def _apply_settings(self, settings: Settings) -> None:
         """Make ``settings`` the wrapper's; groups without their own take the defaults."""
@@ -247,37 +243,32 @@ class ClippedOptimizer(OptimizerWrapper):
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group to the inner optimizer.
-
-        Missing ``clip_max_norm`` / ``clip_norm_type`` are filled from :attr:`defaults`,
-        like every other hyperparameter; given ones are validated first, and without
-        ``per_group`` the group's ``clip_norm_type`` must be the one the others (of its
-        clip group) use. A ``clip_group`` is validated as in the constructor.
+        """Add a param group to the inner optimizer; missing ``clip_max_norm`` and
+        ``clip_norm_type`` are filled from :attr:`defaults`, like every hyperparameter.
 
         Raises:
-          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``/``clip_group``;
+          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``/``clip_group``,
+            or, without ``per_group``, another ``clip_norm_type`` than its clip group's;
             nothing is added.
         """
         if isinstance(param_group, dict):
-            s = self._settings()
-            check_groups([*self.param_groups, param_group], s.max_norm, s.norm_type, s.per_group)
-            check_rule_groups([*self.param_groups, param_group], self._clip.rule)
+            s, groups = self._settings(), [*self.param_groups, param_group]
+            check_groups(groups, s.max_norm, s.norm_type, s.per_group)
+            check_rule_groups(groups, self._clip.rule)
         self.optimizer.add_param_group(param_group)
         self._clip.deepspeed.add(self.param_groups[-1]["params"])
 
     def attach_deepspeed(self, engine: Any) -> None:
         """Say that DeepSpeed's ``engine`` steps this wrapper: call it once, right after
-        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage.
-
-        Under ZeRO-1/2 each step then measures the global norm of DeepSpeed's flat
-        partitions (see ``docs/integrations.md#deepspeed``). A wrapper whose param groups
-        DeepSpeed has rewritten refuses to step until it is attached.
+        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage. Under
+        ZeRO-1/2 each step then measures the global norm of DeepSpeed's flat partitions;
+        a wrapper whose groups DeepSpeed has rewritten refuses to step until attached.
 
         Raises:
           ValueError: the engine does not step this wrapper, or uses a setting under which
             the norm cannot be right (its own ``gradient_clipping``, fp16 dynamic loss
-            scaling, an optimizer clipopt has not tested, an :class:`OptimizerChain`);
-            the message names the setting. Nothing is changed.
+            scaling, an untested optimizer, an :class:`OptimizerChain`), named; nothing
+            is changed.
         """
         if isinstance(self.optimizer, OptimizerChain):
             raise ValueError(
@@ -300,8 +291,8 @@ class ClippedOptimizer(OptimizerWrapper):
         self._clip = dataclasses.replace(self._clip, norm_scope=scope)
 
     def __repr__(self) -> str:
-        shown = self._settings().as_dict()
-        shown["max_norm"], shown["norm_type"] = self.max_norm, self.norm_type
+        shown = {**self._settings().as_dict(), "max_norm": self.max_norm}
+        shown["norm_type"] = self.norm_type
         if self._clip.skip_spikes is not None:
             shown["skip_spikes"] = self._clip.skip_spikes
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
@@ -311,88 +302,65 @@ class ClippedOptimizer(OptimizerWrapper):
 
     per_group = _fixed("per_group", "Whether each param group is clipped by its own norm.")
     foreach = _fixed("foreach", "The ``foreach`` choice passed to the norm and scale kernels.")
-    nonfinite = _fixed(
-        "nonfinite",
-        'What a non-finite norm does: ``"propagate"``, ``"skip"``, ``"raise"`` or ``"assert"``.',
-    )
+    nonfinite = _fixed("nonfinite", "What a non-finite norm does (see the constructor).")
     max_consecutive_skips = _fixed(
         "max_consecutive_skips", "Skipped steps in a row after which a non-finite norm raises."
     )
-    rule = _fixed(
-        "rule",
-        "The clip rule passed as ``max_norm``, None for a number (its ``last_threshold`` "
-        "is its monitoring).",
-    )
-    skip_spikes = _fixed(
-        "skip_spikes", "The :class:`clipopt.SpikeSkip` that skips spikes, or None."
-    )
+    rule = _fixed("rule", "The clip rule passed as ``max_norm``, None for a number.")
+    skip_spikes = _fixed("skip_spikes", "The :class:`clipopt.SpikeSkip` that skips, or None.")
     track_tensor_norms = _fixed(
-        "track_tensor_norms",
-        "Whether each step keeps its per-tensor norms in ``last_tensor_norms``.",
+        "track_tensor_norms", "Whether each step keeps its per-tensor norms."
     )
 
     def _group_setting(self, key: str) -> float | list[float]:
         """Each param group's ``key``: one number where every group has the same."""
-        values = [float(g.get(key, self.defaults[key])) for g in self.optimizer.param_groups]
+        values = [float(g.get(key, self.defaults[key])) for g in self.param_groups]
         return values[0] if len(set(values)) == 1 else values
 
     @property
     def max_norm(self) -> float | list[float] | ClipRule:
-        """The threshold the step uses: the rule, else the param groups'
-        ``clip_max_norm`` (one number where every group has the same, else one per group).
-
-        Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and
-        ``opt.defaults["clip_max_norm"]`` for groups added later) to change it, as an LR
-        scheduler changes ``lr``.
+        """The rule, else the param groups' ``clip_max_norm`` (one number where all are
+        equal). Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and
+        ``opt.defaults["clip_max_norm"]`` for groups added later), as a scheduler sets ``lr``.
         """
         rule = self._clip.rule
         return rule if rule is not None else self._group_setting(MAX_NORM_KEY)
 
     @max_norm.setter
     def max_norm(self, value: object) -> None:
-        how = (
-            f"(and opt.defaults[{MAX_NORM_KEY!r}] for groups added later), or make a new "
-            "ClippedOptimizer for a rule"
-        )
-        raise AttributeError(
-            _refused("max_norm", value, f"set opt.param_groups[i][{MAX_NORM_KEY!r}] {how}")
-        )
+        how = f"the step reads opt.param_groups[i][{MAX_NORM_KEY!r}] (and opt.defaults"
+        _refuse("max_norm", value, f"{how} for groups added later); a rule: make a new one")
 
     @property
     def norm_type(self) -> float | list[float]:
-        """The norm's order the step uses: the param groups' ``clip_norm_type`` (one
-        number where every group has the same). Read-only, as :attr:`max_norm`."""
+        """The param groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
         return self._group_setting(NORM_TYPE_KEY)
 
     @norm_type.setter
     def norm_type(self, value: object) -> None:
-        how = "in every group (one order for all unless per_group=True)"
-        raise AttributeError(
-            _refused("norm_type", value, f"set opt.param_groups[i][{NORM_TYPE_KEY!r}] {how}")
+        how = (
+            f"the step reads opt.param_groups[i][{NORM_TYPE_KEY!r}] (one for all unless per_group)"
         )
+        _refuse("norm_type", value, how)
 
     @property
     def last_norm(self) -> Tensor | None:
-        """The pre-clip total norm of the most recent step, None before the first.
-
-        A 0-dim tensor on the grads' device (float32, float64 for double grads). With
-        ``per_group=True`` it is the norm of the per-group norms taken with the default
-        ``norm_type``: the total norm whenever every group uses that order.
-        """
+        """The pre-clip total norm of the last step (None before the first): a 0-dim
+        tensor on the grads' device (float32, float64 for double grads). With
+        ``per_group=True``, the norm of the group norms in the default ``norm_type``."""
         return self._record.last_norm
 
     @property
     def last_group_norms(self) -> Tensor | None:
-        """With ``per_group=True``, the pre-clip norm of each group (1-D); with more than
-        one clip group, of each clip group, in the order of :attr:`clip_groups`; else
-        None."""
+        """With ``per_group=True`` or clip groups, the pre-clip norm of each (1-D, in the
+        order of :attr:`clip_groups`); else None."""
         return self._record.last_group_norms
 
     @property
     def clip_groups(self) -> tuple[str | int, ...]:
-        """The clip groups' names, in order of first appearance in the param groups (those
-        ``"clip_group": None`` names are left out): ``("default",)`` where no group names
-        one, each group's index with ``per_group=True``."""
+        """The clip groups' names in order of first appearance (not those ``None``
+        names): ``("default",)`` where no group names one, group indices with
+        ``per_group=True``."""
         layout = clip_layout(self.param_groups)
         if layout is not None:
             return tuple(layout[1])
@@ -400,49 +368,36 @@ class ClippedOptimizer(OptimizerWrapper):
 
     @property
     def last_clipped_norm(self) -> Tensor | None:
-        """The post-clip norm of the last step: the norm of the grads its inner step used.
-
-        Shaped, typed and placed as :attr:`last_norm` (one per group or clip group,
-        as :attr:`last_group_norms`, where it is not None); None before the first step
-        and after loading a format-1 checkpoint. Derived when read, from the pre-clip
-        norm and the coefficient (``norm / grad_scale`` where the clip rides on a fused
-        kernel): the step launches nothing for it. A per-tensor or unit-wise rule scales
-        each tensor or unit by its own coefficient: the norm of their norms times their
-        coefficients, taken in float64 over the rule's tensors or units only (not AGC's
-        ``exclude``; under ``pp_mesh`` this stage's). A skipped
-        step scaled nothing: it reads :attr:`last_norm` (the grads were left as they
-        were). None too where groups with different ``clip_max_norm`` are scaled by one
-        norm (``per_group=False``): each group's own norm is not measured.
-        """
+        """The post-clip norm of the last step, the norm of the grads its inner step used,
+        shaped as :attr:`last_norm` (or :attr:`last_group_norms`). Derived when read: the
+        step launches nothing for it. For a per-tensor or unit-wise rule, the float64
+        norm of the rule's scaled tensors or units (this stage's under ``pp_mesh``). A
+        skipped step reads :attr:`last_norm`. None before the first step, after loading a
+        format-1 checkpoint, and where groups with different ``clip_max_norm`` share one
+        norm."""
         return self._record.last_clipped_norm()
 
     @property
     def last_clipped(self) -> Tensor | None:
         """Whether the last step's clip scaled the grads (some grad, for a per-tensor or
-        unit-wise rule): a bool tensor shaped as :attr:`last_clipped_norm`, on the grads'
-        device; False for a skipped step; None before the first step."""
+        unit-wise rule): a bool tensor shaped as :attr:`last_clipped_norm`; False for a
+        skipped step; None before the first."""
         return self._record.last_clipped()
 
     @property
     def clipped_count(self) -> Tensor:
-        """Steps whose clip scaled the grads, an int64 tensor (one per group or clip
-        group, as :attr:`last_group_norms`, where it is not None; else 0-dim); skipped
-        steps do not count. Made on the device each step (a compare and an add), saved
-        in :meth:`state_dict`."""
+        """Steps whose clip scaled the grads (not skipped ones), an int64 tensor shaped
+        as :attr:`last_clipped`, counted on the device and saved in :meth:`state_dict`."""
         return self._record.clipped_count
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
-        """With ``track_tensor_norms=True``, each grad's pre-clip norm in the last step.
-
-        ``{name: 0-dim tensor}`` on the grads' device (float32, float64 for double
-        grads), in the order of the param groups, parameters without a grad left out.
-        A name is the one torch keeps in each group's ``param_names`` when the inner
-        optimizer was given ``model.named_parameters()``, else the parameter's index
-        over all groups as a string (its key in ``state_dict()["state"]``). None before
-        the first step, after a load, and without ``track_tensor_norms``. Not saved in
-        :meth:`state_dict`: nothing in a step reads it.
-        """
+        """With ``track_tensor_norms=True``, each grad's pre-clip norm in the last step:
+        ``{name: 0-dim tensor}`` in the order of the param groups, parameters without a
+        grad left out. A name is the group's ``param_names`` entry (an optimizer given
+        ``model.named_parameters()``), else the parameter's index as a string. None
+        before the first step, after a load, and without ``track_tensor_norms``; not
+        saved."""
         record = self._record
         if record.tensor_norms is None:
             return None
@@ -465,26 +420,62 @@ class ClippedOptimizer(OptimizerWrapper):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus the clip state under ``"clip"``, with
+        the wrapper's state-dict hooks around it."""
+        return self._hooked_state_dict(
+            lambda: {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
+        )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
+
+        Everything is validated first: a bad dict raises and changes nothing, and if the
+        inner optimizer's own load raises it is put back as it was. A dict without the
+        ``"clip"`` entry (a plain one, or from ``torch.distributed.checkpoint.state_dict``)
+        keeps the clip state and warns with a ``UserWarning`` naming
+        :class:`clipopt.distributed.ClippedOptimizerState`, unless one was made for this
+        optimizer. Loaded settings replace the constructor's, as for ``lr``.
+
+        Raises:
+          TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
+          ValueError: the dict does not match this optimizer or holds bad values.
+        """
+        self._hooked_load(state_dict, self._load)
+
+    def _load(self, loaded: dict[str, Any]) -> None:
+        if CLIP_KEY not in loaded and not self._extra_saved_apart:
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict got a state dict without a "
+                f"{CLIP_KEY!r} entry (torch.distributed.checkpoint.state_dict's functions "
+                "keep only 'state' and 'param_groups'), so the clip state (step counters, "
+                "last norms, the rule's state) stays as it was; to checkpoint it through "
+                "DCP, save clipopt.distributed.ClippedOptimizerState(optimizer) beside the "
+                "optimizer",
+                UserWarning,
+                stacklevel=4,  # load_state_dict -> _hooked_load -> _load
+            )
+        prepared = self._check_load(loaded, loaded.pop(CLIP_KEY, None))
+        self.optimizer.load_state_dict(loaded)
+        check_state_shapes(self.optimizer)
+        self._finish_load(prepared)
+
+    def _saved_apart(self) -> None:
+        """The ``"clip"`` entry travels in a ClippedOptimizerState: a load without it is
+        expected and does not warn."""
+        self._extra_saved_apart = True
+
+    def _load_extra(self, extra: Any) -> None:
+        """Load the ``"clip"`` entry alone, validated first, the inner optimizer untouched."""
+        self._finish_load(self._check_load({}, extra))
+
     def _extra_state(self) -> dict[str, Any]:
         config = self._clip
         return _saved.clip_entry(
             self._settings(), self._record.state(), config.rule, config.skip_spikes
         )
 
-    def _warn_extra_missing(self) -> None:
-        warnings.warn(
-            f"{type(self).__name__}.load_state_dict got a state dict without a "
-            f"{CLIP_KEY!r} entry (torch.distributed.checkpoint.state_dict's functions "
-            "keep only 'state' and 'param_groups'), so the clip state (step counters, "
-            "last norms, the rule's state) stays as it was; to checkpoint it through DCP, "
-            "save clipopt.distributed.ClippedOptimizerState(optimizer) beside the "
-            "optimizer",
-            UserWarning,
-            stacklevel=5,  # load_state_dict -> _hooked_load -> _load -> here
-        )
-
     def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> _saved.ClipState | None:
-        config = self._clip
         # last_group_norms holds a norm of each saved clip group (the inner optimizer
         # judges saved groups that do not line up with these)
         groups: Any = inner_state.get("param_groups")
@@ -497,59 +488,32 @@ class ClippedOptimizer(OptimizerWrapper):
             inner_state,
             len(groups) if layout is None else len(layout[1]),
             self._settings(),
-            config.rule,
-            config.skip_spikes,
+            self._clip.rule,
+            self._clip.skip_spikes,
         )
 
     def _finish_load(self, prepared: _saved.ClipState | None) -> None:
         # An inner optimizer with a layout of its own loads groups that only now can be read.
         s = self._settings() if prepared is None else prepared.settings
         check_groups(self.param_groups, s.max_norm, s.norm_type, s.per_group)
-        if prepared is None:
-            self._apply_settings(s)
-            return
-        device = next(p.device for group in self.param_groups for p in group["params"])
-        config = self._clip
-        for mine, saved in (
-            (config.rule, prepared.rule),
-            (config.skip_spikes, prepared.skip_spikes),
-        ):
-            if mine is not None and saved is not None:
-                mine.load_state_dict(saved)
-                mine.to(device)
-        counters = {k: v.to(device=device, copy=True) for k, v in prepared.counters.items()}
-        last = {
-            k: None if t is None else t.to(device=device, copy=True)
-            for k, t in prepared.last.items()
-        }
-        self._record.load(counters, last)
+        if prepared is not None:
+            device = next(p.device for group in self.param_groups for p in group["params"])
+            for mine, saved in (
+                (self._clip.rule, prepared.rule),
+                (self._clip.skip_spikes, prepared.skip_spikes),
+            ):
+                if mine is not None and saved is not None:
+                    mine.load_state_dict(saved)
+                    mine.to(device)
+            counters = {k: v.to(device=device, copy=True) for k, v in prepared.counters.items()}
+            last = prepared.last.items()
+            self._record.load(
+                counters, {k: None if t is None else t.to(device, copy=True) for k, t in last}
+            )
         self._apply_settings(s)
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  torch's hook wrapper: see clipopt._wrapper
-
-
-def _refused(name: str, value: object, how: str) -> str:
-    return f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): the step reads {how}"
-
-
-def _check_inner(optimizer: object) -> Optimizer:
-    """``optimizer``, refused if it cannot be wrapped: a wrapper, a non-optimizer,
-    nothing to optimize."""
-    if isinstance(optimizer, ClippedOptimizer):
-        raise TypeError(
-            "optimizer is already a ClippedOptimizer; wrapping it twice would clip twice. "
-            "Change its param groups' 'clip_max_norm' instead"
-        )
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    check_not_skip_step(optimizer)
-    groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(groups, list) or not any(g.get("params") for g in groups):
-        raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
-    return optimizer
 
 
 def _check_config(
@@ -559,9 +523,7 @@ def _check_config(
     track_tensor_norms: Any,
     skip_spikes: Any,
 ) -> None:
-    """Refuse arguments no step could measure with, or of the wrong type: a rule per
-    group, a per-tensor or unit-wise rule or tracked norms with a ``process_group`` (it
-    splits tensors across ranks), a unit-wise rule's bad order."""
+    """Refuse arguments no step could measure with, or of the wrong type."""
     if rule is not None and settings.per_group:
         raise ValueError(
             f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one "
@@ -572,10 +534,9 @@ def _check_config(
     if local and process_group is not None:
         raise ValueError(
             f"{rule!r} measures each grad on its own, and with a process_group each rank "
-            "holds other tensors (pipeline stages, model-parallel slices), so its grads "
-            "would differ by rank: per-tensor and unit-wise rules need unsplit parameters "
-            "(DDP), or, per tensor, DTensor grads (FSDP2, tensor parallel) and no "
-            "process_group"
+            "holds other tensors, so its grads would differ by rank: per-tensor and "
+            "unit-wise rules need unsplit parameters (DDP), or, per tensor, DTensor grads "
+            "(FSDP2, tensor parallel) and no process_group"
         )
     if isinstance(rule, UnitWiseRule):
         rule.check_norm_type(settings.norm_type)
@@ -590,15 +551,24 @@ def _check_config(
         raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
 
 
-def _prepare(params: list[Tensor], rule: ClipRule | None, skip_spikes: SpikeSkip | None) -> None:
+def _prepare(
+    groups: list[dict[str, Any]], rule: ClipRule | None, skip_spikes: SpikeSkip | None
+) -> None:
     """Make the rules' state for the norms the step will give them, so that a compiled
     step compiles once; a wrong guess (grads on another device) costs one recompile."""
-    trained = [p for p in params if p.requires_grad]
+    trained = [
+        p
+        for g in groups
+        if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None
+        for p in g["params"]
+        if p.requires_grad
+    ]
     if not trained:
         return
     dtype, device = result_dtype([p.dtype for p in trained]), trained[0].device
     if rule is not None:
-        shape = (len(trained),) if rule.per_tensor else ()
-        rule.prepare(torch.zeros(shape, dtype=dtype, device=device))
+        rule.prepare(
+            torch.zeros((len(trained),) if rule.per_tensor else (), dtype=dtype, device=device)
+        )
     if skip_spikes is not None:
         skip_spikes.prepare(torch.zeros((), dtype=dtype, device=device))
