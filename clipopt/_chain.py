@@ -60,7 +60,23 @@ class OptimizerChain(OptimizerShell):
     """
 
     def __init__(self, optimizers: Sequence[Optimizer]) -> None:
-        self.optimizers = _checked(optimizers)
+        if not isinstance(optimizers, (list, tuple)) or not optimizers:
+            kind = ValueError if isinstance(optimizers, (list, tuple)) else TypeError
+            raise kind(f"optimizers must be a non-empty list of optimizers, got {optimizers!r}")
+        owner: dict[int, int] = {}
+        for i, opt in enumerate(optimizers):
+            check_optimizer(opt, f"optimizers[{i}]")
+            for j in (j for j in range(i) if optimizers[j] is opt):
+                raise ValueError(f"optimizers[{i}] is optimizers[{j}]: it would step twice")
+            for p in (p for group in opt.param_groups for p in group["params"]):
+                j = owner.setdefault(id(p), i)
+                if j != i:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is in optimizers[{j}] "
+                        f"({type(optimizers[j]).__name__}) and optimizers[{i}] "
+                        f"({type(opt).__name__}): it would be updated twice a step"
+                    )
+        self.optimizers = tuple(optimizers)
         self._init_hooks()
         self.defaults: dict[str, Any] = {}
         self._lists: list[list[dict[str, Any]]] = []
@@ -124,13 +140,10 @@ class OptimizerChain(OptimizerShell):
             "chain.optimizers[i].add_param_group(group); the chain sees it"
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def _state_dict(self) -> dict[str, Any]:
         """One torch optimizer's state dict with all the groups, parameters numbered
         across the optimizers; other top-level keys of an inner dict are kept under
         ``"chain"``, one dict per optimizer (absent where there are none)."""
-        return self._hooked_state_dict(self._merged)
-
-    def _merged(self) -> dict[str, Any]:
         state: dict[Any, Any] = {}
         groups: list[dict[str, Any]] = []
         extras: list[dict[str, Any]] = []
@@ -144,18 +157,50 @@ class OptimizerChain(OptimizerShell):
         merged = {"state": state, "param_groups": groups}
         return {**merged, _EXTRA_KEY: extras} if any(extras) else merged
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a dict from :meth:`state_dict`, validated whole, then split and loaded
-        into each optimizer in order; if one raises, every one is put back as it was.
-
-        Raises:
-          TypeError: ``state_dict`` or a part of it has the wrong type.
-          ValueError: its groups do not match the optimizers'.
-        """
-        self._hooked_load(state_dict, self._load)
-
     def _load(self, loaded: dict[str, Any]) -> None:
-        for opt, part in zip(self.optimizers, _split(loaded, self.optimizers), strict=True):
+        """Split a dict from :meth:`state_dict`, each part checked first, and load each
+        optimizer's part (its parameters numbered from 0)."""
+        state, groups = loaded.get("state"), loaded.get("param_groups")
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state_dict['state'] must be a dict, got {type(state).__name__}")
+        if not isinstance(groups, list) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+        ):
+            raise TypeError(
+                "state_dict['param_groups'] must be a list of dicts with 'params' lists"
+            )
+        sizes = [len(opt.param_groups) for opt in self.optimizers]
+        if len(groups) != sum(sizes):
+            raise ValueError(
+                f"state_dict has {len(groups)} param groups; the chain has "
+                f"{' + '.join(map(str, sizes))} ({_names(self.optimizers)})"
+            )
+        extras = loaded.get(_EXTRA_KEY, [{}] * len(sizes))
+        if not isinstance(extras, list) or len(extras) != len(sizes):
+            raise TypeError(f"state_dict[{_EXTRA_KEY!r}] must be a list of {len(sizes)} dicts")
+        parts: list[dict[str, Any]] = []
+        known: set[Any] = set()
+        start = 0
+        for i, (opt, extra) in enumerate(zip(self.optimizers, extras, strict=True)):
+            mine = groups[start : start + sizes[i]]
+            for g, (saved, group) in enumerate(zip(mine, opt.param_groups, strict=True), start):
+                if len(saved["params"]) != len(group["params"]):
+                    raise ValueError(
+                        f"state_dict['param_groups'][{g}] has {len(saved['params'])} parameters; "
+                        f"the group of optimizers[{i}] ({type(opt).__name__}) it loads into has "
+                        f"{len(group['params'])}"
+                    )
+            if not isinstance(extra, Mapping):
+                raise TypeError(f"state_dict[{_EXTRA_KEY!r}][{i}] must be a dict, got {extra!r}")
+            start += sizes[i]
+            index, renumbered = _renumbered(mine)
+            known.update(index)
+            own = {index[k]: v for k, v in state.items() if k in index}
+            parts.append({**extra, "state": own, "param_groups": renumbered})
+        unknown = [k for k in state if k not in known]
+        if unknown:
+            raise ValueError(f"state_dict['state'] has entries {unknown[:3]!r} of no parameter")
+        for opt, part in zip(self.optimizers, parts, strict=True):
             opt.load_state_dict(part)
             check_state_shapes(opt)
 
@@ -192,76 +237,3 @@ def _renumbered(groups: list[Any], start: int = 0) -> tuple[dict[Any, int], list
     ids = itertools.chain.from_iterable(g["params"] for g in groups)
     index = {old: new for new, old in enumerate(ids, start)}
     return index, [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
-
-
-def _checked(optimizers: Sequence[Optimizer]) -> tuple[Optimizer, ...]:
-    """The optimizers as a tuple, each a distinct optimizer, no parameter in two."""
-    if not isinstance(optimizers, (list, tuple)):
-        raise TypeError(f"optimizers must be a list of optimizers, got {optimizers!r}")
-    if not optimizers:
-        raise ValueError(f"optimizers must be a non-empty list of optimizers, got {optimizers!r}")
-    owner: dict[int, int] = {}
-    for i, opt in enumerate(optimizers):
-        check_optimizer(opt, f"optimizers[{i}]")
-        for j in (j for j in range(i) if optimizers[j] is opt):
-            raise ValueError(f"optimizers[{i}] is optimizers[{j}]: it would step twice")
-        for p in (p for group in opt.param_groups for p in group["params"]):
-            j = owner.setdefault(id(p), i)
-            if j != i:
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} is in optimizers[{j}] "
-                    f"({type(optimizers[j]).__name__}) and optimizers[{i}] "
-                    f"({type(opt).__name__}): it would be updated twice a step"
-                )
-    return tuple(optimizers)
-
-
-def _split(loaded: Mapping[str, Any], optimizers: tuple[Optimizer, ...]) -> list[dict[str, Any]]:
-    """Each optimizer's part of a merged state dict, its parameters numbered from 0;
-    all checked before anything is loaded."""
-    state, groups = loaded.get("state"), loaded.get("param_groups")
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state_dict['state'] must be a dict, got {type(state).__name__}")
-    if not isinstance(groups, list) or not all(
-        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
-    ):
-        raise TypeError("state_dict['param_groups'] must be a list of dicts with 'params' lists")
-    sizes = [len(opt.param_groups) for opt in optimizers]
-    if len(groups) != sum(sizes):
-        raise ValueError(
-            f"state_dict has {len(groups)} param groups; the chain has "
-            f"{' + '.join(map(str, sizes))} ({_names(optimizers)})"
-        )
-    extras = loaded.get(_EXTRA_KEY, [{}] * len(optimizers))
-    if not (
-        isinstance(extras, list)
-        and len(extras) == len(optimizers)
-        and all(isinstance(e, Mapping) for e in extras)
-    ):
-        raise TypeError(
-            f"state_dict[{_EXTRA_KEY!r}] must be a list of {len(optimizers)} dicts, got {extras!r}"
-        )
-    parts: list[dict[str, Any]] = []
-    known: set[Any] = set()
-    start = 0
-    for i, (opt, extra) in enumerate(zip(optimizers, extras, strict=True)):
-        mine = groups[start : start + sizes[i]]
-        for g, (saved, group) in enumerate(zip(mine, opt.param_groups, strict=True), start):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"state_dict['param_groups'][{g}] has {len(saved['params'])} parameters; "
-                    f"the group of optimizers[{i}] ({type(opt).__name__}) it loads into has "
-                    f"{len(group['params'])}"
-                )
-        index, renumbered = _renumbered(mine)
-        known.update(index)
-        own = {index[k]: v for k, v in state.items() if k in index}
-        parts.append({**extra, "state": own, "param_groups": renumbered})
-        start += sizes[i]
-    unknown = [k for k in state if k not in known]
-    if unknown:
-        raise ValueError(
-            f"state_dict['state'] has entries {unknown[:3]!r} of no parameter in "
-            "state_dict['param_groups']"
-        )
-    return parts

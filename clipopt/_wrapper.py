@@ -16,41 +16,30 @@ Closure: TypeAlias = Callable[[], Any]
 Hook = Callable[..., Any]
 
 
-def _run_pre_hooks(
-    hooks: list[Hook], opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Call each pre-hook in order; one may replace ``(args, kwargs)``, as in torch."""
-    for hook in hooks:
+def pre_hooks(
+    opt: Any, closure: Closure | None, own_only: bool = False
+) -> tuple[tuple[Any, ...], dict[str, Any], Closure | None]:
+    """Fire the global step pre-hooks (not with ``own_only``), then ``opt``'s own; one
+    may replace ``(args, kwargs)``, as in torch. Return them and the closure they hold."""
+    globals_ = {} if own_only else getattr(optimizer, "_global_optimizer_pre_hooks", {})
+    args: tuple[Any, ...] = () if closure is None else (closure,)
+    kwargs: dict[str, Any] = {}
+    for hook in [*globals_.values(), *opt._optimizer_step_pre_hooks.values()]:
         result = hook(opt, args, kwargs)
-        if result is None:
-            continue
-        if not (isinstance(result, tuple) and len(result) == 2):
+        if result is not None and not (isinstance(result, tuple) and len(result) == 2):
             raise RuntimeError(
                 f"a step pre-hook must return None or (args, kwargs), got {result!r}"
             )
-        args, kwargs = result
-    return args, kwargs
-
-
-def pre_hooks(
-    opt: Any, closure: Closure | None
-) -> tuple[tuple[Any, ...], dict[str, Any], Closure | None]:
-    """Fire the global step pre-hooks, then ``opt``'s own; return the (possibly replaced)
-    arguments and the closure they hold."""
-    hooks = [
-        *getattr(optimizer, "_global_optimizer_pre_hooks", {}).values(),
-        *opt._optimizer_step_pre_hooks.values(),
-    ]
-    args, kwargs = _run_pre_hooks(hooks, opt, () if closure is None else (closure,), {})
+        args, kwargs = result or (args, kwargs)
     return args, kwargs, kwargs.get("closure", args[0] if args else None)
 
 
-def post_hooks(opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Fire ``opt``'s own step post-hooks, then the global ones."""
-    for hook in [
-        *opt._optimizer_step_post_hooks.values(),
-        *getattr(optimizer, "_global_optimizer_post_hooks", {}).values(),
-    ]:
+def post_hooks(
+    opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any], own_only: bool = False
+) -> None:
+    """Fire ``opt``'s own step post-hooks, then the global ones (not with ``own_only``)."""
+    globals_ = {} if own_only else getattr(optimizer, "_global_optimizer_post_hooks", {})
+    for hook in [*opt._optimizer_step_post_hooks.values(), *globals_.values()]:
         hook(opt, args, kwargs)
 
 
@@ -68,13 +57,11 @@ def inner_step(opt: Optimizer, closure: Closure | None) -> Any:
     unwrapped = getattr(step, "__wrapped__", None)
     if unwrapped is None or not getattr(step, "hooked", False) or "step" in opt.__dict__:
         return opt.step() if closure is None else opt.step(closure)
-    args: tuple[Any, ...] = () if closure is None else (closure,)
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
-        args, kwargs = _run_pre_hooks(list(opt._optimizer_step_pre_hooks.values()), opt, args, {})
+        args, kwargs, _ = pre_hooks(opt, closure, own_only=True)
         result = unwrapped(opt, *args, **kwargs)
         opt._optimizer_step_code()
-        for hook in list(opt._optimizer_step_post_hooks.values()):
-            hook(opt, args, kwargs)
+        post_hooks(opt, args, kwargs, own_only=True)
     return result
 
 
@@ -110,22 +97,19 @@ class OptimizerShell(Optimizer):
         self.__dict__.update(state)
         self._init_hooks()
 
-    def _hooked_state_dict(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """``make()`` with this optimizer's state-dict hooks around it, as torch runs them."""
+    def state_dict(self) -> dict[str, Any]:
+        """This optimizer's state dict, with its state-dict hooks around it as in torch."""
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
-        state_dict = make()
+        state_dict = self._state_dict()
         for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
             result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+            state_dict = state_dict if result is None else result
         return state_dict
 
-    def _hooked_load(
-        self, state_dict: Mapping[str, Any], load: Callable[[dict[str, Any]], None]
-    ) -> None:
-        """``load`` a copy of ``state_dict`` with the load hooks around it; if it raises,
-        put this optimizer and its parts back as they were.
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a copy of ``state_dict``, with the load hooks around it; if it raises, this
+        optimizer and those it steps are put back as they were.
 
         Raises:
           TypeError: ``state_dict`` is not a dict.
@@ -135,31 +119,29 @@ class OptimizerShell(Optimizer):
         loaded = dict(state_dict)
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, loaded)
-            if result is not None:
-                loaded = dict(result)
-        restore = restore_point(self)
+            loaded = loaded if result is None else dict(result)
+        saved = [(opt, dict(opt.__dict__)) for opt in _tree(self)]
         try:
-            load(loaded)
+            self._load(loaded)
         except BaseException:
-            restore()
+            for opt, attributes in saved:  # their groups and state objects as they were
+                opt.__dict__.clear()
+                opt.__dict__.update(attributes)
             raise
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
 
+    def _state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
 
-def restore_point(opt: Optimizer) -> Callable[[], None]:
-    """What puts ``opt`` back as it is now: its attributes (so its groups and state
-    objects), and those of the optimizers it steps."""
-    attributes = dict(opt.__dict__)
-    parts = [restore_point(p) for p in opt._parts()] if isinstance(opt, OptimizerShell) else []
+    def _load(self, loaded: dict[str, Any]) -> None:
+        raise NotImplementedError
 
-    def restore() -> None:
-        opt.__dict__.clear()
-        opt.__dict__.update(attributes)
-        for part in parts:
-            part()
 
-    return restore
+def _tree(opt: Optimizer) -> list[Optimizer]:
+    """``opt`` and the optimizers it steps, all of which a load may change."""
+    parts = opt._parts() if isinstance(opt, OptimizerShell) else ()
+    return [opt, *(o for part in parts for o in _tree(part))]
 
 
 def check_optimizer(opt: object, name: str) -> Optimizer:

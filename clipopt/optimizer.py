@@ -70,68 +70,60 @@ def _inner(name: str) -> Any:
 class ClippedOptimizer(OptimizerShell):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
-    Each :meth:`step` computes the total norm of all grads with grouped kernels (one per
-    device and dtype, no host sync), scales the grads in place by
-    ``min(1, max_norm / (norm + 1e-6))``, then runs the inner optimizer's step and returns
-    what it returns: :func:`clipopt.clip_grad_norm_` then ``optimizer.step()``, in one
-    object that schedulers and checkpoints treat like the optimizer it wraps. Its
-    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's very objects.
-
-    A param group's ``"clip_group"`` (a str or an int) names its clip group: the groups
-    of one clip group share one norm and one threshold (equal ``clip_max_norm`` and
-    ``clip_norm_type``); a group without one is in ``"default"``, one with None is
-    neither measured nor scaled. A rule clips one clip group (the others None).
+    Each :meth:`step` measures the total norm of all grads with grouped kernels (no host
+    sync), scales them in place by ``min(1, max_norm / (norm + 1e-6))`` and runs the inner
+    step, returning what it returns: :func:`clipopt.clip_grad_norm_` then
+    ``optimizer.step()``, in one object that schedulers and checkpoints treat like the
+    optimizer it wraps (its ``param_groups``, ``state`` and ``defaults`` are the inner
+    optimizer's very objects). A param group's ``"clip_group"`` (a str or an int) names
+    its clip group, which has one norm and one threshold; a group without one is in
+    ``"default"``, one with None is not clipped; a rule clips one clip group.
 
     Args:
-      optimizer: the optimizer to wrap, or a list of optimizers (Muon for the 2-D
-        weights, AdamW for the rest) made into a :class:`clipopt.OptimizerChain`.
-      max_norm: the default largest allowed norm, > 0 (``inf``: measure only); a param
-        group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a
-        clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`,
-        :class:`clipopt.AdaGC`, :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`) that
-        chooses every group's threshold each step (a group's own ``clip_max_norm`` is
-        refused); it needs ``per_group=False``. See ``docs/adaptive.md``.
-      norm_type: the default order p of the norm: a number > 0, ``inf`` or ``'inf'``; a
-        param group may carry its own ``"clip_norm_type"`` with ``per_group=True``.
-      per_group: clip each param group by its own norm (in :attr:`last_group_norms`)
-        instead of one global norm; not with ``"clip_group"`` names.
+      optimizer: the optimizer to wrap, or a list of them (Muon for the 2-D weights,
+        AdamW for the rest) made into a :class:`clipopt.OptimizerChain`.
+      max_norm: the default largest norm, > 0 (``inf``: measure only); a group may set
+        its own ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a clip rule
+        (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`, :class:`clipopt.AdaGC`,
+        :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`) that sets every group's
+        threshold each step, with ``per_group=False``. See ``docs/adaptive.md``.
+      norm_type: the default order of the norm, > 0, ``inf`` or ``'inf'``; a group may
+        set its own ``"clip_norm_type"`` with ``per_group=True``.
+      per_group: clip each param group by its own norm (:attr:`last_group_norms`); not
+        with ``"clip_group"`` names.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest for
-        each device (None), as in :func:`clipopt.clip_grad_norm_`.
-      nonfinite: what a NaN/inf norm does. ``"propagate"`` (torch's, no sync): the grads
-        are scaled by the NaN coefficient and the step runs. ``"skip"``: the inner step
-        is skipped, nothing is touched and :attr:`skip_count` grows (one host read per
-        step). ``"raise"``: :class:`clipopt.NonFiniteNormError` before anything is
-        touched (one host read). ``"assert"``: ``torch._assert_async``, no host read: on
-        CPU a ``RuntimeError`` before anything is touched; on CUDA an error at the next
-        synchronisation, after the step, that leaves the CUDA context unusable.
-      max_consecutive_skips: with ``nonfinite="skip"``, the non-finite step after this
-        many skips in a row raises :class:`clipopt.NonFiniteNormError`; None never does.
+        each device (None).
+      nonfinite: on a NaN/inf norm: ``"propagate"`` (torch's, no sync) scales by NaN and
+        steps; ``"skip"`` skips the inner step, touching nothing, and counts it in
+        :attr:`skip_count` (one host read a step); ``"raise"`` raises
+        :class:`clipopt.NonFiniteNormError`, touching nothing (one host read);
+        ``"assert"`` uses ``torch._assert_async`` (no host read: on CUDA it surfaces after
+        the step and leaves the CUDA context unusable).
+      max_consecutive_skips: with ``"skip"``, the non-finite step after this many skips
+        in a row raises :class:`clipopt.NonFiniteNormError`; None never does.
       process_group: the group plain parameters are split across in model parallelism:
-        the norm is reduced over it with one ``all_reduce``. DTensor grads (FSDP2, HSDP,
-        TP) are reduced over their mesh without it; DDP needs nothing. See
-        :mod:`clipopt.distributed`.
+        the norm is reduced over it in one ``all_reduce``. DTensor grads (FSDP2, HSDP,
+        TP) and DDP need none; see :mod:`clipopt.distributed`.
       replicated_params: parameters identical on every rank of ``process_group`` (tied
-        embeddings, layer norms under tensor parallel); they count once.
-      skip_spikes: a :class:`clipopt.SpikeSkip`: skip the whole step when the pre-clip
-        norm is an outlier of the recent ones (on a fused torch optimizer through
-        ``found_inf``, else in the host read of ``nonfinite="skip"``).
+        embeddings, layer norms under TP); they count once.
+      skip_spikes: a :class:`clipopt.SpikeSkip`: skip the step when the pre-clip norm is
+        an outlier of the recent ones (in the host read of ``"skip"``, or through
+        ``found_inf`` of a fused torch optimizer).
       track_tensor_norms: keep each grad's pre-clip norm of the last step in
-        :attr:`last_tensor_norms`, measured in the step's one read of the grads (DTensor
-        grads whole, in its one collective). Not with a ``process_group``.
-      pp_mesh: under pipeline parallelism, a 1-D ``DeviceMesh`` (torchtitan's
-        ``world_mesh["pp"]``) or ``ProcessGroup`` joining this rank to one of each other
-        stage: the stages' norms are combined in one more ``all_reduce``, so every stage
-        clips, skips and updates its rule by the whole model's norm (per-tensor and unit
-        norms stay the stage's). With ``per_group`` the stages' groups are matched by
-        position; the first step refuses stages whose clip settings differ.
+        :attr:`last_tensor_norms`, measured in the step's one pass; not with a
+        ``process_group``.
+      pp_mesh: under pipeline parallelism, the 1-D ``DeviceMesh`` (torchtitan's
+        ``world_mesh["pp"]``) or ``ProcessGroup`` joining the stages: one more
+        ``all_reduce`` makes every stage clip, skip and update its rule by the whole
+        model's norm (per-tensor and unit norms stay the stage's). With ``per_group``
+        the stages' groups match by position.
 
     Raises:
-      TypeError: ``optimizer`` (or an element of the list) is not an optimizer or is
-        already a ClippedOptimizer, or a setting has the wrong type.
-      ValueError: ``optimizer`` has no parameters, a list is empty or holds an optimizer
-        or a parameter twice, a setting is out of range, param groups use different
-        ``norm_type`` values without ``per_group`` or clip groups, or the groups of one
-        clip group have different settings.
+      TypeError: ``optimizer`` (or one in the list) is not an optimizer or is a
+        ClippedOptimizer, or a setting has the wrong type.
+      ValueError: no parameters, an empty list or one holding an optimizer or a
+        parameter twice, a setting out of range, different ``norm_type`` values without
+        ``per_group`` or clip groups, or one clip group's groups with different settings.
 
     Example:
       >>> import torch, clipopt
@@ -178,7 +170,29 @@ class ClippedOptimizer(OptimizerShell):
             nonfinite,
             max_consecutive_skips,
         )
-        _check_config(rule, settings, process_group, track_tensor_norms, skip_spikes)
+        if rule is not None and settings.per_group:
+            raise ValueError(
+                f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one history "
+                "of one norm; use per_group=False, or per_tensor=True where the rule has it"
+            )
+        if isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor):
+            if process_group is not None:
+                raise ValueError(
+                    f"{rule!r} measures each grad on its own, which a process_group splits "
+                    "across ranks: per-tensor and unit-wise rules need unsplit parameters "
+                    "(DDP), or, per tensor, DTensor grads (FSDP2, TP) and no process_group"
+                )
+            if isinstance(rule, UnitWiseRule):
+                rule.check_norm_type(settings.norm_type)
+        if not isinstance(track_tensor_norms, bool):
+            raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
+        if track_tensor_norms and process_group is not None:
+            raise ValueError(
+                "track_tensor_norms=True measures each grad on its own, which a process_group "
+                "splits across ranks; it needs unsplit parameters"
+            )
+        if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
+            raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
         check_groups(groups, settings.max_norm, settings.norm_type, settings.per_group)
         check_rule_groups(groups, rule)
@@ -187,7 +201,7 @@ class ClippedOptimizer(OptimizerShell):
         # Nothing has been touched above this line.
         self._init_hooks()
         self.optimizer = optimizer
-        self._extra_saved_apart = False
+        self._extra_saved_apart = False  # see _saved_apart
         self._clip = ClipConfig(
             rule,
             skip_spikes,
@@ -203,7 +217,17 @@ class ClippedOptimizer(OptimizerShell):
         self._record = StepRecord()
         if len(self.clip_groups) > 1 or settings.per_group:  # shaped from the start
             self._record.clipped_count = torch.zeros(len(self.clip_groups), dtype=torch.int64)
-        _prepare(groups, rule, skip_spikes)
+        # The rules' state for the norms the step will give them, so that a compiled step
+        # compiles once (a wrong guess, grads on another device, costs one recompile).
+        clipped = [g for g in groups if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None]
+        trained = [p for g in clipped for p in g["params"] if p.requires_grad]
+        if trained:
+            dtype, device = result_dtype([p.dtype for p in trained]), trained[0].device
+            if rule is not None:
+                shape = (len(trained),) if rule.per_tensor else ()
+                rule.prepare(torch.zeros(shape, dtype=dtype, device=device))
+            if skip_spikes is not None:
+                skip_spikes.prepare(torch.zeros((), dtype=dtype, device=device))
 
     step = _clip_step.step
     param_groups = _inner("param_groups")
@@ -420,11 +444,13 @@ class ClippedOptimizer(OptimizerShell):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict plus the clip state under ``"clip"``, with
-        the wrapper's state-dict hooks around it."""
-        return self._hooked_state_dict(
-            lambda: {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
+    def _state_dict(self) -> dict[str, Any]:
+        return {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
+
+    def _extra_state(self) -> dict[str, Any]:
+        config = self._clip
+        return _saved.clip_entry(
+            self._settings(), self._record.state(), config.rule, config.skip_spikes
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -441,9 +467,20 @@ class ClippedOptimizer(OptimizerShell):
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
           ValueError: the dict does not match this optimizer or holds bad values.
         """
-        self._hooked_load(state_dict, self._load)
+        super().load_state_dict(state_dict)
 
-    def _load(self, loaded: dict[str, Any]) -> None:
+    def _saved_apart(self) -> None:
+        """The ``"clip"`` entry travels in a ClippedOptimizerState: a load without it is
+        expected and does not warn."""
+        self._extra_saved_apart = True
+
+    def _load_extra(self, extra: Any) -> None:
+        """Load the ``"clip"`` entry alone, the inner optimizer untouched."""
+        self._load({CLIP_KEY: extra}, inner=False)
+
+    def _load(self, loaded: dict[str, Any], inner: bool = True) -> None:
+        """Check the ``"clip"`` entry and the saved groups' clip settings, load the inner
+        optimizer, then the entry (the wrapper's load puts all back if this raises)."""
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict got a state dict without a "
@@ -453,54 +490,36 @@ class ClippedOptimizer(OptimizerShell):
                 "DCP, save clipopt.distributed.ClippedOptimizerState(optimizer) beside the "
                 "optimizer",
                 UserWarning,
-                stacklevel=4,  # load_state_dict -> _hooked_load -> _load
+                stacklevel=4,  # ClippedOptimizer.load_state_dict -> OptimizerShell's -> here
             )
-        prepared = self._check_load(loaded, loaded.pop(CLIP_KEY, None))
-        self.optimizer.load_state_dict(loaded)
-        check_state_shapes(self.optimizer)
-        self._finish_load(prepared)
-
-    def _saved_apart(self) -> None:
-        """The ``"clip"`` entry travels in a ClippedOptimizerState: a load without it is
-        expected and does not warn."""
-        self._extra_saved_apart = True
-
-    def _load_extra(self, extra: Any) -> None:
-        """Load the ``"clip"`` entry alone, validated first, the inner optimizer untouched."""
-        self._finish_load(self._check_load({}, extra))
-
-    def _extra_state(self) -> dict[str, Any]:
-        config = self._clip
-        return _saved.clip_entry(
-            self._settings(), self._record.state(), config.rule, config.skip_spikes
-        )
-
-    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> _saved.ClipState | None:
+        extra = loaded.pop(CLIP_KEY, None)
         # last_group_norms holds a norm of each saved clip group (the inner optimizer
         # judges saved groups that do not line up with these)
-        groups: Any = inner_state.get("param_groups")
+        groups: Any = loaded.get("param_groups")
         readable = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
         if not readable or len(groups) != len(self.param_groups):
             groups = self.param_groups
         layout = clip_layout(groups)
-        return _saved.check_load(
+        config = self._clip
+        prepared = _saved.check_load(
             extra,
-            inner_state,
+            loaded,
             len(groups) if layout is None else len(layout[1]),
             self._settings(),
-            self._clip.rule,
-            self._clip.skip_spikes,
+            config.rule,
+            config.skip_spikes,
         )
-
-    def _finish_load(self, prepared: _saved.ClipState | None) -> None:
+        if inner:
+            self.optimizer.load_state_dict(loaded)
+            check_state_shapes(self.optimizer)
         # An inner optimizer with a layout of its own loads groups that only now can be read.
         s = self._settings() if prepared is None else prepared.settings
         check_groups(self.param_groups, s.max_norm, s.norm_type, s.per_group)
         if prepared is not None:
             device = next(p.device for group in self.param_groups for p in group["params"])
             for mine, saved in (
-                (self._clip.rule, prepared.rule),
-                (self._clip.skip_spikes, prepared.skip_spikes),
+                (config.rule, prepared.rule),
+                (config.skip_spikes, prepared.skip_spikes),
             ):
                 if mine is not None and saved is not None:
                     mine.load_state_dict(saved)
@@ -514,61 +533,3 @@ class ClippedOptimizer(OptimizerShell):
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  torch's hook wrapper: see clipopt._wrapper
-
-
-def _check_config(
-    rule: ClipRule | None,
-    settings: Settings,
-    process_group: ProcessGroup | None,
-    track_tensor_norms: Any,
-    skip_spikes: Any,
-) -> None:
-    """Refuse arguments no step could measure with, or of the wrong type."""
-    if rule is not None and settings.per_group:
-        raise ValueError(
-            f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one "
-            "history of one norm; use per_group=False, or per_tensor=True where the "
-            "rule has it"
-        )
-    local = rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
-    if local and process_group is not None:
-        raise ValueError(
-            f"{rule!r} measures each grad on its own, and with a process_group each rank "
-            "holds other tensors, so its grads would differ by rank: per-tensor and "
-            "unit-wise rules need unsplit parameters (DDP), or, per tensor, DTensor grads "
-            "(FSDP2, tensor parallel) and no process_group"
-        )
-    if isinstance(rule, UnitWiseRule):
-        rule.check_norm_type(settings.norm_type)
-    if not isinstance(track_tensor_norms, bool):
-        raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
-    if track_tensor_norms and process_group is not None:
-        raise ValueError(
-            "track_tensor_norms=True measures each grad on its own, which a process_group "
-            "splits across ranks; it needs unsplit parameters"
-        )
-    if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
-        raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
-
-
-def _prepare(
-    groups: list[dict[str, Any]], rule: ClipRule | None, skip_spikes: SpikeSkip | None
-) -> None:
-    """Make the rules' state for the norms the step will give them, so that a compiled
-    step compiles once; a wrong guess (grads on another device) costs one recompile."""
-    trained = [
-        p
-        for g in groups
-        if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None
-        for p in g["params"]
-        if p.requires_grad
-    ]
-    if not trained:
-        return
-    dtype, device = result_dtype([p.dtype for p in trained]), trained[0].device
-    if rule is not None:
-        rule.prepare(
-            torch.zeros((len(trained),) if rule.per_tensor else (), dtype=dtype, device=device)
-        )
-    if skip_spikes is not None:
-        skip_spikes.prepare(torch.zeros((), dtype=dtype, device=device))
