@@ -4,11 +4,11 @@ for the rest), so that one clip spans them all."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.optim import Optimizer
 
 from clipopt._wrapper import (
@@ -32,10 +32,9 @@ class OptimizerChain(OptimizerShell):
     """Step several optimizers as one: ``ClippedOptimizer([muon, adamw], max_norm=1.0)``
     clips all their grads by one global norm, then steps each in order.
 
-    ``param_groups`` lists every inner optimizer's group dicts (the very dicts), in
-    order; a group added to an inner optimizer is seen at once. ``state`` reads their
-    states; ``defaults`` is the chain's own. :meth:`state_dict` has the layout of one
-    torch optimizer holding all the groups (parameters numbered across the optimizers).
+    ``param_groups`` lists the inner optimizers' very group dicts, in order (a group
+    added to one is seen at once), ``state`` reads their states, ``defaults`` is the
+    chain's own; its state dict is one torch optimizer's holding all the groups.
 
     Args:
       optimizers: the optimizers, stepped in this order; no parameter in two of them.
@@ -88,8 +87,7 @@ class OptimizerChain(OptimizerShell):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """Every inner optimizer's param groups, in order: one list, made again only when
-        an inner optimizer's list (or its length) has changed."""
+        """The inner optimizers' param groups: one list, made again when one changed."""
         lists = [opt.param_groups for opt in self.optimizers]
         sizes = [len(groups) for groups in lists]
         if sizes != self._sizes or any(a is not b for a, b in zip(lists, self._lists, strict=True)):
@@ -103,16 +101,16 @@ class OptimizerChain(OptimizerShell):
 
     @property
     def state(self) -> Any:
-        """The inner optimizers' per-parameter states, read-only."""
-        return _States(self.optimizers)
+        """The inner optimizers' per-parameter states, read-only (a look-up makes none)."""
+        return MappingProxyType({p: s for opt in self.optimizers for p, s in opt.state.items()})
 
     @state.setter
     def state(self, state: Any) -> None:
         raise AttributeError(_READ_ONLY.format("state"))
 
     def _step(self, closure: Closure | None = None) -> Any:
-        """Evaluate ``closure`` once (with grad enabled) if given, then step each
-        optimizer in order (with its own hooks, without the closure); return the loss."""
+        """Evaluate ``closure`` once if given, then step each optimizer with its own
+        hooks; return the loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -207,25 +205,6 @@ class OptimizerChain(OptimizerShell):
     def __repr__(self) -> str:
         inner = "".join("\n  " + repr(opt).replace("\n", "\n  ") for opt in self.optimizers)
         return f"{type(self).__name__}({inner}\n)"
-
-
-class _States(Mapping[Tensor, Any]):
-    """A read-only view of several optimizers' states (a look-up makes no entry)."""
-
-    def __init__(self, optimizers: tuple[Optimizer, ...]) -> None:
-        self._states = [opt.state for opt in optimizers]
-
-    def __getitem__(self, param: Tensor) -> Any:
-        for state in self._states:
-            if param in state:
-                return state[param]
-        raise KeyError(param)
-
-    def __iter__(self) -> Iterator[Tensor]:
-        return itertools.chain.from_iterable(self._states)
-
-    def __len__(self) -> int:
-        return sum(map(len, self._states))
 
 
 def _names(optimizers: Sequence[object]) -> str:

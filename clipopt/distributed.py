@@ -50,7 +50,7 @@ class ClippedOptimizerState:
         self._template: bytes | None = None
 
     def _key(self) -> str:
-        group = self.optimizer._norm_scope.pp_group
+        group = self.optimizer._clip.norm_scope.pp_group
         return f"stage{0 if group is None else dist.get_rank(group)}"
 
     def state_dict(self) -> dict[str, Any]:

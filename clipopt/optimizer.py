@@ -238,7 +238,7 @@ class ClippedOptimizer(OptimizerShell):
         return (self.optimizer,)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the grads of every parameter, as the inner optimizer does."""
+        """The inner optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none)
 
     def _apply_settings(self, settings: Settings) -> None:
@@ -257,23 +257,17 @@ class ClippedOptimizer(OptimizerShell):
         )
 
     def _settings(self) -> Settings:
-        config = self._clip
-        return Settings(
-            float(self.defaults[MAX_NORM_KEY]),
-            float(self.defaults[NORM_TYPE_KEY]),
-            config.per_group,
-            config.nonfinite,
-            config.max_consecutive_skips,
-        )
+        c, defaults = self._clip, self.defaults
+        max_norm, norm_type = float(defaults[MAX_NORM_KEY]), float(defaults[NORM_TYPE_KEY])
+        return Settings(max_norm, norm_type, c.per_group, c.nonfinite, c.max_consecutive_skips)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group to the inner optimizer; missing ``clip_max_norm`` and
-        ``clip_norm_type`` are filled from :attr:`defaults`, like every hyperparameter.
+        """Add a param group to the inner optimizer; a missing ``clip_max_norm`` or
+        ``clip_norm_type`` is filled from :attr:`defaults`, like every hyperparameter.
 
         Raises:
-          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``/``clip_group``,
-            or, without ``per_group``, another ``clip_norm_type`` than its clip group's;
-            nothing is added.
+          TypeError, ValueError: a bad clip setting or ``clip_group`` (as in the
+            constructor); nothing is added.
         """
         if isinstance(param_group, dict):
             s, groups = self._settings(), [*self.param_groups, param_group]
@@ -284,35 +278,19 @@ class ClippedOptimizer(OptimizerShell):
 
     def attach_deepspeed(self, engine: Any) -> None:
         """Say that DeepSpeed's ``engine`` steps this wrapper: call it once, right after
-        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage. Under
-        ZeRO-1/2 each step then measures the global norm of DeepSpeed's flat partitions;
-        a wrapper whose groups DeepSpeed has rewritten refuses to step until attached.
+        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage; under
+        ZeRO-1/2 each step then measures the norm of DeepSpeed's flat partitions.
 
         Raises:
           ValueError: the engine does not step this wrapper, or uses a setting under which
-            the norm cannot be right (its own ``gradient_clipping``, fp16 dynamic loss
-            scaling, an untested optimizer, an :class:`OptimizerChain`), named; nothing
-            is changed.
+            the norm cannot be right (named); nothing is changed.
         """
         if isinstance(self.optimizer, OptimizerChain):
             raise ValueError(
-                "DeepSpeed steps one optimizer over flat partitions of the parameters, "
-                "which an OptimizerChain's optimizers (Muon: 2-D weights only) cannot "
-                "step; wrap a single optimizer to train under DeepSpeed"
+                "DeepSpeed steps one optimizer over flat partitions of the parameters, which "
+                "an OptimizerChain cannot step; wrap a single optimizer to train under DeepSpeed"
             )
         self._clip.deepspeed.binding = bind(engine, self)
-
-    @property
-    def _deepspeed(self) -> Watch:
-        return self._clip.deepspeed
-
-    @property
-    def _norm_scope(self) -> NormScope:
-        return self._clip.norm_scope
-
-    @_norm_scope.setter
-    def _norm_scope(self, scope: NormScope) -> None:
-        self._clip = dataclasses.replace(self._clip, norm_scope=scope)
 
     def __repr__(self) -> str:
         shown = {**self._settings().as_dict(), "max_norm": self.max_norm}
@@ -325,66 +303,56 @@ class ClippedOptimizer(OptimizerShell):
     # ------------------------------------------------------------------ read-outs
 
     per_group = _fixed("per_group", "Whether each param group is clipped by its own norm.")
-    foreach = _fixed("foreach", "The ``foreach`` choice passed to the norm and scale kernels.")
+    foreach = _fixed("foreach", "The ``foreach`` choice of the norm and scale kernels.")
     nonfinite = _fixed("nonfinite", "What a non-finite norm does (see the constructor).")
-    max_consecutive_skips = _fixed(
-        "max_consecutive_skips", "Skipped steps in a row after which a non-finite norm raises."
-    )
+    max_consecutive_skips = _fixed("max_consecutive_skips", "Skips in a row before a raise.")
     rule = _fixed("rule", "The clip rule passed as ``max_norm``, None for a number.")
-    skip_spikes = _fixed("skip_spikes", "The :class:`clipopt.SpikeSkip` that skips, or None.")
-    track_tensor_norms = _fixed(
-        "track_tensor_norms", "Whether each step keeps its per-tensor norms."
-    )
+    skip_spikes = _fixed("skip_spikes", "The :class:`clipopt.SpikeSkip`, or None.")
+    track_tensor_norms = _fixed("track_tensor_norms", "Whether a step keeps its tensors' norms.")
 
     def _group_setting(self, key: str) -> float | list[float]:
-        """Each param group's ``key``: one number where every group has the same."""
         values = [float(g.get(key, self.defaults[key])) for g in self.param_groups]
         return values[0] if len(set(values)) == 1 else values
 
     @property
     def max_norm(self) -> float | list[float] | ClipRule:
-        """The rule, else the param groups' ``clip_max_norm`` (one number where all are
-        equal). Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and
-        ``opt.defaults["clip_max_norm"]`` for groups added later), as a scheduler sets ``lr``.
-        """
+        """The rule, else the groups' ``clip_max_norm`` (one number where all are equal).
+        Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and ``opt.defaults``'s
+        for groups added later), as a scheduler sets ``lr``."""
         rule = self._clip.rule
         return rule if rule is not None else self._group_setting(MAX_NORM_KEY)
 
     @max_norm.setter
     def max_norm(self, value: object) -> None:
-        how = f"the step reads opt.param_groups[i][{MAX_NORM_KEY!r}] (and opt.defaults"
-        _refuse("max_norm", value, f"{how} for groups added later); a rule: make a new one")
+        how = f"set opt.param_groups[i][{MAX_NORM_KEY!r}] (and opt.defaults'), or make a new one"
+        _refuse("max_norm", value, how)
 
     @property
     def norm_type(self) -> float | list[float]:
-        """The param groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
+        """The groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
         return self._group_setting(NORM_TYPE_KEY)
 
     @norm_type.setter
     def norm_type(self, value: object) -> None:
-        how = (
-            f"the step reads opt.param_groups[i][{NORM_TYPE_KEY!r}] (one for all unless per_group)"
-        )
-        _refuse("norm_type", value, how)
+        _refuse("norm_type", value, f"set opt.param_groups[i][{NORM_TYPE_KEY!r}] in every group")
 
     @property
     def last_norm(self) -> Tensor | None:
-        """The pre-clip total norm of the last step (None before the first): a 0-dim
-        tensor on the grads' device (float32, float64 for double grads). With
-        ``per_group=True``, the norm of the group norms in the default ``norm_type``."""
+        """The pre-clip total norm of the last step (None before the first), a 0-dim
+        tensor on the grads' device (float32, float64 for double grads); with
+        ``per_group=True``, the norm of the group norms."""
         return self._record.last_norm
 
     @property
     def last_group_norms(self) -> Tensor | None:
-        """With ``per_group=True`` or clip groups, the pre-clip norm of each (1-D, in the
+        """With ``per_group=True`` or clip groups, each one's pre-clip norm (1-D, in the
         order of :attr:`clip_groups`); else None."""
         return self._record.last_group_norms
 
     @property
     def clip_groups(self) -> tuple[str | int, ...]:
-        """The clip groups' names in order of first appearance (not those ``None``
-        names): ``("default",)`` where no group names one, group indices with
-        ``per_group=True``."""
+        """The clip groups' names in order of first appearance (not None): ``("default",)``
+        where no group names one, the group indices with ``per_group=True``."""
         layout = clip_layout(self.param_groups)
         if layout is not None:
             return tuple(layout[1])
@@ -392,36 +360,32 @@ class ClippedOptimizer(OptimizerShell):
 
     @property
     def last_clipped_norm(self) -> Tensor | None:
-        """The post-clip norm of the last step, the norm of the grads its inner step used,
-        shaped as :attr:`last_norm` (or :attr:`last_group_norms`). Derived when read: the
-        step launches nothing for it. For a per-tensor or unit-wise rule, the float64
-        norm of the rule's scaled tensors or units (this stage's under ``pp_mesh``). A
-        skipped step reads :attr:`last_norm`. None before the first step, after loading a
+        """The post-clip norm of the last step (of the grads its inner step used), shaped
+        as :attr:`last_group_norms` or :attr:`last_norm`, derived when read. For a
+        per-tensor or unit-wise rule, the float64 norm of its scaled tensors or units. A
+        skipped step's is :attr:`last_norm`. None before the first step, after loading a
         format-1 checkpoint, and where groups with different ``clip_max_norm`` share one
         norm."""
         return self._record.last_clipped_norm()
 
     @property
     def last_clipped(self) -> Tensor | None:
-        """Whether the last step's clip scaled the grads (some grad, for a per-tensor or
-        unit-wise rule): a bool tensor shaped as :attr:`last_clipped_norm`; False for a
-        skipped step; None before the first."""
+        """Whether the last step's clip scaled the grads (some, for a per-tensor or
+        unit-wise rule), a bool tensor shaped as :attr:`last_clipped_norm`; False for a
+        skipped step, None before the first."""
         return self._record.last_clipped()
 
     @property
     def clipped_count(self) -> Tensor:
-        """Steps whose clip scaled the grads (not skipped ones), an int64 tensor shaped
-        as :attr:`last_clipped`, counted on the device and saved in :meth:`state_dict`."""
+        """Steps whose clip scaled the grads, an int64 tensor shaped as
+        :attr:`last_clipped`, counted on the device and saved in :meth:`state_dict`."""
         return self._record.clipped_count
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
-        """With ``track_tensor_norms=True``, each grad's pre-clip norm in the last step:
-        ``{name: 0-dim tensor}`` in the order of the param groups, parameters without a
-        grad left out. A name is the group's ``param_names`` entry (an optimizer given
-        ``model.named_parameters()``), else the parameter's index as a string. None
-        before the first step, after a load, and without ``track_tensor_norms``; not
-        saved."""
+        """With ``track_tensor_norms=True``, ``{name: pre-clip norm}`` of each grad in the
+        last step, in the groups' order; a name is the group's ``param_names`` entry, else
+        the parameter's index as a string. None before the first step and after a load."""
         record = self._record
         if record.tensor_norms is None:
             return None
@@ -448,20 +412,17 @@ class ClippedOptimizer(OptimizerShell):
         return {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
 
     def _extra_state(self) -> dict[str, Any]:
-        config = self._clip
-        return _saved.clip_entry(
-            self._settings(), self._record.state(), config.rule, config.skip_spikes
-        )
+        c = self._clip
+        return _saved.clip_entry(self._settings(), self._record.state(), c.rule, c.skip_spikes)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
 
-        Everything is validated first: a bad dict raises and changes nothing, and if the
-        inner optimizer's own load raises it is put back as it was. A dict without the
-        ``"clip"`` entry (a plain one, or from ``torch.distributed.checkpoint.state_dict``)
-        keeps the clip state and warns with a ``UserWarning`` naming
-        :class:`clipopt.distributed.ClippedOptimizerState`, unless one was made for this
-        optimizer. Loaded settings replace the constructor's, as for ``lr``.
+        All is validated first: a bad dict raises and changes nothing (the inner optimizer
+        is put back if its own load raises). A dict without the ``"clip"`` entry (as from
+        ``torch.distributed.checkpoint.state_dict``) keeps the clip state and warns, unless
+        a :class:`clipopt.distributed.ClippedOptimizerState` carries it. Loaded settings
+        replace the constructor's, as for ``lr``.
 
         Raises:
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
@@ -470,45 +431,34 @@ class ClippedOptimizer(OptimizerShell):
         super().load_state_dict(state_dict)
 
     def _saved_apart(self) -> None:
-        """The ``"clip"`` entry travels in a ClippedOptimizerState: a load without it is
-        expected and does not warn."""
+        """A ClippedOptimizerState carries the ``"clip"`` entry: a load without it is fine."""
         self._extra_saved_apart = True
 
     def _load_extra(self, extra: Any) -> None:
-        """Load the ``"clip"`` entry alone, the inner optimizer untouched."""
         self._load({CLIP_KEY: extra}, inner=False)
 
     def _load(self, loaded: dict[str, Any], inner: bool = True) -> None:
-        """Check the ``"clip"`` entry and the saved groups' clip settings, load the inner
-        optimizer, then the entry (the wrapper's load puts all back if this raises)."""
+        """Check the ``"clip"`` entry and the groups' clip settings, load the inner
+        optimizer, then install the entry (OptimizerShell puts all back if this raises)."""
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict got a state dict without a "
-                f"{CLIP_KEY!r} entry (torch.distributed.checkpoint.state_dict's functions "
-                "keep only 'state' and 'param_groups'), so the clip state (step counters, "
-                "last norms, the rule's state) stays as it was; to checkpoint it through "
-                "DCP, save clipopt.distributed.ClippedOptimizerState(optimizer) beside the "
-                "optimizer",
+                f"{CLIP_KEY!r} entry (as torch.distributed.checkpoint.state_dict's are): the "
+                "clip state (counters, last norms, the rule's state) stays as it was; save "
+                "clipopt.distributed.ClippedOptimizerState(optimizer) beside the optimizer",
                 UserWarning,
                 stacklevel=4,  # ClippedOptimizer.load_state_dict -> OptimizerShell's -> here
             )
-        extra = loaded.pop(CLIP_KEY, None)
-        # last_group_norms holds a norm of each saved clip group (the inner optimizer
-        # judges saved groups that do not line up with these)
+        extra, c = loaded.pop(CLIP_KEY, None), self._clip
+        # The entry holds a norm of each saved clip group (the inner optimizer judges saved
+        # groups that do not line up with these).
         groups: Any = loaded.get("param_groups")
         readable = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
         if not readable or len(groups) != len(self.param_groups):
             groups = self.param_groups
         layout = clip_layout(groups)
-        config = self._clip
-        prepared = _saved.check_load(
-            extra,
-            loaded,
-            len(groups) if layout is None else len(layout[1]),
-            self._settings(),
-            config.rule,
-            config.skip_spikes,
-        )
+        count = len(groups) if layout is None else len(layout[1])
+        prepared = _saved.check_load(extra, loaded, count, self._settings(), c.rule, c.skip_spikes)
         if inner:
             self.optimizer.load_state_dict(loaded)
             check_state_shapes(self.optimizer)
@@ -517,10 +467,7 @@ class ClippedOptimizer(OptimizerShell):
         check_groups(self.param_groups, s.max_norm, s.norm_type, s.per_group)
         if prepared is not None:
             device = next(p.device for group in self.param_groups for p in group["params"])
-            for mine, saved in (
-                (config.rule, prepared.rule),
-                (config.skip_spikes, prepared.skip_spikes),
-            ):
+            for mine, saved in ((c.rule, prepared.rule), (c.skip_spikes, prepared.skip_spikes)):
                 if mine is not None and saved is not None:
                     mine.load_state_dict(saved)
                     mine.to(device)
