@@ -23,9 +23,6 @@ from clipopt._wrapper import (
 __all__ = ["OptimizerChain"]
 
 _EXTRA_KEY = "chain"
-_READ_ONLY = (
-    "OptimizerChain.{} cannot be assigned: assign the inner optimizers' (chain.optimizers[i])"
-)
 
 
 class OptimizerChain(OptimizerShell):
@@ -97,7 +94,7 @@ class OptimizerChain(OptimizerShell):
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        raise AttributeError(_READ_ONLY.format("param_groups"))
+        raise AttributeError("OptimizerChain.param_groups are chain.optimizers[i]'s: set those")
 
     @property
     def state(self) -> Any:
@@ -106,7 +103,7 @@ class OptimizerChain(OptimizerShell):
 
     @state.setter
     def state(self, state: Any) -> None:
-        raise AttributeError(_READ_ONLY.format("state"))
+        raise AttributeError("OptimizerChain.state is chain.optimizers[i]'s: set those")
 
     def _step(self, closure: Closure | None = None) -> Any:
         """Evaluate ``closure`` once if given, then step each optimizer with its own
@@ -127,11 +124,7 @@ class OptimizerChain(OptimizerShell):
             opt.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Refused: add the group to one of :attr:`optimizers`; the chain sees it.
-
-        Raises:
-          ValueError: always, naming the optimizers.
-        """
+        """Refused (a ValueError): add the group to one of the optimizers; the chain sees it."""
         raise ValueError(
             "OptimizerChain.add_param_group cannot tell which optimizer should step the "
             f"group: add it to one of {_names(self.optimizers)}, e.g. "

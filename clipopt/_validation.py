@@ -16,14 +16,12 @@ NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
 NonFinite: TypeAlias = Literal["propagate", "skip", "raise", "assert"]
 Threshold: TypeAlias = float | Tensor
-# Each param group's clip group (an index into the names; None: not clipped), and the
-# clip groups' names in order of first appearance.
+# Each param group's clip group (an index into the names, or None), and the names.
 Layout: TypeAlias = tuple[list[int | None], list[str | int]]
 
 NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise", "assert")
 CLIP_KEY = "clip"  # ClippedOptimizer.state_dict()'s entry of the clip state
-# Keys of the param groups (and defaults) that no optimizer uses: saved, loaded and
-# edited like ``lr``. A group without a clip group is in DEFAULT_CLIP_GROUP.
+# Param group (and defaults) keys no optimizer uses: saved, loaded and edited like ``lr``.
 MAX_NORM_KEY, NORM_TYPE_KEY, CLIP_GROUP_KEY = "clip_max_norm", "clip_norm_type", "clip_group"
 DEFAULT_CLIP_GROUP = "default"
 
@@ -59,8 +57,7 @@ def check_norm_type(norm_type: NormType) -> float:
 
 
 def check_positive(name: str, value: MaxNorm, allow_tensor: bool = True) -> None:
-    """Raise unless ``value`` is a real number > 0 (``inf`` allowed) or a 0-dim real
-    tensor (its value unread)."""
+    """Refuse all but a real number > 0 (``inf`` allowed) or a 0-dim real tensor."""
     if isinstance(value, Tensor) and allow_tensor:
         if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} tensor must be a 0-dim real tensor, got {value!r}")
@@ -100,12 +97,7 @@ def same_threshold(a: Threshold, b: Threshold) -> bool:
 
 
 def clip_layout(groups: Sequence[Mapping[str, Any]]) -> Layout | None:
-    """The param groups' :data:`Layout`; None where no group has a ``"clip_group"``.
-
-    Raises:
-      TypeError: a name that is not a str, an int or None.
-      ValueError: every group is left out (None): nothing would be clipped.
-    """
+    """The param groups' :data:`Layout`; None where no group has a ``"clip_group"``."""
     if not any(CLIP_GROUP_KEY in group for group in groups):
         return None
     layout: list[int | None] = []
@@ -121,25 +113,16 @@ def clip_layout(groups: Sequence[Mapping[str, Any]]) -> Layout | None:
             names.append(name)
         layout.append(None if name is None else names.index(name))
     if not names:
-        raise ValueError(
-            f"every param group has {CLIP_GROUP_KEY!r}: None, so nothing would be clipped; "
-            "name a clip group, or step the inner optimizer itself"
-        )
+        raise ValueError(f"every param group has {CLIP_GROUP_KEY!r}: None: nothing to clip")
     return layout, names
 
 
 def check_groups(
     groups: Sequence[Mapping[str, Any]], max_norm: Any, norm_type: Any, per_group: bool
 ) -> tuple[list[Threshold], list[float], Layout | None]:
-    """Each group's threshold and norm order (``max_norm``, ``norm_type`` where it has
-    none), validated: one per param group, or one per clip group where they are named;
-    and the :func:`clip_layout`.
-
-    Raises:
-      TypeError, ValueError: a bad setting or clip group name; without ``per_group`` two
-        orders (one global norm needs one); two groups of one clip group with different
-        settings; ``per_group`` with clip group names.
-    """
+    """Each param group's (or, where named, clip group's) threshold and norm order
+    (``max_norm``, ``norm_type`` where it has none), validated, and the :func:`clip_layout`.
+    Refuses two orders for one norm, and ``per_group`` with clip group names."""
     thresholds: list[Threshold] = []
     norm_types = []
     for index, group in enumerate(groups):
@@ -154,18 +137,16 @@ def check_groups(
     if layout is None:
         if not per_group and len(set(norm_types)) > 1:
             raise ValueError(
-                f"param groups use different norm_type values {norm_types}; one global "
-                "norm needs one order (pass per_group=True to clip each group by its own "
-                f"norm, or name clip groups with {CLIP_GROUP_KEY!r})"
+                f"param groups use different norm_type values {norm_types} for one norm: "
+                f"pass per_group=True, or name clip groups with {CLIP_GROUP_KEY!r}"
             )
         return thresholds, norm_types, None
     at, names = layout
     if per_group:
         index = next(i for i, group in enumerate(groups) if CLIP_GROUP_KEY in group)
         raise ValueError(
-            f"per_group=True gives each param group its own clip group, but "
-            f"param_groups[{index}][{CLIP_GROUP_KEY!r}] is {groups[index][CLIP_GROUP_KEY]!r}: "
-            f"use per_group=False with {CLIP_GROUP_KEY!r} names, or per_group alone"
+            f"per_group=True gives each group its own clip group, but "
+            f"param_groups[{index}][{CLIP_GROUP_KEY!r}] is {groups[index][CLIP_GROUP_KEY]!r}"
         )
     first = [at.index(k) for k in range(len(names))]
     for index, k in enumerate(at):

@@ -13,7 +13,6 @@ from torch import Tensor
 from torch.optim import Optimizer, optimizer
 
 Closure: TypeAlias = Callable[[], Any]
-Hook = Callable[..., Any]
 
 
 def pre_hooks(
@@ -66,20 +65,17 @@ def inner_step(opt: Optimizer, closure: Closure | None) -> Any:
 
 
 class OptimizerShell(Optimizer):
-    """An ``Optimizer`` that does not call ``Optimizer.__init__`` (as torchao's
-    ``CPUOffloadOptimizer`` does not): its hook registries, pickling without them, and
-    state-dict saving and loading with torch's hooks around them."""
+    """An ``Optimizer`` that does not call ``Optimizer.__init__`` (nor does torchao's
+    ``CPUOffloadOptimizer``): hook registries, pickling, and a state dict with hooks."""
 
     clips: ClassVar[bool] = False
     """A ClippedOptimizer: wrapped again, it would clip twice."""
 
     def _init_hooks(self) -> None:
-        self._optimizer_step_pre_hooks: dict[int, Hook] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Hook] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        """The empty hook registries ``Optimizer.__init__`` would make."""
+        for kind in ("step", "state_dict", "load_state_dict"):
+            for when in ("pre", "post"):
+                setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
 
     def _parts(self) -> tuple[Optimizer, ...]:
         """The optimizers this one steps, which a load may change too."""
@@ -109,11 +105,7 @@ class OptimizerShell(Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a copy of ``state_dict``, with the load hooks around it; if it raises, this
-        optimizer and those it steps are put back as they were.
-
-        Raises:
-          TypeError: ``state_dict`` is not a dict.
-        """
+        optimizer and those it steps are put back as they were."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         loaded = dict(state_dict)
@@ -145,12 +137,8 @@ def _tree(opt: Optimizer) -> list[Optimizer]:
 
 
 def check_optimizer(opt: object, name: str) -> Optimizer:
-    """``opt``, refused if it is no optimizer, a ClippedOptimizer already, or OLMo-core's
-    ``SkipStepOptimizer`` (it skips only as OLMo-core's own optimizer: wrapped, never).
-
-    Raises:
-      TypeError: naming ``name`` and what to pass instead.
-    """
+    """``opt``, unless it is no optimizer, a ClippedOptimizer, or OLMo-core's
+    ``SkipStepOptimizer`` (which skips only as OLMo-core's own optimizer, never wrapped)."""
     if isinstance(opt, OptimizerShell) and opt.clips:
         raise TypeError(
             f"{name} is a {type(opt).__name__}, already a ClippedOptimizer: it would clip "
@@ -162,22 +150,15 @@ def check_optimizer(opt: object, name: str) -> Optimizer:
     for kind in type(opt).__mro__:
         if kind.__name__ == "SkipStepOptimizer" and kind.__module__.startswith("olmo_core."):
             raise TypeError(
-                f"{name} is OLMo-core's {type(opt).__name__}, a SkipStepOptimizer: OLMo-core "
-                "feeds it the loss and grad norm only when it is the train module's optimizer "
-                "itself, so wrapped it would never skip a step. Wrap the plain optimizer "
-                "(torch.optim.AdamW for SkipStepAdamW) and pass "
-                "skip_spikes=clipopt.SpikeSkip() to skip spikes of the grad norm instead"
+                f"{name} is OLMo-core's {type(opt).__name__}: wrapped it would never skip; wrap "
+                "the plain optimizer and pass skip_spikes=clipopt.SpikeSkip() instead"
             )
     return opt
 
 
 def check_state_shapes(opt: Optimizer) -> None:
     """Refuse a loaded state tensor of a torch optimizer (not LBFGS: its own shapes) whose
-    shape is not its parameter's: the next step would fail half-way.
-
-    Raises:
-      ValueError: naming the parameter and the state entry.
-    """
+    shape is not its parameter's: the next step would fail half-way."""
     kind = type(opt)
     if not kind.__module__.startswith("torch.optim.") or kind is torch.optim.LBFGS:
         return

@@ -70,60 +70,47 @@ def _inner(name: str) -> Any:
 class ClippedOptimizer(OptimizerShell):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
-    Each :meth:`step` measures the total norm of all grads with grouped kernels (no host
-    sync), scales them in place by ``min(1, max_norm / (norm + 1e-6))`` and runs the inner
-    step, returning what it returns: :func:`clipopt.clip_grad_norm_` then
-    ``optimizer.step()``, in one object that schedulers and checkpoints treat like the
-    optimizer it wraps (its ``param_groups``, ``state`` and ``defaults`` are the inner
-    optimizer's very objects). A param group's ``"clip_group"`` (a str or an int) names
-    its clip group, which has one norm and one threshold; a group without one is in
-    ``"default"``, one with None is not clipped; a rule clips one clip group.
+    :meth:`step` is :func:`clipopt.clip_grad_norm_` (grads scaled in place by
+    ``min(1, max_norm / (norm + 1e-6))``, no host sync) then the inner step, whose result
+    it returns; ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's. A
+    group's ``"clip_group"`` (a str or an int) names its clip group, which has one norm
+    and one threshold; without one it is in ``"default"``, with None it is not clipped.
 
     Args:
       optimizer: the optimizer to wrap, or a list of them (Muon for the 2-D weights,
         AdamW for the rest) made into a :class:`clipopt.OptimizerChain`.
       max_norm: the default largest norm, > 0 (``inf``: measure only); a group may set
-        its own ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a clip rule
-        (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`, :class:`clipopt.AdaGC`,
-        :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`) that sets every group's
-        threshold each step, with ``per_group=False``. See ``docs/adaptive.md``.
-      norm_type: the default order of the norm, > 0, ``inf`` or ``'inf'``; a group may
-        set its own ``"clip_norm_type"`` with ``per_group=True``.
-      per_group: clip each param group by its own norm (:attr:`last_group_norms`); not
-        with ``"clip_group"`` names.
-      foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest for
-        each device (None).
-      nonfinite: on a NaN/inf norm: ``"propagate"`` (torch's, no sync) scales by NaN and
-        steps; ``"skip"`` skips the inner step, touching nothing, and counts it in
-        :attr:`skip_count` (one host read a step); ``"raise"`` raises
-        :class:`clipopt.NonFiniteNormError`, touching nothing (one host read);
-        ``"assert"`` uses ``torch._assert_async`` (no host read: on CUDA it surfaces after
-        the step and leaves the CUDA context unusable).
+        its own ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a
+        :class:`clipopt.ClipRule` (``AutoClip``, ``ZClip``, ``AdaGC``, ``AGC``) that sets
+        the threshold each step (one clip group, ``per_group=False``; ``docs/adaptive.md``).
+      norm_type: the default order of the norm, > 0 or ``inf``; a group may set its own
+        ``"clip_norm_type"`` with ``per_group=True``.
+      per_group: clip each param group by its own norm; not with ``"clip_group"`` names.
+      foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest (None).
+      nonfinite: on a NaN/inf norm, ``"propagate"`` scales by NaN and steps (torch's);
+        ``"skip"`` skips the inner step, touching nothing (one host read a step);
+        ``"raise"`` raises :class:`clipopt.NonFiniteNormError`, touching nothing (one host
+        read); ``"assert"`` uses ``torch._assert_async`` (on CUDA it surfaces after the
+        step and leaves the CUDA context unusable).
       max_consecutive_skips: with ``"skip"``, the non-finite step after this many skips
         in a row raises :class:`clipopt.NonFiniteNormError`; None never does.
-      process_group: the group plain parameters are split across in model parallelism:
-        the norm is reduced over it in one ``all_reduce``. DTensor grads (FSDP2, HSDP,
-        TP) and DDP need none; see :mod:`clipopt.distributed`.
-      replicated_params: parameters identical on every rank of ``process_group`` (tied
-        embeddings, layer norms under TP); they count once.
+      process_group: the group plain parameters are split across (model parallelism),
+        reduced over in one ``all_reduce``; DTensor grads and DDP need none.
+      replicated_params: parameters identical on every rank of ``process_group``; they
+        count once.
       skip_spikes: a :class:`clipopt.SpikeSkip`: skip the step when the pre-clip norm is
-        an outlier of the recent ones (in the host read of ``"skip"``, or through
-        ``found_inf`` of a fused torch optimizer).
-      track_tensor_norms: keep each grad's pre-clip norm of the last step in
-        :attr:`last_tensor_norms`, measured in the step's one pass; not with a
-        ``process_group``.
-      pp_mesh: under pipeline parallelism, the 1-D ``DeviceMesh`` (torchtitan's
-        ``world_mesh["pp"]``) or ``ProcessGroup`` joining the stages: one more
-        ``all_reduce`` makes every stage clip, skip and update its rule by the whole
-        model's norm (per-tensor and unit norms stay the stage's). With ``per_group``
-        the stages' groups match by position.
+        an outlier of the recent ones.
+      track_tensor_norms: keep each grad's pre-clip norm in :attr:`last_tensor_norms`;
+        not with a ``process_group``.
+      pp_mesh: under pipeline parallelism, the 1-D ``DeviceMesh`` or ``ProcessGroup``
+        joining the stages: every stage clips by the whole model's norm (per-tensor and
+        unit norms stay the stage's), in one more ``all_reduce``.
 
     Raises:
-      TypeError: ``optimizer`` (or one in the list) is not an optimizer or is a
+      TypeError: ``optimizer`` is not an optimizer (or a list of them) or is a
         ClippedOptimizer, or a setting has the wrong type.
-      ValueError: no parameters, an empty list or one holding an optimizer or a
-        parameter twice, a setting out of range, different ``norm_type`` values without
-        ``per_group`` or clip groups, or one clip group's groups with different settings.
+      ValueError: no parameters, an optimizer or a parameter twice in a list, a setting
+        out of range, or clip settings that disagree (see the Args).
 
     Example:
       >>> import torch, clipopt
@@ -170,31 +157,24 @@ class ClippedOptimizer(OptimizerShell):
             nonfinite,
             max_consecutive_skips,
         )
-        if rule is not None and settings.per_group:
+        if rule is not None and per_group:
+            raise ValueError(f"per_group=True cannot take a rule ({rule!r}): it keeps one norm")
+        local = isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
+        if local and process_group is not None:
             raise ValueError(
-                f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one history "
-                "of one norm; use per_group=False, or per_tensor=True where the rule has it"
+                f"{rule!r} measures each grad, which a process_group splits across ranks: "
+                "per-tensor and unit-wise rules need unsplit parameters (or DTensor grads)"
             )
-        if isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor):
-            if process_group is not None:
-                raise ValueError(
-                    f"{rule!r} measures each grad on its own, which a process_group splits "
-                    "across ranks: per-tensor and unit-wise rules need unsplit parameters "
-                    "(DDP), or, per tensor, DTensor grads (FSDP2, TP) and no process_group"
-                )
-            if isinstance(rule, UnitWiseRule):
-                rule.check_norm_type(settings.norm_type)
+        if isinstance(rule, UnitWiseRule):
+            rule.check_norm_type(settings.norm_type)
         if not isinstance(track_tensor_norms, bool):
             raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
         if track_tensor_norms and process_group is not None:
-            raise ValueError(
-                "track_tensor_norms=True measures each grad on its own, which a process_group "
-                "splits across ranks; it needs unsplit parameters"
-            )
+            raise ValueError("track_tensor_norms=True needs unsplit tensors: no process_group")
         if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
             raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
-        check_groups(groups, settings.max_norm, settings.norm_type, settings.per_group)
+        check_groups(groups, settings.max_norm, settings.norm_type, per_group)
         check_rule_groups(groups, rule)
         params = [p for group in groups for p in group["params"]]
         scope = NormScope(process_group, replicated_params, params=params, pp_mesh=pp_mesh)
@@ -205,9 +185,9 @@ class ClippedOptimizer(OptimizerShell):
         self._clip = ClipConfig(
             rule,
             skip_spikes,
-            settings.per_group,
+            per_group,
             settings.nonfinite,
-            settings.max_consecutive_skips,
+            max_consecutive_skips,
             foreach,
             scope,
             track_tensor_norms,
@@ -215,7 +195,7 @@ class ClippedOptimizer(OptimizerShell):
         )
         self._apply_settings(settings)
         self._record = StepRecord()
-        if len(self.clip_groups) > 1 or settings.per_group:  # shaped from the start
+        if len(self.clip_groups) > 1 or per_group:  # shaped from the start
             self._record.clipped_count = torch.zeros(len(self.clip_groups), dtype=torch.int64)
         # The rules' state for the norms the step will give them, so that a compiled step
         # compiles once (a wrong guess, grads on another device, costs one recompile).
