@@ -104,8 +104,16 @@ class OptimizerShell(Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a copy of ``state_dict``, with the load hooks around it; if it raises, this
-        optimizer and those it steps are put back as they were."""
+        """Load a dict from :meth:`state_dict`, checked first: a bad one raises and changes
+        nothing (what an inner optimizer loaded is put back). A ClippedOptimizer also loads
+        a dict without its ``"clip"`` entry (a plain one, or DCP's): it keeps the clip state
+        and warns, unless a :class:`clipopt.distributed.ClippedOptimizerState` carries it.
+        Loaded clip settings replace the constructor's, as for ``lr``.
+
+        Raises:
+          TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
+          ValueError: the dict does not match this optimizer or holds bad values.
+        """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         loaded = dict(state_dict)

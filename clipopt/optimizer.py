@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -150,12 +150,9 @@ class ClippedOptimizer(OptimizerShell):
         if not isinstance(groups, list) or not any(g.get("params") for g in groups):
             raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
         rule = max_norm if isinstance(max_norm, ClipRule) else None
+        threshold = math.inf if rule is not None else max_norm
         settings = validated_settings(
-            math.inf if rule is not None else max_norm,
-            norm_type,
-            per_group,
-            nonfinite,
-            max_consecutive_skips,
+            threshold, norm_type, per_group, nonfinite, max_consecutive_skips
         )
         if rule is not None and per_group:
             raise ValueError(f"per_group=True cannot take a rule ({rule!r}): it keeps one norm")
@@ -182,16 +179,9 @@ class ClippedOptimizer(OptimizerShell):
         self._init_hooks()
         self.optimizer = optimizer
         self._extra_saved_apart = False  # see _saved_apart
+        modes, watch = (per_group, settings.nonfinite, max_consecutive_skips), Watch(params)
         self._clip = ClipConfig(
-            rule,
-            skip_spikes,
-            per_group,
-            settings.nonfinite,
-            max_consecutive_skips,
-            foreach,
-            scope,
-            track_tensor_norms,
-            Watch(params),
+            rule, skip_spikes, *modes, foreach, scope, track_tensor_norms, watch
         )
         self._apply_settings(settings)
         self._record = StepRecord()
@@ -228,13 +218,9 @@ class ClippedOptimizer(OptimizerShell):
         for group in self.param_groups:
             group.setdefault(MAX_NORM_KEY, settings.max_norm)
             group.setdefault(NORM_TYPE_KEY, settings.norm_type)
-        self._clip = dataclasses.replace(
-            self._clip,
-            per_group=settings.per_group,
-            nonfinite=settings.nonfinite,
-            max_consecutive_skips=settings.max_consecutive_skips,
-            view=GroupView(),
-        )
+        modes = settings.as_dict()
+        del modes["max_norm"], modes["norm_type"]  # the groups and defaults hold these
+        self._clip = dataclasses.replace(self._clip, **modes, view=GroupView())
 
     def _settings(self) -> Settings:
         c, defaults = self._clip, self.defaults
@@ -246,8 +232,7 @@ class ClippedOptimizer(OptimizerShell):
         ``clip_norm_type`` is filled from :attr:`defaults`, like every hyperparameter.
 
         Raises:
-          TypeError, ValueError: a bad clip setting or ``clip_group`` (as in the
-            constructor); nothing is added.
+          TypeError, ValueError: bad clip settings (as in the constructor); nothing is added.
         """
         if isinstance(param_group, dict):
             s, groups = self._settings(), [*self.param_groups, param_group]
@@ -258,23 +243,24 @@ class ClippedOptimizer(OptimizerShell):
 
     def attach_deepspeed(self, engine: Any) -> None:
         """Say that DeepSpeed's ``engine`` steps this wrapper: call it once, right after
-        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage; under
-        ZeRO-1/2 each step then measures the norm of DeepSpeed's flat partitions.
+        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage.
 
         Raises:
           ValueError: the engine does not step this wrapper, or uses a setting under which
-            the norm cannot be right (named); nothing is changed.
+            the norm cannot be right (named: an OptimizerChain is one); nothing changes.
         """
         if isinstance(self.optimizer, OptimizerChain):
             raise ValueError(
-                "DeepSpeed steps one optimizer over flat partitions of the parameters, which "
-                "an OptimizerChain cannot step; wrap a single optimizer to train under DeepSpeed"
+                "DeepSpeed steps one optimizer: an OptimizerChain cannot train under it"
             )
         self._clip.deepspeed.binding = bind(engine, self)
 
     def __repr__(self) -> str:
-        shown = {**self._settings().as_dict(), "max_norm": self.max_norm}
-        shown["norm_type"] = self.norm_type
+        shown = {
+            **self._settings().as_dict(),
+            "max_norm": self.max_norm,
+            "norm_type": self.norm_type,
+        }
         if self._clip.skip_spikes is not None:
             shown["skip_spikes"] = self._clip.skip_spikes
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
@@ -395,21 +381,6 @@ class ClippedOptimizer(OptimizerShell):
         c = self._clip
         return _saved.clip_entry(self._settings(), self._record.state(), c.rule, c.skip_spikes)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a dict from :meth:`state_dict`, or a plain state dict of the inner optimizer.
-
-        All is validated first: a bad dict raises and changes nothing (the inner optimizer
-        is put back if its own load raises). A dict without the ``"clip"`` entry (as from
-        ``torch.distributed.checkpoint.state_dict``) keeps the clip state and warns, unless
-        a :class:`clipopt.distributed.ClippedOptimizerState` carries it. Loaded settings
-        replace the constructor's, as for ``lr``.
-
-        Raises:
-          TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
-          ValueError: the dict does not match this optimizer or holds bad values.
-        """
-        super().load_state_dict(state_dict)
-
     def _saved_apart(self) -> None:
         """A ClippedOptimizerState carries the ``"clip"`` entry: a load without it is fine."""
         self._extra_saved_apart = True
@@ -427,7 +398,7 @@ class ClippedOptimizer(OptimizerShell):
                 "clip state (counters, last norms, the rule's state) stays as it was; save "
                 "clipopt.distributed.ClippedOptimizerState(optimizer) beside the optimizer",
                 UserWarning,
-                stacklevel=4,  # ClippedOptimizer.load_state_dict -> OptimizerShell's -> here
+                stacklevel=3,  # load_state_dict -> here
             )
         extra, c = loaded.pop(CLIP_KEY, None), self._clip
         # The entry holds a norm of each saved clip group (the inner optimizer judges saved
