@@ -2,11 +2,8 @@
 
 
 class NonFiniteNormError(RuntimeError, FloatingPointError):
-    """The total gradient norm is NaN or infinite and the caller asked to raise.
-
-    A ``RuntimeError`` like torch's, and a ``FloatingPointError`` for code written against
-    ``ClippedOptimizer``.
-    """
+    """The total gradient norm is NaN or infinite and the caller asked to raise (a
+    ``RuntimeError`` like torch's, and a ``FloatingPointError``)."""
 
 
 NonFiniteNormError.__module__ = "clipopt"

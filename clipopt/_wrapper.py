@@ -42,13 +42,6 @@ def post_hooks(
         hook(opt, args, kwargs)
 
 
-def hooked_step(step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` with the hooks fired around it, marked as torch's are (see :func:`inner_step`)."""
-    wrapped = Optimizer.profile_hook_step(step)
-    setattr(wrapped, "hooked", True)  # noqa: B010
-    return wrapped
-
-
 def inner_step(opt: Optimizer, closure: Closure | None) -> Any:
     """``opt.step(closure)`` with ``opt``'s own hooks but not the global ones (the wrapper
     fires those around its whole step). A step torch did not wrap is called as it is."""

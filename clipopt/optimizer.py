@@ -58,6 +58,11 @@ def _fixed(name: str, doc: str) -> Any:
     )
 
 
+def _recorded(name: str) -> Any:
+    """A read-only view of the wrapper's ``StepRecord``'s ``name``."""
+    return property(lambda self: getattr(self._record, name))
+
+
 def _inner(name: str) -> Any:
     """The inner optimizer's attribute ``name``, the very object."""
     return property(
@@ -302,18 +307,14 @@ class ClippedOptimizer(OptimizerShell):
     def norm_type(self, value: object) -> None:
         _refuse("norm_type", value, f"set opt.param_groups[i][{NORM_TYPE_KEY!r}] in every group")
 
-    @property
-    def last_norm(self) -> Tensor | None:
-        """The pre-clip total norm of the last step (None before the first), a 0-dim
-        tensor on the grads' device (float32, float64 for double grads); with
-        ``per_group=True``, the norm of the group norms."""
-        return self._record.last_norm
+    last_norm: Tensor | None = _recorded("last_norm")
+    """The pre-clip total norm of the last step (None before the first), a 0-dim
+    tensor on the grads' device (float32, float64 for double grads); with
+    ``per_group=True``, the norm of the group norms."""
 
-    @property
-    def last_group_norms(self) -> Tensor | None:
-        """With ``per_group=True`` or clip groups, each one's pre-clip norm (1-D, in the
-        order of :attr:`clip_groups`); else None."""
-        return self._record.last_group_norms
+    last_group_norms: Tensor | None = _recorded("last_group_norms")
+    """With ``per_group=True`` or clip groups, each one's pre-clip norm (1-D, in the
+    order of :attr:`clip_groups`); else None."""
 
     @property
     def clip_groups(self) -> tuple[str | int, ...]:
@@ -341,11 +342,9 @@ class ClippedOptimizer(OptimizerShell):
         skipped step, None before the first."""
         return self._record.last_clipped()
 
-    @property
-    def clipped_count(self) -> Tensor:
-        """Steps whose clip scaled the grads, an int64 tensor shaped as
-        :attr:`last_clipped`, counted on the device and saved in :meth:`state_dict`."""
-        return self._record.clipped_count
+    clipped_count: Tensor = _recorded("clipped_count")
+    """Steps whose clip scaled the grads, an int64 tensor shaped as
+    :attr:`last_clipped`, counted on the device and saved in :meth:`state_dict`."""
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
@@ -357,20 +356,14 @@ class ClippedOptimizer(OptimizerShell):
             return None
         return dict(zip(record.tensor_names, record.tensor_norms.unbind(), strict=True))
 
-    @property
-    def step_count(self) -> Tensor:
-        """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
-        return self._record.step_count
+    step_count: Tensor = _recorded("step_count")
+    """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
 
-    @property
-    def skip_count(self) -> Tensor:
-        """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
-        return self._record.skip_count
+    skip_count: Tensor = _recorded("skip_count")
+    """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
 
-    @property
-    def consecutive_skips(self) -> Tensor:
-        """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
-        return self._record.consecutive_skips
+    consecutive_skips: Tensor = _recorded("consecutive_skips")
+    """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
 
     # ------------------------------------------------------------------ checkpoints
 
