@@ -26,9 +26,7 @@ def pre_hooks(
     for hook in [*globals_.values(), *opt._optimizer_step_pre_hooks.values()]:
         result = hook(opt, args, kwargs)
         if result is not None and not (isinstance(result, tuple) and len(result) == 2):
-            raise RuntimeError(
-                f"a step pre-hook must return None or (args, kwargs), got {result!r}"
-            )
+            raise RuntimeError(f"step pre-hook must return None or (args, kwargs), got {result!r}")
         args, kwargs = result or (args, kwargs)
     return args, kwargs, kwargs.get("closure", args[0] if args else None)
 

@@ -33,9 +33,7 @@ from clipopt._validation import (
     validated_settings,
 )
 from clipopt._wrapper import OptimizerShell, check_optimizer, check_state_shapes
-from clipopt.rules._base import ClipRule
-from clipopt.rules._spike_skip import SpikeSkip
-from clipopt.rules._unit import UnitWiseRule
+from clipopt.rules import ClipRule, SpikeSkip, UnitWiseRule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,12 +48,8 @@ def _refuse(name: str, value: object, how: str) -> NoReturn:
 
 def _fixed(name: str, doc: str) -> Any:
     """A read-only property of the wrapper's ``ClipConfig``."""
-    how = (
-        "it is fixed when the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
-    )
-    return property(
-        lambda self: getattr(self._clip, name), lambda s, v: _refuse(name, v, how), doc=doc
-    )
+    how = "it is fixed when the wrapper is made; make a new ClippedOptimizer"
+    return property(lambda o: getattr(o._clip, name), lambda o, v: _refuse(name, v, how), doc=doc)
 
 
 def _recorded(name: str) -> Any:
@@ -66,9 +60,7 @@ def _recorded(name: str) -> Any:
 def _inner(name: str) -> Any:
     """The inner optimizer's attribute ``name``, the very object."""
     return property(
-        lambda self: getattr(self.optimizer, name),
-        lambda self, value: setattr(self.optimizer, name, value),
-        doc=f"The inner optimizer's ``{name}`` (the very object, not a copy).",
+        lambda o: getattr(o.optimizer, name), lambda o, v: setattr(o.optimizer, name, v)
     )
 
 
@@ -82,40 +74,34 @@ class ClippedOptimizer(OptimizerShell):
     and one threshold; without one it is in ``"default"``, with None it is not clipped.
 
     Args:
-      optimizer: the optimizer to wrap, or a list of them (Muon for the 2-D weights,
-        AdamW for the rest) made into a :class:`clipopt.OptimizerChain`.
-      max_norm: the default largest norm, > 0 (``inf``: measure only); a group may set
-        its own ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a
-        :class:`clipopt.ClipRule` (``AutoClip``, ``ZClip``, ``AdaGC``, ``AGC``) that sets
-        the threshold each step (one clip group, ``per_group=False``; ``docs/adaptive.md``).
-      norm_type: the default order of the norm, > 0 or ``inf``; a group may set its own
-        ``"clip_norm_type"`` with ``per_group=True``.
+      optimizer: the optimizer to wrap, or a list of them made into a
+        :class:`clipopt.OptimizerChain` (Muon for the 2-D weights, AdamW for the rest).
+      max_norm: the default largest norm, > 0 (``inf``: measure only), or a group's own
+        ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a :class:`clipopt.ClipRule`
+        that sets the threshold each step (one clip group; see ``docs/adaptive.md``).
+      norm_type: the order of the norm, > 0 or ``inf``, or a group's ``"clip_norm_type"``.
       per_group: clip each param group by its own norm; not with ``"clip_group"`` names.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest (None).
       nonfinite: on a NaN/inf norm, ``"propagate"`` scales by NaN and steps (torch's);
-        ``"skip"`` skips the inner step, touching nothing (one host read a step);
-        ``"raise"`` raises :class:`clipopt.NonFiniteNormError`, touching nothing (one host
-        read); ``"assert"`` uses ``torch._assert_async`` (on CUDA it surfaces after the
-        step and leaves the CUDA context unusable).
+        ``"skip"`` skips the step and ``"raise"`` raises
+        :class:`clipopt.NonFiniteNormError`, touching nothing (one host read a step);
+        ``"assert"`` uses ``torch._assert_async`` (on CUDA it surfaces after the step and
+        leaves the CUDA context unusable).
       max_consecutive_skips: with ``"skip"``, the non-finite step after this many skips
-        in a row raises :class:`clipopt.NonFiniteNormError`; None never does.
+        in a row raises; None never does.
       process_group: the group plain parameters are split across (model parallelism),
         reduced over in one ``all_reduce``; DTensor grads and DDP need none.
-      replicated_params: parameters identical on every rank of ``process_group``; they
-        count once.
-      skip_spikes: a :class:`clipopt.SpikeSkip`: skip the step when the pre-clip norm is
-        an outlier of the recent ones.
-      track_tensor_norms: keep each grad's pre-clip norm in :attr:`last_tensor_norms`;
-        not with a ``process_group``.
+      replicated_params: parameters identical on every rank of ``process_group``.
+      skip_spikes: a :class:`clipopt.SpikeSkip` that skips a step whose norm is a spike.
+      track_tensor_norms: keep each grad's norm in :attr:`last_tensor_norms`.
       pp_mesh: under pipeline parallelism, the 1-D ``DeviceMesh`` or ``ProcessGroup``
-        joining the stages: every stage clips by the whole model's norm (per-tensor and
-        unit norms stay the stage's), in one more ``all_reduce``.
+        joining the stages: every stage clips by the whole model's norm.
 
     Raises:
       TypeError: ``optimizer`` is not an optimizer (or a list of them) or is a
         ClippedOptimizer, or a setting has the wrong type.
       ValueError: no parameters, an optimizer or a parameter twice in a list, a setting
-        out of range, or clip settings that disagree (see the Args).
+        out of range, or clip settings that disagree.
 
     Example:
       >>> import torch, clipopt
@@ -255,14 +241,11 @@ class ClippedOptimizer(OptimizerShell):
             the norm cannot be right (named: an OptimizerChain is one); nothing changes.
         """
         if isinstance(self.optimizer, OptimizerChain):
-            raise ValueError(
-                "DeepSpeed steps one optimizer: an OptimizerChain cannot train under it"
-            )
+            raise ValueError("DeepSpeed steps one optimizer, not an OptimizerChain")
         self._clip.deepspeed.binding = bind(engine, self)
 
     def __repr__(self) -> str:
-        shown = {
-            **self._settings().as_dict(),
+        shown = self._settings().as_dict() | {
             "max_norm": self.max_norm,
             "norm_type": self.norm_type,
         }
@@ -386,10 +369,8 @@ class ClippedOptimizer(OptimizerShell):
         optimizer, then install the entry (OptimizerShell puts all back if this raises)."""
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
-                f"{type(self).__name__}.load_state_dict got a state dict without a "
-                f"{CLIP_KEY!r} entry (as torch.distributed.checkpoint.state_dict's are): the "
-                "clip state (counters, last norms, the rule's state) stays as it was; save "
-                "clipopt.distributed.ClippedOptimizerState(optimizer) beside the optimizer",
+                f"load_state_dict got a state dict without a {CLIP_KEY!r} entry (as DCP's): the "
+                "clip state stays; save a clipopt.distributed.ClippedOptimizerState beside it",
                 UserWarning,
                 stacklevel=3,  # load_state_dict -> here
             )
