@@ -11,13 +11,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from clipopt._wrapper import (
-    Closure,
-    OptimizerShell,
-    check_optimizer,
-    check_state_shapes,
-    inner_step,
-)
+from clipopt._wrapper import Closure, OptimizerShell, check_inner, check_state_shapes, inner_step
 
 __all__ = ["OptimizerChain"]
 
@@ -57,7 +51,7 @@ class OptimizerChain(OptimizerShell):
             raise kind(f"optimizers must be a non-empty list of optimizers, got {optimizers!r}")
         owner: dict[int, int] = {}
         for i, opt in enumerate(optimizers):
-            check_optimizer(opt, f"optimizers[{i}]")
+            check_inner(opt, f"optimizers[{i}]")
             for j in (j for j in range(i) if optimizers[j] is opt):
                 raise ValueError(f"optimizers[{i}] is optimizers[{j}]: it would step twice")
             for p in (p for group in opt.param_groups for p in group["params"]):

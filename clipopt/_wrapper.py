@@ -122,11 +122,8 @@ class OptimizerShell(Optimizer):
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
 
-    def _state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _load(self, loaded: dict[str, Any]) -> None:
-        raise NotImplementedError
+    _state_dict: Callable[[], dict[str, Any]]  # what a subclass saves and loads
+    _load: Callable[[dict[str, Any]], None]
 
 
 def _tree(opt: Optimizer) -> list[Optimizer]:
@@ -135,7 +132,7 @@ def _tree(opt: Optimizer) -> list[Optimizer]:
     return [opt, *(o for part in parts for o in _tree(part))]
 
 
-def check_optimizer(opt: object, name: str) -> Optimizer:
+def check_inner(opt: object, name: str) -> Optimizer:
     """``opt``, unless it is no optimizer, a ClippedOptimizer, or OLMo-core's
     ``SkipStepOptimizer`` (which skips only as OLMo-core's own optimizer, never wrapped)."""
     if isinstance(opt, OptimizerShell) and opt.clips:

@@ -45,7 +45,7 @@ class ClippedOptimizerState:
             raise TypeError(
                 f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}"
             )
-        optimizer._saved_apart()
+        optimizer._extra_saved_apart = True  # a load without the entry is expected
         self.optimizer = optimizer
         self._template: bytes | None = None
 
@@ -90,4 +90,4 @@ class ClippedOptimizerState:
                 f"ClippedOptimizerState's {key!r} must hold a dict, got {type(entry).__name__}; "
                 "nothing was loaded"
             )
-        self.optimizer._load_extra(entry)
+        self.optimizer._load({"clip": entry}, inner=False)

@@ -32,7 +32,7 @@ from clipopt._validation import (
     clip_layout,
     validated_settings,
 )
-from clipopt._wrapper import OptimizerShell, check_optimizer, check_state_shapes
+from clipopt._wrapper import OptimizerShell, check_inner, check_state_shapes
 from clipopt.rules import ClipRule, SpikeSkip, UnitWiseRule
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ def _fixed(name: str, doc: str) -> Any:
 
 
 def _recorded(name: str) -> Any:
-    """A read-only view of the wrapper's ``StepRecord``'s ``name``."""
-    return property(lambda self: getattr(self._record, name))
+    """A read-only view of the wrapper's ``StepRecord``'s ``name``, called if a method."""
+    return property(lambda o: value() if callable(value := getattr(o._record, name)) else value)
 
 
 def _inner(name: str) -> Any:
@@ -136,7 +136,7 @@ class ClippedOptimizer(OptimizerShell):
     ) -> None:
         if isinstance(optimizer, (list, tuple)):
             optimizer = OptimizerChain(optimizer)
-        optimizer = check_optimizer(optimizer, "optimizer")
+        optimizer = check_inner(optimizer, "optimizer")
         groups = optimizer.param_groups
         if not isinstance(groups, list) or not any(g.get("params") for g in groups):
             raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
@@ -169,7 +169,7 @@ class ClippedOptimizer(OptimizerShell):
         # Nothing has been touched above this line.
         self._init_hooks()
         self.optimizer = optimizer
-        self._extra_saved_apart = False  # see _saved_apart
+        self._extra_saved_apart = False  # a ClippedOptimizerState carries the "clip" entry
         modes, watch = (per_group, settings.nonfinite, max_consecutive_skips), Watch(params)
         self._clip = ClipConfig(
             rule, skip_spikes, *modes, foreach, scope, track_tensor_norms, watch
@@ -254,8 +254,6 @@ class ClippedOptimizer(OptimizerShell):
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return f"{type(self).__name__}({settings}) wrapping\n{self.optimizer!r}"
 
-    # ------------------------------------------------------------------ read-outs
-
     per_group = _fixed("per_group", "Whether each param group is clipped by its own norm.")
     foreach = _fixed("foreach", "The ``foreach`` choice of the norm and scale kernels.")
     nonfinite = _fixed("nonfinite", "What a non-finite norm does (see the constructor).")
@@ -308,22 +306,18 @@ class ClippedOptimizer(OptimizerShell):
             return tuple(layout[1])
         return tuple(range(len(self.param_groups))) if self.per_group else (DEFAULT_CLIP_GROUP,)
 
-    @property
-    def last_clipped_norm(self) -> Tensor | None:
-        """The post-clip norm of the last step (of the grads its inner step used), shaped
-        as :attr:`last_group_norms` or :attr:`last_norm`, derived when read. For a
-        per-tensor or unit-wise rule, the float64 norm of its scaled tensors or units. A
-        skipped step's is :attr:`last_norm`. None before the first step, after loading a
-        format-1 checkpoint, and where groups with different ``clip_max_norm`` share one
-        norm."""
-        return self._record.last_clipped_norm()
+    last_clipped_norm: Tensor | None = _recorded("last_clipped_norm")
+    """The post-clip norm of the last step (of the grads its inner step used), shaped
+    as :attr:`last_group_norms` or :attr:`last_norm`, derived when read. For a
+    per-tensor or unit-wise rule, the float64 norm of its scaled tensors or units. A
+    skipped step's is :attr:`last_norm`. None before the first step, after loading a
+    format-1 checkpoint, and where groups with different ``clip_max_norm`` share one
+    norm."""
 
-    @property
-    def last_clipped(self) -> Tensor | None:
-        """Whether the last step's clip scaled the grads (some, for a per-tensor or
-        unit-wise rule), a bool tensor shaped as :attr:`last_clipped_norm`; False for a
-        skipped step, None before the first."""
-        return self._record.last_clipped()
+    last_clipped: Tensor | None = _recorded("last_clipped")
+    """Whether the last step's clip scaled the grads (some, for a per-tensor or
+    unit-wise rule), a bool tensor shaped as :attr:`last_clipped_norm`; False for a
+    skipped step, None before the first."""
 
     clipped_count: Tensor = _recorded("clipped_count")
     """Steps whose clip scaled the grads, an int64 tensor shaped as
@@ -348,8 +342,6 @@ class ClippedOptimizer(OptimizerShell):
     consecutive_skips: Tensor = _recorded("consecutive_skips")
     """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
 
-    # ------------------------------------------------------------------ checkpoints
-
     def _state_dict(self) -> dict[str, Any]:
         return {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
 
@@ -357,16 +349,9 @@ class ClippedOptimizer(OptimizerShell):
         c = self._clip
         return _saved.clip_entry(self._settings(), self._record.state(), c.rule, c.skip_spikes)
 
-    def _saved_apart(self) -> None:
-        """A ClippedOptimizerState carries the ``"clip"`` entry: a load without it is fine."""
-        self._extra_saved_apart = True
-
-    def _load_extra(self, extra: Any) -> None:
-        self._load({CLIP_KEY: extra}, inner=False)
-
     def _load(self, loaded: dict[str, Any], inner: bool = True) -> None:
         """Check the ``"clip"`` entry and the groups' clip settings, load the inner
-        optimizer, then install the entry (OptimizerShell puts all back if this raises)."""
+        optimizer (unless not ``inner``: ClippedOptimizerState's load), then the entry."""
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
                 f"load_state_dict got a state dict without a {CLIP_KEY!r} entry (as DCP's): the "
