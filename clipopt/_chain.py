@@ -20,18 +20,15 @@ _EXTRA_KEY = "chain"
 
 class OptimizerChain(OptimizerShell):
     """Step several optimizers as one: ``ClippedOptimizer([muon, adamw], max_norm=1.0)``
-    clips all their grads by one global norm, then steps each in order.
-
-    ``param_groups`` lists the inner optimizers' very group dicts, in order (a group
-    added to one is seen at once), ``state`` reads their states, ``defaults`` is the
-    chain's own; its state dict is one torch optimizer's holding all the groups.
+    clips all their grads by one global norm, then steps each in order. ``param_groups``
+    are theirs (the very dicts), ``state`` reads theirs; the state dict is one torch
+    optimizer's holding all the groups.
 
     Args:
       optimizers: the optimizers, stepped in this order; no parameter in two of them.
 
     Raises:
-      TypeError: ``optimizers`` is not a list or tuple, or an element is not a
-        ``torch.optim.Optimizer`` or is a ``ClippedOptimizer`` (it would clip twice).
+      TypeError: not a list of optimizers, or one is a ``ClippedOptimizer``.
       ValueError: no optimizers, one given twice, or a parameter in two of them.
 
     Example:
@@ -62,15 +59,12 @@ class OptimizerChain(OptimizerShell):
                         f"({type(optimizers[j]).__name__}) and optimizers[{i}] "
                         f"({type(opt).__name__}): it would be updated twice a step"
                     )
-        self.optimizers = tuple(optimizers)
+        self.optimizers = self._parts = tuple(optimizers)
         self._init_hooks()
         self.defaults: dict[str, Any] = {}
         self._lists: list[list[dict[str, Any]]] = []
         self._sizes: list[int] = []
         self._groups: list[dict[str, Any]] = []
-
-    def _parts(self) -> tuple[Optimizer, ...]:
-        return self.optimizers
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

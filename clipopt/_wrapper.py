@@ -1,6 +1,5 @@
-"""torch.optim's step hooks in torch's order, and :class:`OptimizerShell`, the base of the
-wrapper and the chain. The one module that reads torch.optim's private hook state
-(present in torch 2.6 to 2.14; where a global registry is missing it reads as empty)."""
+"""torch.optim's step hooks in torch's order (the one module reading their private state,
+as in torch 2.6 to 2.14), and :class:`OptimizerShell`, the wrapper's and chain's base."""
 
 from __future__ import annotations
 
@@ -59,18 +58,14 @@ class OptimizerShell(Optimizer):
     """An ``Optimizer`` that does not call ``Optimizer.__init__`` (nor does torchao's
     ``CPUOffloadOptimizer``): hook registries, pickling, and a state dict with hooks."""
 
-    clips: ClassVar[bool] = False
-    """A ClippedOptimizer: wrapped again, it would clip twice."""
+    clips: ClassVar[bool] = False  # a ClippedOptimizer: wrapped again, it would clip twice
+    _parts: tuple[Optimizer, ...] = ()  # the optimizers this one steps (a load changes them)
 
     def _init_hooks(self) -> None:
         """The empty hook registries ``Optimizer.__init__`` would make."""
         for kind in ("step", "state_dict", "load_state_dict"):
             for when in ("pre", "post"):
                 setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
-
-    def _parts(self) -> tuple[Optimizer, ...]:
-        """The optimizers this one steps, which a load may change too."""
-        return ()
 
     def __getstate__(self) -> dict[str, Any]:
         # Like torch.optim.Optimizer: hooks and a scheduler's patched ``step`` stay behind.
@@ -128,7 +123,7 @@ class OptimizerShell(Optimizer):
 
 def _tree(opt: Optimizer) -> list[Optimizer]:
     """``opt`` and the optimizers it steps, all of which a load may change."""
-    parts = opt._parts() if isinstance(opt, OptimizerShell) else ()
+    parts = opt._parts if isinstance(opt, OptimizerShell) else ()
     return [opt, *(o for part in parts for o in _tree(part))]
 
 

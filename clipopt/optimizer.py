@@ -52,6 +52,19 @@ def _fixed(name: str, doc: str) -> Any:
     return property(lambda o: getattr(o._clip, name), lambda o, v: _refuse(name, v, how), doc=doc)
 
 
+def _group_setting(name: str, key: str) -> Any:
+    """A read-only property of the groups' ``key``: one number where all are equal."""
+
+    def get(o: Any) -> Any:
+        if name == "max_norm" and o._clip.rule is not None:
+            return o._clip.rule
+        values = [float(g.get(key, o.defaults[key])) for g in o.param_groups]
+        return values[0] if len(set(values)) == 1 else values
+
+    how = f"set opt.param_groups[i][{key!r}] (and opt.defaults[{key!r}] for groups added later)"
+    return property(get, lambda o, v: _refuse(name, v, how))
+
+
 def _recorded(name: str) -> Any:
     """A read-only view of the wrapper's ``StepRecord``'s ``name``, called if a method."""
     return property(lambda o: value() if callable(value := getattr(o._record, name)) else value)
@@ -168,7 +181,7 @@ class ClippedOptimizer(OptimizerShell):
         scope = NormScope(process_group, replicated_params, params=params, pp_mesh=pp_mesh)
         # Nothing has been touched above this line.
         self._init_hooks()
-        self.optimizer = optimizer
+        self.optimizer, self._parts = optimizer, (optimizer,)
         self._extra_saved_apart = False  # a ClippedOptimizerState carries the "clip" entry
         modes, watch = (per_group, settings.nonfinite, max_consecutive_skips), Watch(params)
         self._clip = ClipConfig(
@@ -194,9 +207,6 @@ class ClippedOptimizer(OptimizerShell):
     param_groups = _inner("param_groups")
     state = _inner("state")
     defaults = _inner("defaults")
-
-    def _parts(self) -> tuple[Optimizer, ...]:
-        return (self.optimizer,)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's ``zero_grad``."""
@@ -262,31 +272,13 @@ class ClippedOptimizer(OptimizerShell):
     skip_spikes = _fixed("skip_spikes", "The :class:`clipopt.SpikeSkip`, or None.")
     track_tensor_norms = _fixed("track_tensor_norms", "Whether a step keeps its tensors' norms.")
 
-    def _group_setting(self, key: str) -> float | list[float]:
-        values = [float(g.get(key, self.defaults[key])) for g in self.param_groups]
-        return values[0] if len(set(values)) == 1 else values
+    max_norm: float | list[float] | ClipRule = _group_setting("max_norm", MAX_NORM_KEY)
+    """The rule, else the groups' ``clip_max_norm`` (one number where all are equal).
+    Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and ``opt.defaults``'s for
+    groups added later), as a scheduler sets ``lr``."""
 
-    @property
-    def max_norm(self) -> float | list[float] | ClipRule:
-        """The rule, else the groups' ``clip_max_norm`` (one number where all are equal).
-        Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and ``opt.defaults``'s
-        for groups added later), as a scheduler sets ``lr``."""
-        rule = self._clip.rule
-        return rule if rule is not None else self._group_setting(MAX_NORM_KEY)
-
-    @max_norm.setter
-    def max_norm(self, value: object) -> None:
-        how = f"set opt.param_groups[i][{MAX_NORM_KEY!r}] (and opt.defaults'), or make a new one"
-        _refuse("max_norm", value, how)
-
-    @property
-    def norm_type(self) -> float | list[float]:
-        """The groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
-        return self._group_setting(NORM_TYPE_KEY)
-
-    @norm_type.setter
-    def norm_type(self, value: object) -> None:
-        _refuse("norm_type", value, f"set opt.param_groups[i][{NORM_TYPE_KEY!r}] in every group")
+    norm_type: float | list[float] = _group_setting("norm_type", NORM_TYPE_KEY)
+    """The groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
 
     last_norm: Tensor | None = _recorded("last_norm")
     """The pre-clip total norm of the last step (None before the first), a 0-dim
