@@ -1,5 +1,4 @@
-"""Settings and their checks, run when a setting is set, never on a step's tensors: each
-raises naming the argument and the value, and reads no tensor's value."""
+"""Settings and their checks, run when set: each names the argument and the value."""
 
 from __future__ import annotations
 

@@ -96,12 +96,10 @@ class ClippedOptimizer(OptimizerShell):
       per_group: clip each param group by its own norm; not with ``"clip_group"`` names.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest (None).
       nonfinite: on a NaN/inf norm, ``"propagate"`` scales by NaN and steps (torch's);
-        ``"skip"`` skips the step and ``"raise"`` raises
-        :class:`clipopt.NonFiniteNormError`, touching nothing (one host read a step);
-        ``"assert"`` uses ``torch._assert_async`` (on CUDA it surfaces after the step and
-        leaves the CUDA context unusable).
-      max_consecutive_skips: with ``"skip"``, the non-finite step after this many skips
-        in a row raises; None never does.
+        ``"skip"`` skips the step and ``"raise"`` raises :class:`clipopt.NonFiniteNormError`,
+        touching nothing (one host read a step); ``"assert"``: ``torch._assert_async``
+        (on CUDA it surfaces after the step and leaves the CUDA context unusable).
+      max_consecutive_skips: with ``"skip"``, raise after this many skips in a row (None: never).
       process_group: the group plain parameters are split across (model parallelism),
         reduced over in one ``all_reduce``; DTensor grads and DDP need none.
       replicated_params: parameters identical on every rank of ``process_group``.
@@ -111,10 +109,8 @@ class ClippedOptimizer(OptimizerShell):
         joining the stages: every stage clips by the whole model's norm.
 
     Raises:
-      TypeError: ``optimizer`` is not an optimizer (or a list of them) or is a
-        ClippedOptimizer, or a setting has the wrong type.
-      ValueError: no parameters, an optimizer or a parameter twice in a list, a setting
-        out of range, or clip settings that disagree.
+      TypeError, ValueError: a bad ``optimizer`` (no optimizer, a ClippedOptimizer, no
+        parameters, one twice in a list) or setting, or clip settings that disagree.
 
     Example:
       >>> import torch, clipopt
@@ -352,8 +348,7 @@ class ClippedOptimizer(OptimizerShell):
                 stacklevel=3,  # load_state_dict -> here
             )
         extra, c = loaded.pop(CLIP_KEY, None), self._clip
-        # The entry holds a norm of each saved clip group (the inner optimizer judges saved
-        # groups that do not line up with these).
+        # The entry has a norm per saved clip group (the inner optimizer judges odd groups).
         groups: Any = loaded.get("param_groups")
         readable = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
         if not readable or len(groups) != len(self.param_groups):
