@@ -343,7 +343,7 @@ class ClippedOptimizer(OptimizerShell):
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
                 f"load_state_dict got a state dict without a {CLIP_KEY!r} entry (as DCP's): the "
-                "clip state stays; save a clipopt.distributed.ClippedOptimizerState beside it",
+                "clip state stays; save clipopt.distributed.ClippedOptimizerState(optimizer) too",
                 UserWarning,
                 stacklevel=3,  # load_state_dict -> here
             )
