@@ -53,7 +53,8 @@ def _fixed(name: str, doc: str) -> Any:
 
 
 def _group_setting(name: str, key: str) -> Any:
-    """A read-only property of the groups' ``key``: one number where all are equal."""
+    """A read-only property of the groups' ``key``, one number where all are equal (a rule
+    is the ``max_norm``)."""
 
     def get(o: Any) -> Any:
         if name == "max_norm" and o._clip.rule is not None:
@@ -251,10 +252,8 @@ class ClippedOptimizer(OptimizerShell):
         self._clip.deepspeed.binding = bind(engine, self)
 
     def __repr__(self) -> str:
-        shown = self._settings().as_dict() | {
-            "max_norm": self.max_norm,
-            "norm_type": self.norm_type,
-        }
+        shown = self._settings().as_dict()
+        shown.update(max_norm=self.max_norm, norm_type=self.norm_type)
         if self._clip.skip_spikes is not None:
             shown["skip_spikes"] = self._clip.skip_spikes
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
