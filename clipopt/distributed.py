@@ -35,12 +35,12 @@ class ClippedOptimizerState:
             raise TypeError(
                 f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}"
             )
-        optimizer._saved_apart()
+        optimizer._extra_saved_apart = True  # a load without the entry is expected
         self.optimizer = optimizer
         self._template: bytes | None = None
 
     def _key(self) -> str:
-        group = self.optimizer._norm_scope.pp_group
+        group = self.optimizer._clip.norm_scope.pp_group
         return f"stage{0 if group is None else dist.get_rank(group)}"
 
     def state_dict(self) -> dict[str, Any]:
@@ -76,4 +76,4 @@ class ClippedOptimizerState:
                 f"ClippedOptimizerState's {key!r} must be the bytes of a dict its state_dict "
                 f"wrote, got {type(entry).__name__}; nothing was loaded"
             )
-        self.optimizer._load_extra(entry)
+        self.optimizer._load({"clip": entry}, inner=False)

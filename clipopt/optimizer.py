@@ -1,18 +1,13 @@
-"""``ClippedOptimizer``: clip the gradient norm before every step of any torch optimizer.
-
-The clip's settings, its read-only properties and the entry points of its ``"clip"``
-state-dict entry; the step itself, top to bottom, is :mod:`clipopt._step._clip_step`,
-the saved entry :mod:`clipopt._step._saved`, the pass-through plumbing
-:class:`clipopt._wrapper.OptimizerWrapper`.
-"""
+"""``ClippedOptimizer``: its settings, read-outs and state dict. The step, top to bottom,
+is :mod:`clipopt._step._clip_step`; the saved ``"clip"`` entry :mod:`clipopt._step._saved`."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -34,14 +29,11 @@ from clipopt._validation import (
     Settings,
     check_foreach,
     check_groups,
-    check_not_skip_step,
     clip_layout,
     validated_settings,
 )
-from clipopt._wrapper import OptimizerWrapper
-from clipopt.rules._base import ClipRule
-from clipopt.rules._spike_skip import SpikeSkip
-from clipopt.rules._unit import UnitWiseRule
+from clipopt._wrapper import OptimizerShell, check_inner, check_state_shapes
+from clipopt.rules import ClipRule, SpikeSkip, UnitWiseRule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,98 +42,76 @@ if TYPE_CHECKING:
 __all__ = ["ClippedOptimizer"]
 
 
+def _refuse(name: str, value: object, how: str) -> NoReturn:
+    raise AttributeError(f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): {how}")
+
+
 def _fixed(name: str, doc: str) -> Any:
-    """A read-only property of the wrapper's ``ClipConfig`` that says so when assigned."""
-
-    def refuse(self: Any, value: object) -> None:
-        raise AttributeError(
-            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): it is fixed when "
-            "the wrapper is made (and by load_state_dict); make a new ClippedOptimizer"
-        )
-
-    return property(lambda self: getattr(self._clip, name), refuse, doc=doc)
+    """A read-only property of the wrapper's ``ClipConfig``."""
+    how = "it is fixed when the wrapper is made; make a new ClippedOptimizer"
+    return property(lambda o: getattr(o._clip, name), lambda o, v: _refuse(name, v, how), doc=doc)
 
 
-class ClippedOptimizer(OptimizerWrapper):
+def _group_setting(name: str, key: str) -> Any:
+    """A read-only property of the groups' ``key``, one number where all are equal (a rule
+    is the ``max_norm``)."""
+
+    def get(o: Any) -> Any:
+        if name == "max_norm" and o._clip.rule is not None:
+            return o._clip.rule
+        values = [float(g.get(key, o.defaults[key])) for g in o.param_groups]
+        return values[0] if len(set(values)) == 1 else values
+
+    how = f"set opt.param_groups[i][{key!r}] (and opt.defaults[{key!r}] for groups added later)"
+    return property(get, lambda o, v: _refuse(name, v, how))
+
+
+def _recorded(name: str) -> Any:
+    """A read-only view of the wrapper's ``StepRecord``'s ``name``, called if a method."""
+    return property(lambda o: value() if callable(value := getattr(o._record, name)) else value)
+
+
+def _inner(name: str) -> Any:
+    """The inner optimizer's attribute ``name``, the very object."""
+    return property(
+        lambda o: getattr(o.optimizer, name), lambda o, v: setattr(o.optimizer, name, v)
+    )
+
+
+class ClippedOptimizer(OptimizerShell):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
-    Each :meth:`step` computes the total norm of all grads with grouped kernels (one
-    per device and dtype, on the grads' devices, no host sync), scales the grads in
-    place by ``min(1, max_norm / (norm + 1e-6))`` and then runs the inner optimizer's
-    step; it returns what the inner step returns. This is
-    :func:`clipopt.clip_grad_norm_` followed by ``optimizer.step()``, in one object that
-    schedulers and checkpoints treat like the optimizer it wraps (Pascanu et al., 2013).
-
-    A param group's ``"clip_group"`` (a str or an int) names its clip group: the groups
-    of one clip group share one norm and one threshold (their ``clip_max_norm`` and
-    ``clip_norm_type`` must be equal), each clip group has its own; a group without one
-    is in the clip group ``"default"``, and one with None is neither measured nor
-    scaled. A rule clips one clip group (the others None).
+    :meth:`step` is :func:`clipopt.clip_grad_norm_` (grads scaled in place by
+    ``min(1, max_norm / (norm + 1e-6))``, no host sync) then the inner step, whose result
+    it returns; ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's. A
+    group's ``"clip_group"`` (a str or an int) names its clip group, which has one norm
+    and one threshold; without one it is in ``"default"``, with None it is not clipped.
 
     Args:
-      optimizer: the optimizer to wrap; it keeps its param groups and state. Or a list
-        of optimizers (Muon for the 2-D weights, AdamW for the rest), made into a
-        :class:`clipopt.OptimizerChain`: one norm over all their grads, then each steps
-        in order.
-      max_norm: the default largest allowed norm, > 0 (``inf``: measure only). Each
-        param group may carry its own ``"clip_max_norm"`` (a number or a 0-dim tensor).
-        Or a clip rule (:class:`clipopt.AutoClip`, :class:`clipopt.ZClip`,
-        :class:`clipopt.AdaGC`, :class:`clipopt.AGC`, any :class:`clipopt.ClipRule`),
-        which chooses the threshold each step from the norms it has seen (AGC: from the
-        weights, unit by unit): it sets every group's threshold (a group's own
-        ``clip_max_norm`` is refused), needs ``per_group=False``, and a global rule folds
-        into a fused kernel like a number does. See ``docs/adaptive.md``.
-      norm_type: the default order p of the norm: any number > 0, ``inf`` or ``'inf'``.
-        Each param group may carry its own ``"clip_norm_type"`` when ``per_group=True``.
-      per_group: clip each param group by its own norm instead of one global norm over
-        all groups; the per-group norms are in :attr:`last_group_norms`. The shorthand
-        for one clip group per param group: not with ``"clip_group"`` names.
-      foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest for
-        each device (None), as in :func:`clipopt.clip_grad_norm_`.
-      nonfinite: what a NaN/inf norm does. ``"propagate"`` (torch's behaviour, no
-        sync): the grads are scaled by the NaN coefficient and the step runs.
-        ``"skip"``: the inner step is skipped, grads, parameters and optimizer state
-        are left untouched and :attr:`skip_count` grows; this reads one flag on the
-        host per step. ``"raise"``: :class:`clipopt.NonFiniteNormError` (a
-        ``FloatingPointError``) before anything is touched; also one host read.
-        ``"assert"``: a device-side assertion (``torch._assert_async``), no host read:
-        on CPU a ``RuntimeError`` at once, before anything is touched; on CUDA the
-        error surfaces at the next synchronisation, after the step has run, and leaves
-        the CUDA context unusable: the process must restart.
-      max_consecutive_skips: with ``nonfinite="skip"``, the non-finite step that
-        follows this many skipped steps in a row raises
-        :class:`clipopt.NonFiniteNormError` instead of skipping again; None never raises.
-      process_group: the group plain (non-DTensor) parameters are split across in
-        model parallelism: the norm is reduced over it with one ``all_reduce``. DTensor
-        grads (FSDP2, HSDP, tensor parallel) are reduced over their mesh without it, and
-        DDP needs nothing. See :mod:`clipopt.distributed`.
-      replicated_params: parameters identical on every rank of ``process_group`` (tied
-        embeddings, layer norms under tensor parallel); they count once.
-      skip_spikes: a :class:`clipopt.SpikeSkip`: skip the whole step when the pre-clip
-        norm is an outlier of the recent ones. On a fused torch optimizer the skip rides
-        on ``found_inf``; otherwise it costs one host read per step once the rule can
-        fire (as ``nonfinite="skip"`` does, and in the same read).
-      track_tensor_norms: keep each grad's pre-clip norm of the last step, by name, in
-        :attr:`last_tensor_norms`. They are measured in the step's one read of the grads
-        (the global norm is derived from them), not by a second pass; DTensor grads
-        (FSDP2, TP) are measured whole across ranks in the step's one collective.
-        Not with a ``process_group`` (a split tensor's rows differ by rank).
-      pp_mesh: under pipeline parallelism, a 1-D ``DeviceMesh`` (torchtitan's
-        ``world_mesh["pp"]``) or a ``ProcessGroup`` joining this rank to one rank of each
-        other stage; the wrapper holds this stage's parameters. Each stage's norm is
-        reduced as without it, then the stages' ``norm**p`` are summed over it (max for
-        inf) in one more ``all_reduce``, so every stage clips, skips and updates its rule
-        by the whole model's norm. Per-tensor and unit norms, and their rules' state, stay
-        the stage's own. With ``per_group`` the stages' groups are matched by position;
-        the first step refuses stages whose clip settings differ, on every rank.
+      optimizer: the optimizer to wrap, or a list of them made into a
+        :class:`clipopt.OptimizerChain` (Muon for the 2-D weights, AdamW for the rest).
+      max_norm: the default largest norm, > 0 (``inf``: measure only), or a group's own
+        ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a :class:`clipopt.ClipRule`
+        that sets the threshold each step (one clip group; see ``docs/adaptive.md``).
+      norm_type: the order of the norm, > 0 or ``inf``, or a group's ``"clip_norm_type"``.
+      per_group: clip each param group by its own norm; not with ``"clip_group"`` names.
+      foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest (None).
+      nonfinite: on a NaN/inf norm, ``"propagate"`` scales by NaN and steps (torch's);
+        ``"skip"`` skips the step and ``"raise"`` raises :class:`clipopt.NonFiniteNormError`,
+        touching nothing (one host read a step); ``"assert"``: ``torch._assert_async``
+        (on CUDA it surfaces after the step and leaves the CUDA context unusable).
+      max_consecutive_skips: with ``"skip"``, raise after this many skips in a row (None: never).
+      process_group: the group plain parameters are split across (model parallelism),
+        reduced over in one ``all_reduce``; DTensor grads and DDP need none.
+      replicated_params: parameters identical on every rank of ``process_group``.
+      skip_spikes: a :class:`clipopt.SpikeSkip` that skips a step whose norm is a spike.
+      track_tensor_norms: keep each grad's norm in :attr:`last_tensor_norms`.
+      pp_mesh: under pipeline parallelism, the 1-D ``DeviceMesh`` or ``ProcessGroup``
+        joining the stages: every stage clips by the whole model's norm.
 
     Raises:
-      TypeError: ``optimizer`` (or an element of the list) is not an optimizer or is
-        already a ClippedOptimizer, or a setting has the wrong type.
-      ValueError: ``optimizer`` has no parameters, a list is empty or holds an optimizer
-        or a parameter twice, a setting is out of range, param groups use different
-        ``norm_type`` values without ``per_group`` or clip groups, or the groups of one
-        clip group have different settings.
+      TypeError, ValueError: a bad ``optimizer`` (no optimizer, a ClippedOptimizer, no
+        parameters, one twice in a list) or setting, or clip settings that disagree.
 
     Example:
       >>> import torch, clipopt
@@ -153,11 +123,10 @@ class ClippedOptimizer(OptimizerWrapper):
       (tensor(50.), tensor([0.6000, 0.8000]), tensor([-0.6000, -0.8000]))
     """
 
-    # GradScaler must unscale the grads before step() measures them, even when the inner
-    # optimizer is fused and could take the scale itself: last_norm is the true norm.
+    # GradScaler unscales the grads before step() measures them, even for a fused inner
+    # optimizer that could take the scale itself: last_norm is the true norm.
     _step_supports_amp_scaling = False
-
-    EXTRA_KEY = CLIP_KEY
+    clips = True
 
     def __init__(
         self,
@@ -177,49 +146,68 @@ class ClippedOptimizer(OptimizerWrapper):
     ) -> None:
         if isinstance(optimizer, (list, tuple)):
             optimizer = OptimizerChain(optimizer)
-        optimizer = _check_inner(optimizer)
-        rule = max_norm if isinstance(max_norm, ClipRule) else None
-        settings = validated_settings(
-            math.inf if rule is not None else max_norm,
-            norm_type,
-            per_group,
-            nonfinite,
-            max_consecutive_skips,
-        )
-        _check_config(rule, settings, process_group, track_tensor_norms, skip_spikes)
-        check_foreach(foreach)
+        optimizer = check_inner(optimizer, "optimizer")
         groups = optimizer.param_groups
-        check_groups(groups, settings.max_norm, settings.norm_type, settings.per_group)
+        if not isinstance(groups, list) or not any(g.get("params") for g in groups):
+            raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
+        rule = max_norm if isinstance(max_norm, ClipRule) else None
+        threshold = math.inf if rule is not None else max_norm
+        settings = validated_settings(
+            threshold, norm_type, per_group, nonfinite, max_consecutive_skips
+        )
+        if rule is not None and per_group:
+            raise ValueError(f"per_group=True cannot take a rule ({rule!r}): it keeps one norm")
+        local = isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
+        if local and process_group is not None:
+            raise ValueError(
+                f"{rule!r} measures each grad, which a process_group splits across ranks: "
+                "per-tensor and unit-wise rules need unsplit parameters (or DTensor grads)"
+            )
+        if isinstance(rule, UnitWiseRule):
+            rule.check_norm_type(settings.norm_type)
+        if not isinstance(track_tensor_norms, bool):
+            raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
+        if track_tensor_norms and process_group is not None:
+            raise ValueError("track_tensor_norms=True needs unsplit tensors: no process_group")
+        if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
+            raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
+        check_foreach(foreach)
+        check_groups(groups, settings.max_norm, settings.norm_type, per_group)
         check_rule_groups(groups, rule)
         params = [p for group in groups for p in group["params"]]
-        clipped = [
-            p
-            for g in groups
-            if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None
-            for p in g["params"]
-        ]
         scope = NormScope(process_group, replicated_params, params=params, pp_mesh=pp_mesh)
         # Nothing has been touched above this line.
-        super().__init__(optimizer)
+        self._init_hooks()
+        self.optimizer, self._parts = optimizer, (optimizer,)
+        self._extra_saved_apart = False  # a ClippedOptimizerState carries the "clip" entry
+        modes, watch = (per_group, settings.nonfinite, max_consecutive_skips), Watch(params)
         self._clip = ClipConfig(
-            rule,
-            skip_spikes,
-            settings.per_group,
-            settings.nonfinite,
-            settings.max_consecutive_skips,
-            foreach,
-            scope,
-            track_tensor_norms,
-            Watch(params),
+            rule, skip_spikes, *modes, foreach, scope, track_tensor_norms, watch
         )
         self._apply_settings(settings)
         self._record = StepRecord()
-        names = self.clip_groups
-        if len(names) > 1 or settings.per_group:  # shaped from the start: compiles once
-            self._record.clipped_count = torch.zeros(len(names), dtype=torch.int64)
-        _prepare(clipped, rule, skip_spikes)
+        if len(self.clip_groups) > 1 or per_group:  # shaped from the start
+            self._record.clipped_count = torch.zeros(len(self.clip_groups), dtype=torch.int64)
+        # The rules' state for the norms the step will give them, so that a compiled step
+        # compiles once (a wrong guess, grads on another device, costs one recompile).
+        clipped = [g for g in groups if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None]
+        trained = [p for g in clipped for p in g["params"] if p.requires_grad]
+        if trained:
+            dtype, device = result_dtype([p.dtype for p in trained]), trained[0].device
+            if rule is not None:
+                shape = (len(trained),) if rule.per_tensor else ()
+                rule.prepare(torch.zeros(shape, dtype=dtype, device=device))
+            if skip_spikes is not None:
+                skip_spikes.prepare(torch.zeros((), dtype=dtype, device=device))
 
     step = _clip_step.step
+    param_groups = _inner("param_groups")
+    state = _inner("state")
+    defaults = _inner("defaults")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none)
 
     def _apply_settings(self, settings: Settings) -> None:
         """Make ``settings`` the wrapper's; groups without their own take the defaults."""
@@ -228,40 +216,26 @@ class ClippedOptimizer(OptimizerWrapper):
         for group in self.param_groups:
             group.setdefault(MAX_NORM_KEY, settings.max_norm)
             group.setdefault(NORM_TYPE_KEY, settings.norm_type)
-        self._clip = dataclasses.replace(
-            self._clip,
-            per_group=settings.per_group,
-            nonfinite=settings.nonfinite,
-            max_consecutive_skips=settings.max_consecutive_skips,
-            view=GroupView(),
-        )
+        modes = settings.as_dict()
+        del modes["max_norm"], modes["norm_type"]  # the groups and defaults hold these
+        self._clip = dataclasses.replace(self._clip, **modes, view=GroupView())
 
     def _settings(self) -> Settings:
-        config = self._clip
-        return Settings(
-            float(self.defaults[MAX_NORM_KEY]),
-            float(self.defaults[NORM_TYPE_KEY]),
-            config.per_group,
-            config.nonfinite,
-            config.max_consecutive_skips,
-        )
+        c, defaults = self._clip, self.defaults
+        max_norm, norm_type = float(defaults[MAX_NORM_KEY]), float(defaults[NORM_TYPE_KEY])
+        return Settings(max_norm, norm_type, c.per_group, c.nonfinite, c.max_consecutive_skips)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group to the inner optimizer.
-
-        Missing ``clip_max_norm`` / ``clip_norm_type`` are filled from :attr:`defaults`,
-        like every other hyperparameter; given ones are validated first, and without
-        ``per_group`` the group's ``clip_norm_type`` must be the one the others (of its
-        clip group) use. A ``clip_group`` is validated as in the constructor.
+        """Add a param group to the inner optimizer; a missing ``clip_max_norm`` or
+        ``clip_norm_type`` is filled from :attr:`defaults`, like every hyperparameter.
 
         Raises:
-          TypeError, ValueError: a bad ``clip_max_norm``/``clip_norm_type``/``clip_group``;
-            nothing is added.
+          TypeError, ValueError: bad clip settings (as in the constructor); nothing is added.
         """
         if isinstance(param_group, dict):
-            s = self._settings()
-            check_groups([*self.param_groups, param_group], s.max_norm, s.norm_type, s.per_group)
-            check_rule_groups([*self.param_groups, param_group], self._clip.rule)
+            s, groups = self._settings(), [*self.param_groups, param_group]
+            check_groups(groups, s.max_norm, s.norm_type, s.per_group)
+            check_rule_groups(groups, self._clip.rule)
         self.optimizer.add_param_group(param_group)
         self._clip.deepspeed.add(self.param_groups[-1]["params"])
 
@@ -269,336 +243,136 @@ class ClippedOptimizer(OptimizerWrapper):
         """Say that DeepSpeed's ``engine`` steps this wrapper: call it once, right after
         ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage.
 
-        Under ZeRO-1/2 each step then measures the global norm of DeepSpeed's flat
-        partitions (see ``docs/integrations.md#deepspeed``). A wrapper whose param groups
-        DeepSpeed has rewritten refuses to step until it is attached.
-
         Raises:
           ValueError: the engine does not step this wrapper, or uses a setting under which
-            the norm cannot be right (its own ``gradient_clipping``, fp16 dynamic loss
-            scaling, an optimizer clipopt has not tested, an :class:`OptimizerChain`);
-            the message names the setting. Nothing is changed.
+            the norm cannot be right (named: an OptimizerChain is one); nothing changes.
         """
         if isinstance(self.optimizer, OptimizerChain):
-            raise ValueError(
-                "DeepSpeed steps one optimizer over flat partitions of the parameters, "
-                "which an OptimizerChain's optimizers (Muon: 2-D weights only) cannot "
-                "step; wrap a single optimizer to train under DeepSpeed"
-            )
+            raise ValueError("DeepSpeed steps one optimizer, not an OptimizerChain")
         self._clip.deepspeed.binding = bind(engine, self)
-
-    @property
-    def _deepspeed(self) -> Watch:
-        return self._clip.deepspeed
-
-    @property
-    def _norm_scope(self) -> NormScope:
-        return self._clip.norm_scope
-
-    @_norm_scope.setter
-    def _norm_scope(self, scope: NormScope) -> None:
-        self._clip = dataclasses.replace(self._clip, norm_scope=scope)
 
     def __repr__(self) -> str:
         shown = self._settings().as_dict()
-        shown["max_norm"], shown["norm_type"] = self.max_norm, self.norm_type
+        shown.update(max_norm=self.max_norm, norm_type=self.norm_type)
         if self._clip.skip_spikes is not None:
             shown["skip_spikes"] = self._clip.skip_spikes
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return f"{type(self).__name__}({settings}) wrapping\n{self.optimizer!r}"
 
-    # ------------------------------------------------------------------ read-outs
-
     per_group = _fixed("per_group", "Whether each param group is clipped by its own norm.")
-    foreach = _fixed("foreach", "The ``foreach`` choice passed to the norm and scale kernels.")
-    nonfinite = _fixed(
-        "nonfinite",
-        'What a non-finite norm does: ``"propagate"``, ``"skip"``, ``"raise"`` or ``"assert"``.',
-    )
-    max_consecutive_skips = _fixed(
-        "max_consecutive_skips", "Skipped steps in a row after which a non-finite norm raises."
-    )
-    rule = _fixed(
-        "rule",
-        "The clip rule passed as ``max_norm``, None for a number (its ``last_threshold`` "
-        "is its monitoring).",
-    )
-    skip_spikes = _fixed(
-        "skip_spikes", "The :class:`clipopt.SpikeSkip` that skips spikes, or None."
-    )
-    track_tensor_norms = _fixed(
-        "track_tensor_norms",
-        "Whether each step keeps its per-tensor norms in ``last_tensor_norms``.",
-    )
+    foreach = _fixed("foreach", "The ``foreach`` choice of the norm and scale kernels.")
+    nonfinite = _fixed("nonfinite", "What a non-finite norm does (see the constructor).")
+    max_consecutive_skips = _fixed("max_consecutive_skips", "Skips in a row before a raise.")
+    rule = _fixed("rule", "The clip rule passed as ``max_norm``, None for a number.")
+    skip_spikes = _fixed("skip_spikes", "The :class:`clipopt.SpikeSkip`, or None.")
+    track_tensor_norms = _fixed("track_tensor_norms", "Whether a step keeps its tensors' norms.")
 
-    def _group_setting(self, key: str) -> float | list[float]:
-        """Each param group's ``key``: one number where every group has the same."""
-        values = [float(g.get(key, self.defaults[key])) for g in self.optimizer.param_groups]
-        return values[0] if len(set(values)) == 1 else values
+    max_norm: float | list[float] | ClipRule = _group_setting("max_norm", MAX_NORM_KEY)
+    """The rule, else the groups' ``clip_max_norm`` (one number where all are equal).
+    Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and ``opt.defaults``'s for
+    groups added later), as a scheduler sets ``lr``."""
 
-    @property
-    def max_norm(self) -> float | list[float] | ClipRule:
-        """The threshold the step uses: the rule, else the param groups'
-        ``clip_max_norm`` (one number where every group has the same, else one per group).
+    norm_type: float | list[float] = _group_setting("norm_type", NORM_TYPE_KEY)
+    """The groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
 
-        Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and
-        ``opt.defaults["clip_max_norm"]`` for groups added later) to change it, as an LR
-        scheduler changes ``lr``.
-        """
-        rule = self._clip.rule
-        return rule if rule is not None else self._group_setting(MAX_NORM_KEY)
+    last_norm: Tensor | None = _recorded("last_norm")
+    """The pre-clip total norm of the last step (None before the first), a 0-dim
+    tensor on the grads' device (float32, float64 for double grads); with
+    ``per_group=True``, the norm of the group norms."""
 
-    @max_norm.setter
-    def max_norm(self, value: object) -> None:
-        how = (
-            f"(and opt.defaults[{MAX_NORM_KEY!r}] for groups added later), or make a new "
-            "ClippedOptimizer for a rule"
-        )
-        raise AttributeError(
-            _refused("max_norm", value, f"set opt.param_groups[i][{MAX_NORM_KEY!r}] {how}")
-        )
-
-    @property
-    def norm_type(self) -> float | list[float]:
-        """The norm's order the step uses: the param groups' ``clip_norm_type`` (one
-        number where every group has the same). Read-only, as :attr:`max_norm`."""
-        return self._group_setting(NORM_TYPE_KEY)
-
-    @norm_type.setter
-    def norm_type(self, value: object) -> None:
-        how = "in every group (one order for all unless per_group=True)"
-        raise AttributeError(
-            _refused("norm_type", value, f"set opt.param_groups[i][{NORM_TYPE_KEY!r}] {how}")
-        )
-
-    @property
-    def last_norm(self) -> Tensor | None:
-        """The pre-clip total norm of the most recent step, None before the first.
-
-        A 0-dim tensor on the grads' device (float32, float64 for double grads). With
-        ``per_group=True`` it is the norm of the per-group norms taken with the default
-        ``norm_type``: the total norm whenever every group uses that order.
-        """
-        return self._record.last_norm
-
-    @property
-    def last_group_norms(self) -> Tensor | None:
-        """With ``per_group=True``, the pre-clip norm of each group (1-D); with more than
-        one clip group, of each clip group, in the order of :attr:`clip_groups`; else
-        None."""
-        return self._record.last_group_norms
+    last_group_norms: Tensor | None = _recorded("last_group_norms")
+    """With ``per_group=True`` or clip groups, each one's pre-clip norm (1-D, in the
+    order of :attr:`clip_groups`); else None."""
 
     @property
     def clip_groups(self) -> tuple[str | int, ...]:
-        """The clip groups' names, in order of first appearance in the param groups (those
-        ``"clip_group": None`` names are left out): ``("default",)`` where no group names
-        one, each group's index with ``per_group=True``."""
+        """The clip groups' names in order of first appearance (not None): ``("default",)``
+        where no group names one, the group indices with ``per_group=True``."""
         layout = clip_layout(self.param_groups)
         if layout is not None:
             return tuple(layout[1])
         return tuple(range(len(self.param_groups))) if self.per_group else (DEFAULT_CLIP_GROUP,)
 
-    @property
-    def last_clipped_norm(self) -> Tensor | None:
-        """The post-clip norm of the last step: the norm of the grads its inner step used.
+    last_clipped_norm: Tensor | None = _recorded("last_clipped_norm")
+    """The post-clip norm of the last step (of the grads its inner step used), shaped
+    as :attr:`last_group_norms` or :attr:`last_norm`, derived when read. For a
+    per-tensor or unit-wise rule, the float64 norm of its scaled tensors or units. A
+    skipped step's is :attr:`last_norm`. None before the first step, after loading a
+    format-1 checkpoint, and where groups with different ``clip_max_norm`` share one
+    norm."""
 
-        Shaped, typed and placed as :attr:`last_norm` (one per group or clip group,
-        as :attr:`last_group_norms`, where it is not None); None before the first step
-        and after loading a format-1 checkpoint. Derived when read, from the pre-clip
-        norm and the coefficient (``norm / grad_scale`` where the clip rides on a fused
-        kernel): the step launches nothing for it. A per-tensor or unit-wise rule scales
-        each tensor or unit by its own coefficient: the norm of their norms times their
-        coefficients, taken in float64 over the rule's tensors or units only (not AGC's
-        ``exclude``; under ``pp_mesh`` this stage's). A skipped
-        step scaled nothing: it reads :attr:`last_norm` (the grads were left as they
-        were). None too where groups with different ``clip_max_norm`` are scaled by one
-        norm (``per_group=False``): each group's own norm is not measured.
-        """
-        return self._record.last_clipped_norm()
+    last_clipped: Tensor | None = _recorded("last_clipped")
+    """Whether the last step's clip scaled the grads (some, for a per-tensor or
+    unit-wise rule), a bool tensor shaped as :attr:`last_clipped_norm`; False for a
+    skipped step, None before the first."""
 
-    @property
-    def last_clipped(self) -> Tensor | None:
-        """Whether the last step's clip scaled the grads (some grad, for a per-tensor or
-        unit-wise rule): a bool tensor shaped as :attr:`last_clipped_norm`, on the grads'
-        device; False for a skipped step; None before the first step."""
-        return self._record.last_clipped()
-
-    @property
-    def clipped_count(self) -> Tensor:
-        """Steps whose clip scaled the grads, an int64 tensor (one per group or clip
-        group, as :attr:`last_group_norms`, where it is not None; else 0-dim); skipped
-        steps do not count. Made on the device each step (a compare and an add), saved
-        in :meth:`state_dict`."""
-        return self._record.clipped_count
+    clipped_count: Tensor = _recorded("clipped_count")
+    """Steps whose clip scaled the grads, an int64 tensor shaped as
+    :attr:`last_clipped`, counted on the device and saved in :meth:`state_dict`."""
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
-        """With ``track_tensor_norms=True``, each grad's pre-clip norm in the last step.
-
-        ``{name: 0-dim tensor}`` on the grads' device (float32, float64 for double
-        grads), in the order of the param groups, parameters without a grad left out.
-        A name is the one torch keeps in each group's ``param_names`` when the inner
-        optimizer was given ``model.named_parameters()``, else the parameter's index
-        over all groups as a string (its key in ``state_dict()["state"]``). None before
-        the first step, after a load, and without ``track_tensor_norms``. Not saved in
-        :meth:`state_dict`: nothing in a step reads it.
-        """
+        """With ``track_tensor_norms=True``, ``{name: pre-clip norm}`` of each grad in the
+        last step, in the groups' order; a name is the group's ``param_names`` entry, else
+        the parameter's index as a string. None before the first step and after a load."""
         record = self._record
         if record.tensor_norms is None:
             return None
         return dict(zip(record.tensor_names, record.tensor_norms.unbind(), strict=True))
 
-    @property
-    def step_count(self) -> Tensor:
-        """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
-        return self._record.step_count
+    step_count: Tensor = _recorded("step_count")
+    """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
 
-    @property
-    def skip_count(self) -> Tensor:
-        """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
-        return self._record.skip_count
+    skip_count: Tensor = _recorded("skip_count")
+    """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
 
-    @property
-    def consecutive_skips(self) -> Tensor:
-        """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
-        return self._record.consecutive_skips
+    consecutive_skips: Tensor = _recorded("consecutive_skips")
+    """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
 
-    # ------------------------------------------------------------------ checkpoints
+    def _state_dict(self) -> dict[str, Any]:
+        return {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
 
     def _extra_state(self) -> dict[str, Any]:
-        config = self._clip
-        return _saved.clip_entry(
-            self._settings(), self._record.state(), config.rule, config.skip_spikes
-        )
+        c = self._clip
+        return _saved.clip_entry(self._settings(), self._record.state(), c.rule, c.skip_spikes)
 
-    def _warn_extra_missing(self) -> None:
-        warnings.warn(
-            f"{type(self).__name__}.load_state_dict got a state dict without a "
-            f"{CLIP_KEY!r} entry (torch.distributed.checkpoint.state_dict's functions "
-            "keep only 'state' and 'param_groups'), so the clip state (step counters, "
-            "last norms, the rule's state) stays as it was; to checkpoint it through DCP, "
-            "save clipopt.distributed.ClippedOptimizerState(optimizer) beside the "
-            "optimizer",
-            UserWarning,
-            stacklevel=5,  # load_state_dict -> _hooked_load -> _load -> here
-        )
-
-    def _check_load(self, inner_state: Mapping[str, Any], extra: Any) -> _saved.ClipState | None:
-        config = self._clip
-        # last_group_norms holds a norm of each saved clip group (the inner optimizer
-        # judges saved groups that do not line up with these)
-        groups: Any = inner_state.get("param_groups")
+    def _load(self, loaded: dict[str, Any], inner: bool = True) -> None:
+        """Check the ``"clip"`` entry and the groups' clip settings, load the inner
+        optimizer (unless not ``inner``: ClippedOptimizerState's load), then the entry."""
+        if CLIP_KEY not in loaded and not self._extra_saved_apart:
+            warnings.warn(
+                f"load_state_dict got a state dict without a {CLIP_KEY!r} entry (as DCP's): the "
+                "clip state stays; save clipopt.distributed.ClippedOptimizerState(optimizer) too",
+                UserWarning,
+                stacklevel=3,  # load_state_dict -> here
+            )
+        extra, c = loaded.pop(CLIP_KEY, None), self._clip
+        # The entry has a norm per saved clip group (the inner optimizer judges odd groups).
+        groups: Any = loaded.get("param_groups")
         readable = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
         if not readable or len(groups) != len(self.param_groups):
             groups = self.param_groups
         layout = clip_layout(groups)
-        return _saved.check_load(
-            extra,
-            inner_state,
-            len(groups) if layout is None else len(layout[1]),
-            self._settings(),
-            config.rule,
-            config.skip_spikes,
-        )
-
-    def _finish_load(self, prepared: _saved.ClipState | None) -> None:
+        count = len(groups) if layout is None else len(layout[1])
+        prepared = _saved.check_load(extra, loaded, count, self._settings(), c.rule, c.skip_spikes)
+        if inner:
+            self.optimizer.load_state_dict(loaded)
+            check_state_shapes(self.optimizer)
         # An inner optimizer with a layout of its own loads groups that only now can be read.
         s = self._settings() if prepared is None else prepared.settings
         check_groups(self.param_groups, s.max_norm, s.norm_type, s.per_group)
-        if prepared is None:
-            self._apply_settings(s)
-            return
-        device = next(p.device for group in self.param_groups for p in group["params"])
-        config = self._clip
-        for mine, saved in (
-            (config.rule, prepared.rule),
-            (config.skip_spikes, prepared.skip_spikes),
-        ):
-            if mine is not None and saved is not None:
-                mine.load_state_dict(saved)
-                mine.to(device)
-        counters = {k: v.to(device=device, copy=True) for k, v in prepared.counters.items()}
-        last = {
-            k: None if t is None else t.to(device=device, copy=True)
-            for k, t in prepared.last.items()
-        }
-        self._record.load(counters, last)
+        if prepared is not None:
+            device = next(p.device for group in self.param_groups for p in group["params"])
+            for mine, saved in ((c.rule, prepared.rule), (c.skip_spikes, prepared.skip_spikes)):
+                if mine is not None and saved is not None:
+                    mine.load_state_dict(saved)
+                    mine.to(device)
+            counters = {k: v.to(device=device, copy=True) for k, v in prepared.counters.items()}
+            last = prepared.last.items()
+            self._record.load(
+                counters, {k: None if t is None else t.to(device, copy=True) for k, t in last}
+            )
         self._apply_settings(s)
 
 
 setattr(ClippedOptimizer.step, "hooked", True)  # noqa: B010  torch's hook wrapper: see clipopt._wrapper
-
-
-def _refused(name: str, value: object, how: str) -> str:
-    return f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): the step reads {how}"
-
-
-def _check_inner(optimizer: object) -> Optimizer:
-    """``optimizer``, refused if it cannot be wrapped: a wrapper, a non-optimizer,
-    nothing to optimize."""
-    if isinstance(optimizer, ClippedOptimizer):
-        raise TypeError(
-            "optimizer is already a ClippedOptimizer; wrapping it twice would clip twice. "
-            "Change its param groups' 'clip_max_norm' instead"
-        )
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    check_not_skip_step(optimizer)
-    groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(groups, list) or not any(g.get("params") for g in groups):
-        raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
-    return optimizer
-
-
-def _check_config(
-    rule: ClipRule | None,
-    settings: Settings,
-    process_group: ProcessGroup | None,
-    track_tensor_norms: Any,
-    skip_spikes: Any,
-) -> None:
-    """Refuse arguments no step could measure with, or of the wrong type: a rule per
-    group, a per-tensor or unit-wise rule or tracked norms with a ``process_group`` (it
-    splits tensors across ranks), a unit-wise rule's bad order."""
-    if rule is not None and settings.per_group:
-        raise ValueError(
-            f"per_group=True cannot take a clip rule ({rule!r}): a rule keeps one "
-            "history of one norm; use per_group=False, or per_tensor=True where the "
-            "rule has it"
-        )
-    local = rule is not None and (rule.per_tensor or isinstance(rule, UnitWiseRule))
-    if local and process_group is not None:
-        raise ValueError(
-            f"{rule!r} measures each grad on its own, and with a process_group each rank "
-            "holds other tensors (pipeline stages, model-parallel slices), so its grads "
-            "would differ by rank: per-tensor and unit-wise rules need unsplit parameters "
-            "(DDP), or, per tensor, DTensor grads (FSDP2, tensor parallel) and no "
-            "process_group"
-        )
-    if isinstance(rule, UnitWiseRule):
-        rule.check_norm_type(settings.norm_type)
-    if not isinstance(track_tensor_norms, bool):
-        raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
-    if track_tensor_norms and process_group is not None:
-        raise ValueError(
-            "track_tensor_norms=True measures each grad on its own, which a process_group "
-            "splits across ranks; it needs unsplit parameters"
-        )
-    if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
-        raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
-
-
-def _prepare(params: list[Tensor], rule: ClipRule | None, skip_spikes: SpikeSkip | None) -> None:
-    """Make the rules' state for the norms the step will give them, so that a compiled
-    step compiles once; a wrong guess (grads on another device) costs one recompile."""
-    trained = [p for p in params if p.requires_grad]
-    if not trained:
-        return
-    dtype, device = result_dtype([p.dtype for p in trained]), trained[0].device
-    if rule is not None:
-        shape = (len(trained),) if rule.per_tensor else ()
-        rule.prepare(torch.zeros(shape, dtype=dtype, device=device))
-    if skip_spikes is not None:
-        skip_spikes.prepare(torch.zeros((), dtype=dtype, device=device))

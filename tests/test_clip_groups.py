@@ -352,7 +352,7 @@ def test_deepspeed_zero_refuses_clip_groups_touching_nothing() -> None:
     )
 
     zero = types.SimpleNamespace(single_partition_of_fp32_groups=[flat], real_dp_process_group=[0])
-    opt._deepspeed.binding = _deepspeed.Binding("DeepSpeed ZeRO-2", zero)
+    opt._clip.deepspeed.binding = _deepspeed.Binding("DeepSpeed ZeRO-2", zero)
     before = (flat.detach().clone(), flat.grad.clone())
     with pytest.raises(ValueError, match=r"DeepSpeed ZeRO-2 .* remove 'clip_group'"):
         opt.step()

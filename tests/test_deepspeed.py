@@ -84,7 +84,7 @@ def _attached(opt: clipopt.ClippedOptimizer, group: Any) -> FakeZero:
     """The wrapper attached to a stand-in ZeRO optimizer (what ``bind`` returns under
     DeepSpeed's ZeRO-2, which the spawned cases check)."""
     zero = FakeZero(opt, group)
-    opt._deepspeed.binding = _deepspeed.Binding("DeepSpeed ZeRO-2", zero)
+    opt._clip.deepspeed.binding = _deepspeed.Binding("DeepSpeed ZeRO-2", zero)
     return zero
 
 
@@ -262,8 +262,8 @@ def test_a_copy_is_not_attached(world_of_one: Any) -> None:
     opt = clipopt.ClippedOptimizer(torch.optim.SGD(_flat_groups(1), lr=0.1), 1.0)
     _attached(opt, world_of_one)
     twin = copy.deepcopy(opt)
-    assert twin._deepspeed.binding is None
-    assert twin._deepspeed.params[0] is twin.param_groups[0]["params"][0]
+    assert twin._clip.deepspeed.binding is None
+    assert twin._clip.deepspeed.params[0] is twin.param_groups[0]["params"][0]
 
 
 # --------------------------------------------------------------------------- DeepSpeed itself
@@ -407,7 +407,7 @@ def _refused_at_attach(stage: int, match: str, **config: Any) -> Callable[[], No
         engine, opt = _engine(stage, False, 0.3, attach=False, **config)
         with pytest.raises(ValueError, match=match):
             opt.attach_deepspeed(engine)
-        assert opt._deepspeed.binding is None
+        assert opt._clip.deepspeed.binding is None
 
     return case
 

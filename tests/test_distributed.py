@@ -14,6 +14,7 @@ parent kills anything still alive after ``JOIN_TIMEOUT_S``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -1012,9 +1013,9 @@ def test_wrapper_with_a_group_deep_copies_but_does_not_pickle(world_of_one: Any)
         torch.optim.SGD([w, b], lr=0.1), 1.0, process_group=world_of_one, replicated_params=[b]
     )
     twin = copy.deepcopy(optimizer)
-    assert twin._norm_scope.process_group is world_of_one
+    assert twin._clip.norm_scope.process_group is world_of_one
     twin_b = twin.param_groups[0]["params"][1]
-    assert twin._norm_scope.replicated_params == [twin_b] and twin_b is not b
+    assert twin._clip.norm_scope.replicated_params == [twin_b] and twin_b is not b
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(optimizer)
 
@@ -1057,8 +1058,8 @@ def test_a_pipeline_of_one_stage_adds_no_collective(world_of_one: Any) -> None:
     scope.pp_group = world_of_one  # as a pipeline of several stages holds it
     w = nn.Parameter(torch.ones(2))
     optimizer = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=0.1), 1.0)
-    optimizer._norm_scope = scope
-    assert copy.deepcopy(optimizer)._norm_scope.pp_group is world_of_one
+    optimizer._clip = dataclasses.replace(optimizer._clip, norm_scope=scope)
+    assert copy.deepcopy(optimizer)._clip.norm_scope.pp_group is world_of_one
     with pytest.raises(TypeError, match="holding a pp_group cannot be pickled"):
         pickle.dumps(optimizer)
 
