@@ -4,7 +4,6 @@ fused kernel -> the inner step -> commit the record and the rules' state."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,9 +40,7 @@ Outcome = tuple[Tensor, Tensor, Tensor]  # what a rule decided: norms, coefficie
 
 
 class GroupView:
-    """The groups' clip settings as last validated, and the objects they were read from
-    (``seen``): they are validated again only when one of those changes. With clip groups
-    (``layout``), ``thresholds`` and ``norm_types`` are the clip groups'."""
+    """The (clip) groups' settings as last validated from the objects ``seen``."""
 
     def __init__(self) -> None:
         self.seen: list[object] = []
@@ -121,10 +118,12 @@ def decide(
     view, rule, mode = config.view, config.rule, config.nonfinite
     zero, final = _check_groups(optimizer, config)
     with torch.no_grad():
-        grads = _measure.collect_grads(optimizer.param_groups)
+        grads = [
+            [p.grad for p in g["params"] if p.grad is not None] for g in optimizer.param_groups
+        ]
         if view.layout is not None:
             grads = _regrouped(grads, view.layout)
-        flat = _measure.flatten(grads)
+        flat = grads[0] if len(grads) == 1 else [g for group in grads for g in group]
         coefficients: list[Coefficient] = []
         outcome = None
         if _plain(config, zero, flat):  # the shortest path: one grouped norm
@@ -154,10 +153,9 @@ def decide(
         spike = found_inf = flag = None
         streak: int | None = None
         limit = config.max_consecutive_skips
-        spikes = config.skip_spikes
+        spikes = config.skip_spikes if may_skip else None
         # Compiled, judged from the first step (not recompiled when it may fire)
-        compiling = torch.compiler.is_compiling()
-        if may_skip and spikes is not None and (compiling or spikes.may_trigger()):
+        if spikes is not None and (torch.compiler.is_compiling() or spikes.may_trigger()):
             spike = spikes.verdict(measured.norm)
         if mode != "propagate" or spike is not None:
             norms = measured.norm if measured.stacked is None else measured.stacked
@@ -169,7 +167,7 @@ def decide(
             elif fold and mode != "raise" and _fold.skips_cleanly(optimizer):
                 found_inf = _nonfinite.device_verdict(norms, values, mode, spike, torch.float32)
             else:
-                if compiling:
+                if torch.compiler.is_compiling():
                     flag = _nonfinite.device_verdict(norms, values, mode, spike, torch.int64)
                 past = record.consecutive_skips
                 streak = _nonfinite.host_verdict(norms, values, past, mode, limit, may_skip, spike)
@@ -339,9 +337,8 @@ def _applied(config: ClipConfig, latest: ClipDecision, skipped: Tensor | None) -
 
 
 class StepRecord:
-    """The last step's norms, and inner steps taken, skipped, and skipped in a row (0-dim
-    int64 tensors on the grads' device: no sync; ``lagged``: the streak, read late). Not
-    the wrapper's attributes: ``torch.compile`` drops writes onto an ``Optimizer``."""
+    """The last step's norms and the counters, on the device (``torch.compile`` drops
+    attribute writes onto an ``Optimizer``, not onto what it holds)."""
 
     def __init__(self) -> None:
         self.last_norm: Tensor | None = None
@@ -462,10 +459,11 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
         for g in groups:
             now += [g, g["params"], len(g["params"]), g.get(MAX_NORM_KEY), g.get(NORM_TYPE_KEY)]
             now.append(g.get(CLIP_GROUP_KEY))
-        seen = view.seen
-        same = len(now) == len(seen) and all(
-            a is b or (type(a) is int and a == b) for a, b in zip(now, seen, strict=True)
-        )
+        same = len(now) == len(view.seen)
+        for a, b in zip(now, view.seen, strict=False):  # a loop: no generator's frames
+            if a is not b and not (type(a) is int and a == b):
+                same = False
+                break
     watch = config.deepspeed
     if same and watch.binding is None:
         return None, True
@@ -617,8 +615,12 @@ def _check_lengths(rule: UnitWiseRule, decision: UnitDecision, count: int, what:
 
 def _by_group(per_grad: Sequence[Tensor | None], grads: list[list[Tensor]]) -> list[Coefficient]:
     """``per_grad`` (one per grad, in order) split into each group's tuple (None: no grads)."""
-    ends = [0, *itertools.accumulate(len(group) for group in grads)]
-    return [tuple(per_grad[a:b]) if b > a else None for a, b in itertools.pairwise(ends)]
+    split: list[Coefficient] = []
+    start = 0
+    for group in grads:  # a loop, as torch 2.6's dynamo traces it
+        split.append(tuple(per_grad[start : start + len(group)]) if len(group) > 0 else None)
+        start += len(group)
+    return split
 
 
 def _regrouped(items: list[list[Any]], layout: Layout) -> list[list[Any]]:
