@@ -61,16 +61,19 @@ class LaggedCount:
         self.set(state["value"])
 
 
+def _finite(norms: Tensor, coefficients: Tensor) -> Tensor:
+    return torch.isfinite(norms).all() & torch.isfinite(coefficients).all()
+
+
 def _nonfinite(norms: Tensor, coefficients: Tensor) -> Tensor:
-    finite = torch.isfinite(norms).all() & torch.isfinite(coefficients).all()
-    return torch.logical_not(finite).to(torch.int64)
+    return torch.logical_not(_finite(norms, coefficients)).to(torch.int64)
 
 
 def assert_finite(norms: Tensor, coefficients: Tensor) -> None:
     """``nonfinite="assert"``: a device-side assertion, no host read."""
     # No double quote in the message: inductor pastes it into a C++ string literal.
     message = "clipopt: the gradient norm or clip coefficient is non-finite, nonfinite=assert"
-    torch._assert_async(_nonfinite(norms, coefficients) == 0, message)
+    torch._assert_async(_finite(norms, coefficients), message)
 
 
 def _what(norms: Tensor) -> str:
