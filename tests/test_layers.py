@@ -44,13 +44,9 @@ WING_FLOORS: dict[str, list[set[str]]] = {
     ],
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
     "rules": [{"_base"}, {"_unit"}, set()],
-    # how a step measures, non-finite verdicts, the fold, the saved entry; a rule's
-    # coefficients; the step top to bottom
-    "_step": [
-        {"_measure", "_nonfinite", "_fold", "_saved"},
-        {"_rule_step"},
-        {"_clip_step"},
-    ],
+    # how a step measures, non-finite verdicts, the fold, the saved entry; the step top to
+    # bottom
+    "_step": [{"_measure", "_nonfinite", "_fold", "_saved"}, {"_clip_step"}],
 }
 RULES_FLOOR = 2  # where a module of rules/ that WING_FLOORS does not name sits
 LAYER_OF = {unit: index for index, units in enumerate(UNIT_LAYERS) for unit in units}

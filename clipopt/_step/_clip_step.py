@@ -1,21 +1,13 @@
-"""One ``ClippedOptimizer.step()``, top to bottom: decide -> scale or fold -> apply -> commit.
-
-:func:`step` fires the step hooks around it all. :func:`decide` measures and chooses the
-scale, changing nothing (a raise there leaves everything as it was); the grads are then
-multiplied in place and the inner step runs, or the scale (and a skip decided on the
-device) rides into a fused torch optimizer's kernel (:mod:`clipopt._step._fold`);
-:func:`commit` keeps the :class:`StepRecord` and the rules' state. A fixed threshold over
-plain grads takes the shortest path: one grouped norm, one coefficient or ``grad_scale``,
-one scale; other steps measure in :mod:`clipopt._step._measure` and decide by
-:mod:`clipopt._step._rule_step`.
-"""
+"""One ``ClippedOptimizer.step()``, top to bottom: decide (measure, choose the scale, rule on
+a non-finite norm or a spike; nothing changes) -> scale the grads, or fold the scale into a
+fused kernel -> the inner step -> commit the record and the rules' state."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,8 +17,9 @@ from clipopt._dist import _deepspeed, _mesh
 from clipopt._dist._deepspeed import Watch
 from clipopt._dist._reduce import NormScope
 from clipopt._kernels import _norms, _scale
-from clipopt._step import _fold, _measure, _nonfinite, _rule_step
+from clipopt._step import _fold, _measure, _nonfinite
 from clipopt._step._measure import Coefficient, Measurement
+from clipopt._step._saved import COUNTERS
 from clipopt._validation import (
     CLIP_GROUP_KEY,
     MAX_NORM_KEY,
@@ -40,19 +33,14 @@ from clipopt._validation import (
 from clipopt._wrapper import Closure, inner_step, post_hooks, pre_hooks
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
-from clipopt.rules._unit import UnitWiseRule
+from clipopt.rules._unit import UnitDecision, UnitWiseRule
 
-__all__ = ["ClipConfig", "ClipDecision", "StepRecord", "check_rule_groups", "step"]
-
-_COUNTERS = ("step_count", "skip_count", "consecutive_skips")
+_compiler: Any = torch.compiler  # its disable() is untyped
+Outcome = tuple[Tensor, Tensor, Tensor]  # what a rule decided: norms, coefficients, thresholds
 
 
 class GroupView:
-    """The param groups' clip settings as last validated, and what they were read from:
-    a step validates them again only when a group, its parameter list or its
-    ``clip_max_norm``/``clip_norm_type``/``clip_group`` is another object than at the
-    last check. With clip groups named (``layout``), the step measures and scales each
-    clip group's grads as one group: ``thresholds``, ``norm_types`` are theirs."""
+    """The (clip) groups' settings as last validated from the objects ``seen``."""
 
     def __init__(self) -> None:
         self.seen: list[object] = []
@@ -80,38 +68,12 @@ class ClipConfig:
     view: GroupView = field(default_factory=GroupView, compare=False)
 
 
-class _Clipped(Protocol):
-    """The wrapper as :func:`step` sees it."""
-
-    optimizer: Optimizer
-    _clip: ClipConfig
-    _record: StepRecord
-    _optimizer_step_pre_hooks: dict[int, Any]
-    _optimizer_step_post_hooks: dict[int, Any]
-
-
 @dataclass(frozen=True)
 class ClipDecision:
-    """What a step applies and records, made before anything changes.
-
-    Attributes:
-      grads: each param group's grads (each clip group's, where they are named), as
-        measured.
-      measurement: the pre-clip norms.
-      coefficients: one :data:`~clipopt._step._measure.Coefficient` per group (empty
-        when folded by a threshold: ``grad_scale`` is made without them).
-      fold: the scale rides on the fused inner kernel as ``grad_scale``.
-      skip: the step is skipped, decided on the host; ``streak``: the skips in a row
-        before it.
-      found_inf: a skip decided on the device, for a fused kernel (float32, 1.0: skip).
-      rule_outcome: what a rule decided, for it to commit after the step.
-      spike: with ``skip_spikes``, whether the norm is a spike (0-dim bool), if judged.
-      skip_flag: in a compiled step, ``skip`` as a 0-dim tensor the record counts with.
-      streak_limit: for a skip decided on the device, ``max_consecutive_skips``, which
-        the previous steps' streak is checked against first.
-      final: this call ends the step (False for all but the last of the calls
-        DeepSpeed's ZeRO optimizer makes, one per group, and its start-up step).
-    """
+    """What a step applies and records, made before anything changes. A skip is decided on
+    the host (``skip``; ``streak``: the skips in a row before) or the device (``found_inf``,
+    after the lagged streak is checked against ``streak_limit``; ``skip_flag`` compiled).
+    ``final``: the call ends the step (DeepSpeed's ZeRO calls once per group)."""
 
     grads: list[list[Tensor]]
     measurement: Measurement
@@ -121,27 +83,17 @@ class ClipDecision:
     skip: bool = False
     streak: int = 0
     found_inf: Tensor | None = None
-    rule_outcome: tuple[Tensor, Tensor, Tensor] | None = None
+    rule_outcome: Outcome | None = None
     spike: Tensor | None = None
     skip_flag: Tensor | None = None
     streak_limit: int | None = None
     final: bool = True
 
 
-def step(wrapper: _Clipped, closure: Closure | None = None) -> Any:
-    """Clip the grads, then run the inner optimizer's step; return what it returns.
-
-    With a ``closure``, it is evaluated (with grad enabled) before the inner step and its
-    grads are clipped; the inner optimizer gets a closure that returns that first loss
-    once and afterwards re-evaluates and clips, so optimizers that call it many times
-    (LBFGS) always see clipped grads. With ``nonfinite="skip"`` a non-finite norm in
-    those later evaluations cannot skip a step that has already started, so it raises
-    :class:`clipopt.NonFiniteNormError`, as ``"raise"`` does.
-
-    Step hooks fire in torch's order around this whole clipped step (global ones once,
-    with the wrapper as the optimizer); hooks on the inner optimizer fire around the
-    inner step.
-    """
+def step(wrapper: Any, closure: Closure | None = None) -> Any:
+    """``ClippedOptimizer.step``: clip the grads, run the inner step, return what it returns.
+    The inner optimizer's closure returns the first loss once, then re-evaluates and clips
+    (LBFGS). Step hooks fire in torch's order around the whole clipped step."""
     inner, config, record = wrapper.optimizer, wrapper._clip, wrapper._record
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(wrapper).__name__}.step"):
         args, kwargs, closure = pre_hooks(wrapper, closure)
@@ -161,15 +113,9 @@ def step(wrapper: _Clipped, closure: Closure | None = None) -> Any:
 def decide(
     optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
 ) -> ClipDecision:
-    """Measure, choose the scale and rule on a non-finite norm or a spike; change nothing.
-    ``may_fold``: no closure; ``may_skip``: not a closure's re-evaluation (the step has
-    begun).
-
-    Raises:
-      NonFiniteNormError: as ``nonfinite`` and ``max_consecutive_skips`` say.
-      ValueError, TypeError: a group's settings, changed since the last step, are bad.
-    """
-    view = config.view
+    """Measure, choose the scale, rule on a non-finite norm or a spike; change nothing.
+    ``may_fold``: no closure; ``may_skip``: not a closure's re-evaluation (that raises)."""
+    view, rule, mode = config.view, config.rule, config.nonfinite
     zero, final = _check_groups(optimizer, config)
     with torch.no_grad():
         grads = [
@@ -180,79 +126,54 @@ def decide(
         flat = grads[0] if len(grads) == 1 else [g for group in grads for g in group]
         coefficients: list[Coefficient] = []
         outcome = None
-        if _plain(config, zero, flat):
+        if _plain(config, zero, flat):  # the shortest path: one grouped norm
             norm, grouped = _norms.grouped_total_norm(flat, view.norm_types[0], config.foreach)
             measured = Measurement(norm, [norm] * len(grads), None, groups=grouped)
         else:
             measured, coefficients, outcome = _measure_and_rule(optimizer, config, grads, zero)
-        fold, grad_scale = False, None
-        if config.rule is None:
-            shared = None if view.per_group else view.one
-            if shared is None:
-                coefficients = _threshold_coefficients(measured.group_norms, view.thresholds)
-            else:
-                fold = (
-                    may_fold
-                    and view.fusable
-                    and _fold.can_fold(optimizer, _dtypes(grads, measured))
-                )
-                if _scales_nothing(shared):
-                    coefficients = [] if fold else [None] * len(grads)
-                elif fold:
-                    grad_scale = _scale.grad_scale_of(shared, measured.norm)
-                else:
-                    coefficients = [_scale.clip_coefficient(shared, measured.norm)] * len(grads)
-        else:
-            one_coefficient = _shared(coefficients)
-            fold = (
-                may_fold
-                and view.fusable
-                and one_coefficient is not False
-                and _fold.can_fold(optimizer, _dtypes(grads, measured))
-            )
-            if fold and isinstance(one_coefficient, Tensor):
-                grad_scale = torch.reciprocal(one_coefficient.float())
-        decision = ClipDecision(
-            grads, measured, coefficients, fold, grad_scale, rule_outcome=outcome, final=final
+        threshold = None if rule is not None or view.per_group else view.one
+        one = _shared(coefficients) if rule is not None else None
+        if rule is None and threshold is None:
+            coefficients = _threshold_coefficients(measured.group_norms, view.thresholds)
+        fold = (
+            may_fold
+            and view.fusable
+            and (threshold is not None or (rule is not None and one is not False))
+            and _fold.can_fold(optimizer, _dtypes(flat, measured))
         )
-        spike = None
-        spikes = config.skip_spikes
-        # Compiled, the verdict is judged from the first step (false on the device until
-        # min_history norms are in): a graph that judged only once may_trigger() turned
-        # true would recompile then. Eager, no read until it can fire.
-        if (
-            may_skip
-            and spikes is not None
-            and (torch.compiler.is_compiling() or spikes.may_trigger())
-        ):
-            spike = spikes.verdict(measured.norm)
-        if config.nonfinite == "propagate" and spike is None:
-            return decision
-        norms = measured.norm if measured.stacked is None else measured.stacked
-        values = _coefficient_values(coefficients, grad_scale, norms)
-        if config.nonfinite == "assert":
-            _nonfinite.assert_finite(norms, values)
-            if spike is None:
-                return decision
+        grad_scale = None
+        if isinstance(threshold, float) and math.isinf(threshold):  # measured, not scaled
+            coefficients = [] if fold else [None] * len(grads)
+        elif threshold is not None and fold:
+            grad_scale = _scale.grad_scale_of(threshold, measured.norm)
+        elif threshold is not None:
+            coefficients = [_scale.clip_coefficient(threshold, measured.norm)] * len(grads)
+        elif fold and isinstance(one, Tensor):
+            grad_scale = torch.reciprocal(one.float())
+        spike = found_inf = flag = None
+        streak: int | None = None
         limit = config.max_consecutive_skips
-        if fold and config.nonfinite != "raise" and _fold.skips_cleanly(optimizer):
-            found_inf = streak_limit = None
-            if config.nonfinite == "skip":
-                found_inf, streak_limit = _nonfinite.device_verdict(norms, values), limit
-            if spike is not None:
-                found_inf = _nonfinite.spike_verdict(found_inf, spike)
-            return dataclasses.replace(
-                decision, found_inf=found_inf, spike=spike, streak_limit=streak_limit
-            )
-        flag = None
-        if torch.compiler.is_compiling():
-            flag = _nonfinite.skip_flag(norms, values, config.nonfinite, spike)
-        streak = _nonfinite.host_verdict(
-            norms, values, record.consecutive_skips, config.nonfinite, limit, may_skip, spike
-        )
-        return dataclasses.replace(
-            decision, skip=streak is not None, streak=streak or 0, spike=spike, skip_flag=flag
-        )
+        spikes = config.skip_spikes if may_skip else None
+        # Compiled, judged from the first step (not recompiled when it may fire)
+        if spikes is not None and (torch.compiler.is_compiling() or spikes.may_trigger()):
+            spike = spikes.verdict(measured.norm)
+        if mode != "propagate" or spike is not None:
+            norms = measured.norm if measured.stacked is None else measured.stacked
+            values = _coefficient_values(coefficients, grad_scale, norms)
+            if mode == "assert":
+                _nonfinite.assert_finite(norms, values)
+            if spike is None and mode == "assert":
+                pass
+            elif fold and mode != "raise" and _fold.skips_cleanly(optimizer):
+                found_inf = _nonfinite.device_verdict(norms, values, mode, spike, torch.float32)
+            else:
+                if torch.compiler.is_compiling():
+                    flag = _nonfinite.device_verdict(norms, values, mode, spike, torch.int64)
+                past = record.consecutive_skips
+                streak = _nonfinite.host_verdict(norms, values, past, mode, limit, may_skip, spike)
+        lagged = limit if found_inf is not None and mode == "skip" else None
+        verdict = (streak is not None, streak or 0, found_inf, outcome, spike, flag, lagged)
+        return ClipDecision(grads, measured, coefficients, fold, grad_scale, *verdict, final)
 
 
 def apply(
@@ -263,16 +184,9 @@ def apply(
     closure: Closure | None,
     loss: Any,
 ) -> tuple[Any, ClipDecision]:
-    """Apply ``decision``: nothing (a skip decided on the host), the fused step with the
-    scale folded in, or the inner step on the grads :func:`scale` scaled. Returns what
-    the inner step returns (``loss`` when skipped) and the decision the grads it stepped
-    with were measured and scaled by (a closure's last).
-
-    Compiled, each way breaks the graph in here (the inner step breaks it; a skip breaks
-    it on purpose), so that what follows is traced in one resumed frame, and nothing
-    here precedes the break (dynamo compiles the code of a call that breaks before the
-    break as a graph of its own: the scale is made before the call).
-    """
+    """Skip, run the fused step with the scale folded in, or the inner step; return what it
+    returns and the decision its grads were scaled by (a closure's last). Compiled, each
+    way breaks the graph here, and nothing here precedes the break."""
     if decision.skip:
         return _skipped(loss), decision
     if decision.fold:
@@ -281,29 +195,32 @@ def apply(
         return _fold.apply_folded(optimizer, decision.grad_scale, decision.found_inf), decision
     if closure is None:
         return inner_step(optimizer, None), decision
-    return _step_with_closure(optimizer, config, record, closure, loss, decision)
+    pending, latest = [loss], [decision]
+
+    def clipped_closure() -> Any:
+        if pending:
+            return pending.pop()
+        with torch.enable_grad():
+            again = closure()
+        redone = decide(optimizer, config, record, False, False)
+        scale(redone, config.foreach)
+        latest.append(redone)
+        return again
+
+    return inner_step(optimizer, clipped_closure), latest[-1]
 
 
 def _skip(loss: Any) -> Any:
     return loss
 
 
-# A compiled skipped step breaks the graph in apply() as a stepped one does, so that
-# commit() is traced in one frame and its Python counters, made dynamic at warm-up, do
-# not recompile at the first skips.
-_compiler: Any = torch.compiler  # its disable() is untyped
+# A skip breaks the graph as a step does: commit() is traced in one frame, not recompiled.
 _skipped: Any = _compiler.disable(_skip)
 
 
-@torch.no_grad()
+@torch.no_grad()  # grads made with create_graph=True must not record the scale
 def scale(decision: ClipDecision, foreach: bool | None) -> None:
-    """Multiply each group's grads by its coefficient in place.
-
-    Groups sharing a 0-dim coefficient are scaled by one kernel call (on the norm's
-    grouping of the grads, where it has one); per-grad coefficients one ``_foreach_mul_``
-    per device and dtype. Without grad: grads made with ``create_graph=True`` must not
-    record the scale (Adahessian differentiates them).
-    """
+    """Multiply each group's grads by its coefficient in place."""
     grads, coefficients = decision.grads, decision.coefficients
     grouped = decision.measurement.groups
     shared = _shared(coefficients, grads)
@@ -313,8 +230,7 @@ def scale(decision: ClipDecision, foreach: bool | None) -> None:
     if grouped is not None and isinstance(shared, Tensor) and not torch.compiler.is_compiling():
         _scale.scale_groups_(grouped, shared, foreach)
         return
-    # Shared coefficients found by identity, not id(): torch.compile guards on an id,
-    # and a step's new coefficient would then recompile every step.
+    # By identity, not id(): torch.compile guards on an id, and would recompile every step.
     buckets: list[tuple[Tensor, list[Tensor]]] = []
     each: list[tuple[Tensor, Tensor]] = []
     for group_grads, coefficient in zip(grads, coefficients, strict=True):
@@ -330,24 +246,36 @@ def scale(decision: ClipDecision, foreach: bool | None) -> None:
                 buckets.append((coefficient, list(group_grads)))
     for coefficient, tensors in buckets:
         _scale.scale_(_local(tensors), coefficient, foreach)
-    if each:
-        _scale_each_(_local([g for g, _ in each]), [c for _, c in each], foreach)
+    if not each:
+        return
+    # torch has no foreach op scaling each tensor by its own device scalar
+    per_grad = _local([g for g, _ in each])
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, grad in enumerate(per_grad):
+        if grad.is_sparse or foreach is False:
+            grad.mul_(each[i][1].to(grad.device))
+        else:
+            by_kind.setdefault((grad.device, grad.dtype), []).append(i)
+    for (device, _), indices in by_kind.items():
+        torch._foreach_mul_(
+            [per_grad[i] for i in indices], [each[i][1].to(device) for i in indices]
+        )
 
 
 def commit(
     config: ClipConfig, record: StepRecord, decision: ClipDecision, latest: ClipDecision
 ) -> None:
-    """Keep what a step that ran (or was skipped) leaves: the record and the rules' state.
-    ``latest``: the decision the grads the inner step used were measured and scaled by
-    (a closure's last). A call that does not end the step keeps nothing."""
+    """Keep the record and the rules' state; ``latest``: the decision the inner step's
+    grads were scaled by."""
     if not decision.final:
         return
     skipped: bool | Tensor | None = decision.skip_flag  # compiled: the verdict, as a tensor
     if skipped is None:
         skipped = decision.skip if decision.found_inf is None else decision.found_inf
-    applied = None if skipped is True else _applied(config, latest)
+    on_device = skipped if isinstance(skipped, Tensor) else None
+    applied = None if skipped is True else _applied(config, latest, on_device)
     record.record(latest.measurement, skipped, decision.streak, config.track_tensor_norms)
-    record.record_clip(applied, skipped)
+    record.record_clip(applied)
     if config.rule is not None and decision.rule_outcome is not None:
         config.rule.commit(*decision.rule_outcome)
     if config.skip_spikes is not None:
@@ -356,16 +284,10 @@ def commit(
 
 @dataclass(frozen=True)
 class Applied:
-    """How the clip scaled the grads the inner step used, from which :class:`StepRecord`
-    derives the post-clip norm when asked: the pre-clip norm(s) times ``factor`` (per
-    group with ``per_group``), divided by it where ``divides`` (the folded
-    ``grad_scale``), or from a per-tensor or unit-wise rule's ``units`` (their norms and
-    coefficients, 1-D) in the order ``norm_type``.
-    ``clipped``: whether it scaled some grad (0-dim bool, 1-D with ``per_group``).
-    Not ``known`` without ``per_group`` where groups of other thresholds were scaled each
-    by its own coefficient of the one norm: their own norms were not measured.
-    ``saved``: the post-clip norm a checkpoint held. ``skipped``: the skip decided on the
-    device (non-zero: the grads were left as they were)."""
+    """How the clip scaled the grads (``clipped``: some), for the post-clip norm when read:
+    the pre-clip norm(s) times (or divided by) ``factor``, or a rule's ``units`` (norms,
+    coefficients); not ``known`` for one norm scaled by several coefficients; ``saved``
+    by a checkpoint; ``skipped``: the skip decided on the device."""
 
     clipped: Tensor | None
     factor: Tensor | None = None
@@ -377,52 +299,46 @@ class Applied:
     norm_type: float = 2.0
 
     def post_clip(self, pre: Tensor) -> Tensor | None:
-        """The norm(s) of the scaled grads, from the pre-clip ``pre``; None: not known."""
         if self.saved is not None or not self.known:
             return self.saved
-        if self.skipped is not None:
-            post = dataclasses.replace(self, skipped=None).post_clip(pre)
-            return None if post is None else torch.where(self.skipped != 0, pre, post)
+        post = pre
         if self.factor is not None:
-            return pre / self.factor if self.divides else pre * self.factor
-        if self.units is None:
-            return pre
-        scaled = self.units[0].double() * self.units[1].double()
-        norm: Tensor = torch.linalg.vector_norm(scaled, self.norm_type)
-        return norm.to(pre.dtype)
+            post = pre / self.factor if self.divides else pre * self.factor
+        elif self.units is not None:
+            scaled = self.units[0].double() * self.units[1].double()
+            post = torch.linalg.vector_norm(scaled, self.norm_type).to(pre.dtype)
+        return post if self.skipped is None else torch.where(self.skipped != 0, pre, post)
 
 
-def _applied(config: ClipConfig, latest: ClipDecision) -> Applied | None:
-    """How ``latest``'s clip scaled the grads, None where it scaled nothing; the flag is
-    made here (one launch), the post-clip norm only when read."""
+def _applied(config: ClipConfig, latest: ClipDecision, skipped: Tensor | None) -> Applied | None:
+    factor, divides, known, units = None, False, True, None
+    outcome, per_group = latest.rule_outcome, config.view.per_group
     if latest.grad_scale is not None:
-        return Applied(latest.grad_scale > 1, latest.grad_scale, divides=True)
-    outcome = latest.rule_outcome
-    if outcome is not None and outcome[1].dim() > 0:  # per tensor, or per unit
-        p = config.view.norm_types[0]
-        return Applied((outcome[1] < 1).any(), units=outcome[:2], norm_type=p)
-    shared = _shared(latest.coefficients)
-    if shared is None:
-        return None
-    if isinstance(shared, Tensor) and not config.view.per_group:
-        return Applied(shared < 1, shared)
-    norm = latest.measurement.norm  # a group scaled by nothing: 1
-    factors = torch.stack(
-        [c if isinstance(c, Tensor) else norm.new_ones(()) for c in latest.coefficients]
-    )
-    if not config.view.per_group:
-        return Applied((factors < 1).any(), known=False)
-    return Applied(factors < 1, factors)
+        factor, divides, clipped = latest.grad_scale, True, latest.grad_scale > 1
+    elif outcome is not None and outcome[1].dim() > 0:  # per tensor, or per unit
+        units, clipped = (outcome[0], outcome[1]), (outcome[1] < 1).any()
+    else:
+        shared = _shared(latest.coefficients)
+        if shared is None:
+            return None
+        if isinstance(shared, Tensor) and not per_group:
+            factor, clipped = shared, shared < 1
+        else:
+            norm = latest.measurement.norm  # a group scaled by nothing: 1
+            factors = torch.stack(
+                [c if isinstance(c, Tensor) else norm.new_ones(()) for c in latest.coefficients]
+            )
+            factor, clipped = (factors, factors < 1) if per_group else (None, (factors < 1).any())
+            known = per_group
+    if skipped is not None:
+        clipped = clipped & (skipped == 0)
+    p = config.view.norm_types[0]
+    return Applied(clipped, factor, divides, known, None, skipped, units, p)
 
 
 class StepRecord:
-    """The last step's norms, and inner steps taken, skipped, and skipped in a row.
-
-    The counters are 0-dim int64 tensors on the grads' device, so updating them never
-    syncs. ``lagged`` holds ``consecutive_skips`` as of the end of the previous step,
-    readable without waiting. An object of its own, not attributes of the wrapper:
-    ``torch.compile`` drops attribute writes on an ``Optimizer``, not on what it holds.
-    """
+    """The last step's norms and the counters, on the device (``torch.compile`` drops
+    attribute writes onto an ``Optimizer``, not onto what it holds)."""
 
     def __init__(self) -> None:
         self.last_norm: Tensor | None = None
@@ -433,47 +349,27 @@ class StepRecord:
         self.skip_count = torch.zeros((), dtype=torch.int64)
         self.consecutive_skips = torch.zeros((), dtype=torch.int64)
         self.lagged = _nonfinite.LaggedCount()
-        # False while consecutive_skips is known to be 0 without reading it, so that a
-        # step that is not skipped need not zero it (one launch fewer a step).
+        # False while consecutive_skips is known to be 0: a step need not zero it
         self._streak_may_be_set = False
         self.applied: Applied | None = None
         self.clipped_count = torch.zeros((), dtype=torch.int64)
 
-    def record_clip(self, applied: Applied | None, skipped: bool | Tensor) -> None:
-        """Keep how the clip of the step :meth:`record` recorded scaled the grads (None:
-        it scaled nothing, or the step was skipped on the host) and count a clip: a skip
-        decided on the device (``skipped``, a tensor) is no clip."""
+    def record_clip(self, applied: Applied | None) -> None:
         flag = None if applied is None else applied.clipped
-        on_device = skipped if isinstance(skipped, Tensor) else None
         if flag is not None:
-            if on_device is not None:
-                flag = flag & (on_device == 0)
             count = self.clipped_count.to(flag.device)
             if count.shape != flag.shape:  # per group: the first step, or a group added
                 kept = count.reshape(-1)[: flag.numel()]
                 fill = kept.new_zeros(flag.numel() - kept.numel())
                 count = torch.cat([kept, fill]).reshape(flag.shape)
             self.clipped_count = count.add_(flag)
-        applied = Applied(None) if applied is None else applied
-        # Built whole, not by dataclasses.replace, which torch 2.6's dynamo cannot trace.
-        self.applied = Applied(
-            flag,
-            applied.factor,
-            applied.divides,
-            applied.known,
-            applied.saved,
-            on_device,
-            applied.units,
-            applied.norm_type,
-        )
+        self.applied = Applied(None) if applied is None else applied
 
     def last_clipped_norm(self) -> Tensor | None:
-        """The post-clip norm(s) of the last step, derived now (see :class:`Applied`)."""
         pre = self.last_norm if self.last_group_norms is None else self.last_group_norms
         return None if pre is None or self.applied is None else self.applied.post_clip(pre)
 
     def last_clipped(self) -> Tensor | None:
-        """Whether the last step's clip scaled the grads: a bool tensor, None before."""
         pre = self.last_norm if self.last_group_norms is None else self.last_group_norms
         if pre is None or self.applied is None:
             return None
@@ -483,15 +379,13 @@ class StepRecord:
     def record(
         self, measured: Measurement, skipped: bool | Tensor, streak: int, track: bool
     ) -> None:
-        """Record a step that has run (or was skipped) without raising: its norms, and
-        ``skipped`` decided on the host (a bool; ``streak`` the skips in a row before it)
-        or on the device (a 0-dim tensor, non-zero for a skip)."""
+        """``skipped`` on the host (``streak``: the skips in a row before) or the device."""
         norm = measured.norm
         self.last_norm, self.last_group_norms = norm, measured.stacked
         if track and measured.tensor_norms is not None:
             self.tensor_norms, self.tensor_names = measured.tensor_norms, measured.tensor_names
         if self.step_count.device != norm.device:
-            for name in _COUNTERS:
+            for name in COUNTERS:
                 setattr(self, name, getattr(self, name).to(norm.device))
         if isinstance(skipped, Tensor):
             bad = skipped.to(torch.int64)
@@ -513,26 +407,18 @@ class StepRecord:
         self._streak_may_be_set = True
 
     def state(self) -> dict[str, Tensor | None]:
-        """The norms and the counters, by their names in the ``"clip"`` entry."""
         return {
             "last_norm": self.last_norm,
             "last_group_norms": self.last_group_norms,
             "last_clipped_norm": self.last_clipped_norm(),
             "last_clipped": self.last_clipped(),
-            **{name: getattr(self, name) for name in (*_COUNTERS, "clipped_count")},
+            **{name: getattr(self, name) for name in (*COUNTERS, "clipped_count")},
         }
 
-    def load(
-        self,
-        counters: dict[str, Tensor],
-        last: dict[str, Tensor | None],
-    ) -> None:
-        """Replace the record (validated by the caller, so reading a counter is safe):
-        ``counters`` by name, ``last``: ``last_norm``, ``last_group_norms``,
-        ``last_clipped_norm`` and ``last_clipped`` (None: not saved)."""
+    def load(self, counters: dict[str, Tensor], last: dict[str, Tensor | None]) -> None:
         self.last_norm, self.last_group_norms = last["last_norm"], last["last_group_norms"]
         self.tensor_norms, self.tensor_names = None, ()
-        for name in (*_COUNTERS, "clipped_count"):
+        for name in (*COUNTERS, "clipped_count"):
             setattr(self, name, counters[name])
         flag, post = last["last_clipped"], last["last_clipped_norm"]
         self.applied = None if flag is None else Applied(flag, known=post is not None, saved=post)
@@ -541,8 +427,8 @@ class StepRecord:
 
 
 def check_rule_groups(groups: list[dict[str, Any]], rule: ClipRule | None) -> None:
-    """With a rule, no group may carry a threshold of its own: the rule sets them all;
-    and one clip group at most (others left unclipped): a rule keeps one history."""
+    """With a rule, no group may carry a threshold of its own, and one clip group at most
+    (others left unclipped): a rule keeps one history."""
     if rule is None:
         return
     layout = clip_layout(groups)
@@ -561,27 +447,20 @@ def check_rule_groups(groups: list[dict[str, Any]], rule: ClipRule | None) -> No
             )
 
 
-# ---------------------------------------------------------------------------- helpers
-
-
 def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
-    """Validate the groups' settings where they changed since the last step, and ask
-    DeepSpeed's watch about this call where it must be asked (attached, or the groups
-    changed). Returns the ZeRO call (or None) and whether the call ends the step."""
+    """Validate the groups' settings where changed since the last step; ask DeepSpeed's
+    watch about this call. Returns the ZeRO call (or None) and whether it ends the step."""
     view, groups, defaults = config.view, optimizer.param_groups, optimizer.defaults
-    # Compiled, every check is traced into the graph's guards (free at run time) and the
-    # cache is neither read nor written: a cache filled by the first compiled step would
-    # send the second down another path, a recompile.
-    compiling = torch.compiler.is_compiling()
+    # Compiled, the checks are traced into guards, no cache (the second step would recompile)
     now: list[object] = []
     same = False
-    if not compiling:
+    if not torch.compiler.is_compiling():
         now = [groups, defaults.get(MAX_NORM_KEY), defaults.get(NORM_TYPE_KEY)]
         for g in groups:
             now += [g, g["params"], len(g["params"]), g.get(MAX_NORM_KEY), g.get(NORM_TYPE_KEY)]
             now.append(g.get(CLIP_GROUP_KEY))
         same = len(now) == len(view.seen)
-        for a, b in zip(now, view.seen, strict=False):
+        for a, b in zip(now, view.seen, strict=False):  # a loop: no generator's frames
             if a is not b and not (type(a) is int and a == b):
                 same = False
                 break
@@ -597,7 +476,9 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
         if config.norm_scope.pp_group is not None:
             config.norm_scope.check_stages(per_group, norm_types, thresholds, names)
         view.thresholds, view.norm_types, view.layout = thresholds, norm_types, layout
-        view.per_group, view.one = per_group, _one_threshold(thresholds)
+        first = thresholds[0]
+        view.per_group = per_group
+        view.one = first if all(same_threshold(t, first) for t in thresholds) else None
         # a fused kernel's grad_scale scales every grad: not with a group left unclipped
         view.fusable = _fold.takes_scale(optimizer) and (layout is None or None not in layout[0])
         view.seen = now
@@ -622,15 +503,9 @@ def _plain(config: ClipConfig, zero: Any, flat: list[Tensor]) -> bool:
 
 def _measure_and_rule(
     optimizer: Optimizer, config: ClipConfig, grads: list[list[Tensor]], zero: Any
-) -> tuple[Measurement, list[Coefficient], tuple[Tensor, Tensor, Tensor] | None]:
-    """The step's norms and, with a rule, its coefficients and what it decided.
-
-    A unit-wise rule decides first: its squares give the norms (no grad read again, no
-    collective more; its ``check`` NaN where the ranks' grads do not line up). With
-    per-tensor norms wanted (tracked, or a per-tensor rule) all come from one per-tensor
-    pass (one collective for DTensor grads). Under pipeline stages the totals are then
-    combined over the stages. Under DeepSpeed's ZeRO optimizer the norm may be its own.
-    """
+) -> tuple[Measurement, list[Coefficient], Outcome | None]:
+    """The step's norms and, with a rule, its coefficients and what it decided. A unit-wise
+    rule decides first, its squares giving the L2 norms without reading a grad again."""
     rule, track, groups = config.rule, config.track_tensor_norms, optimizer.param_groups
     view, scope, given = config.view, config.norm_scope, None
     norm_types, per_group, layout = view.norm_types, view.per_group, view.layout
@@ -639,101 +514,117 @@ def _measure_and_rule(
     if layout is not None:
         params = _regrouped(params, layout)
         names = None if names is None else _regrouped(names, layout)
+    unit = rule if isinstance(rule, UnitWiseRule) else None
+    per_rule = rule is not None and rule.per_tensor
     if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
-        each = track or isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
+        each = track or unit is not None or per_rule
         scope, given = _deepspeed.zero_source(zero, scope, norm_types, per_group, each)
     default = float(optimizer.defaults[NORM_TYPE_KEY])
-    if isinstance(rule, UnitWiseRule):
-        coefficients, outcome, squares, check = _rule_step.unit_rule_coefficients(
-            rule, params, grads, norm_types[0]
+    coefficients: list[Coefficient] = []
+    outcome = squares = check = None
+    if unit is not None:
+        coefficients, outcome, squares, check = _unit_coefficients(
+            unit, params, grads, norm_types[0]
         )
-        if squares is not None and all(p == 2.0 for p in norm_types):
-            measured = _measure.measure_from_squares(
-                grads, names, squares, default, per_group, track, check
-            )
-            measured = _measure.across_stages(
-                measured, norm_types, default, per_group, scope.pp_group
-            )
-        else:
-            measured = _measure_grads(config, grads, params, scope, names, default)
-        return measured, coefficients, outcome
-    if given is not None:
+    if squares is not None and all(p == 2.0 for p in norm_types):
+        measured = _measure.measure_from_squares(
+            grads, names, squares, default, per_group, track, check
+        )
+        measured = _measure.across_stages(measured, norm_types, default, per_group, scope.pp_group)
+    elif given is not None and unit is None:
         measured = Measurement(given, [given] * len(grads), None)
-    else:
-        measured = _measure_grads(config, grads, params, scope, names, default)
-    if rule is None:
-        return measured, [], None
-    stages = scope.pp_group is not None
-    coefficients, outcome = _rule_step.rule_coefficients(
-        rule, grads, measured, norm_types[0], stages
-    )
-    return measured, coefficients, outcome
-
-
-def _measure_grads(
-    config: ClipConfig,
-    grads: list[list[Tensor]],
-    params: list[list[Tensor]],
-    scope: NormScope,
-    names: list[list[str]] | None,
-    default: float,
-) -> Measurement:
-    """The norms from the grads (and ``params``, each group's): per tensor where wanted,
-    else the global or group norms."""
-    norm_types, per_group = config.view.norm_types, config.view.per_group
-    per_rule = config.rule is not None and config.rule.per_tensor
-    if scope.process_group is None and (config.track_tensor_norms or per_rule):
+    elif scope.process_group is None and (track or per_rule):
         measured = _measure.measure_per_tensor(
+            grads, names, norm_types, default, per_group, config.foreach, lambda: params, per_rule
+        )
+        measured = _measure.across_stages(measured, norm_types, default, per_group, scope.pp_group)
+    else:
+        measured = _measure.measure(
             grads,
-            names,
             norm_types,
             default,
             per_group,
+            scope,
             config.foreach,
-            lambda: params,
-            strict=per_rule,
+            lambda: _measure.flatten(params),
         )
-        return _measure.across_stages(measured, norm_types, default, per_group, scope.pp_group)
-    return _measure.measure(
-        grads,
-        norm_types,
-        default,
-        per_group,
-        scope,
-        config.foreach,
-        lambda: _measure.flatten(params),
-    )
+    if rule is None or unit is not None:
+        return measured, coefficients, outcome
+    if not per_rule:
+        coefficient, threshold = rule.decide(measured.norm, norm_type=norm_types[0])
+        return measured, [coefficient] * len(grads), (measured.norm, coefficient, threshold)
+    if not any(grads):
+        return measured, [None] * len(grads), None
+    norms = measured.tensor_norms
+    if norms is None:
+        raise ValueError(f"{rule!r} is per tensor, but the step measured no per-tensor norms")
+    # under pipeline stages the norms are this stage's, the total the whole model's
+    total = measured.norm if scope.pp_group is not None else None
+    coefficients_1d, thresholds = rule.decide(norms, norm_type=norm_types[0], total_norm=total)
+    per_grad = _by_group(coefficients_1d.unbind(), grads)
+    return measured, per_grad, (norms, coefficients_1d, thresholds)
 
 
-def _step_with_closure(
-    optimizer: Optimizer,
-    config: ClipConfig,
-    record: StepRecord,
-    closure: Closure,
-    loss: Any,
-    first: ClipDecision,
-) -> tuple[Any, ClipDecision]:
-    """Run the inner step with a closure that returns ``loss`` once and afterwards
-    re-evaluates, measures and clips (no skip, no fold: the step has begun); the norms of
-    its last evaluation are the step's."""
-    pending, latest = [loss], [first]
+def _unit_coefficients(
+    rule: UnitWiseRule,
+    params: list[list[Tensor]],
+    grads: list[list[Tensor]],
+    norm_type: float,
+) -> tuple[list[Coefficient], Outcome | None, tuple[Tensor, ...] | None, Tensor | None]:
+    """A unit-wise rule's coefficients per group, what it decided, its squares and check
+    (:class:`clipopt.UnitDecision`). With DTensors it decides over every one first, so a
+    rank without their grads joins its collective."""
+    every = [p for group in params for p in group]
+    sharded = {id(q) for q in _mesh.dtensors(every)}
+    # the DTensors, with a grad here or not, and any other with a grad (which is refused)
+    slotted = [p for p in every if id(p) in sharded or p.grad is not None] if sharded else []
+    flat = [g for group in grads for g in group]
+    decision = None
+    if slotted:
+        rule.check_norm_type(norm_type)
+        decision = rule.decide_slots(slotted, [p.grad for p in slotted], norm_type)
+    if decision is not None:
+        _check_lengths(rule, decision, len(slotted), "parameters")
+        here = [p.grad is not None for p in slotted]
+        per_grad = [c for c, has in zip(decision.per_grad, here, strict=True) if has]
+        squares = decision.squares
+        if squares is not None:
+            squares = tuple(s for s, has in zip(squares, here, strict=True) if has)
+    elif not flat:
+        return [None] * len(grads), None, None, None
+    else:
+        held = [p for p in every if p.grad is not None]
+        rule.check_norm_type(norm_type)
+        decision = rule.decide_units(held, flat, norm_type)
+        _check_lengths(rule, decision, len(flat), "grads")
+        per_grad, squares = decision.per_grad, decision.squares
+    coefficients: list[Coefficient] = [
+        c if isinstance(c, tuple) and any(x is not None for x in c) else None
+        for c in _by_group(per_grad, grads)
+    ]
+    outcome = (decision.norms, decision.coefficients, decision.thresholds) if flat else None
+    return coefficients, outcome, squares, decision.check
 
-    def clipped_closure() -> Any:
-        if pending:
-            return pending.pop()
-        with torch.enable_grad():
-            again = closure()
-        redone = decide(optimizer, config, record, False, False)
-        scale(redone, config.foreach)
-        latest.append(redone)
-        return again
 
-    return inner_step(optimizer, clipped_closure), latest[-1]
+def _check_lengths(rule: UnitWiseRule, decision: UnitDecision, count: int, what: str) -> None:
+    """``decision`` has one coefficient (and squares, if any) per one of ``count``."""
+    for name, given in (("coefficients", decision.per_grad), ("squares", decision.squares)):
+        if given is not None and len(given) != count:
+            raise ValueError(f"{rule!r} gave {len(given)} {name} for {count} {what}")
+
+
+def _by_group(per_grad: Sequence[Tensor | None], grads: list[list[Tensor]]) -> list[Coefficient]:
+    """``per_grad`` (one per grad, in order) split into each group's tuple (None: no grads)."""
+    split: list[Coefficient] = []
+    start = 0
+    for group in grads:  # a loop, as torch 2.6's dynamo traces it
+        split.append(tuple(per_grad[start : start + len(group)]) if len(group) > 0 else None)
+        start += len(group)
+    return split
 
 
 def _regrouped(items: list[list[Any]], layout: Layout) -> list[list[Any]]:
-    """Each param group's ``items`` (grads, parameters, names) joined by clip group, those
-    of groups left unclipped left out."""
+    """Each param group's ``items`` joined by clip group, unclipped groups' left out."""
     joined: list[list[Any]] = [[] for _ in layout[1]]
     for own, at in zip(items, layout[0], strict=True):
         if at is not None:
@@ -741,36 +632,20 @@ def _regrouped(items: list[list[Any]], layout: Layout) -> list[list[Any]]:
     return joined
 
 
-def _scales_nothing(threshold: float | Tensor | None) -> bool:
-    """A float threshold of inf: the norm is measured, nothing is scaled."""
-    return isinstance(threshold, float) and math.isinf(threshold)
-
-
-def _one_threshold(thresholds: list[float | Tensor]) -> float | Tensor | None:
-    """The threshold every group has (equal numbers, or one tensor), else None."""
-    first = thresholds[0]
-    for t in thresholds[1:]:
-        if not same_threshold(t, first):
-            return None
-    return first
-
-
 def _threshold_coefficients(
     group_norms: list[Tensor], thresholds: list[float | Tensor]
 ) -> list[Coefficient]:
-    """Per group, ``min(1, max_norm / (norm + eps))`` on the device; None: scale nothing.
-    Groups that share a norm object and an equal threshold share one coefficient."""
+    """Each group's coefficient (None: inf); a norm and equal threshold share one."""
     coefficients: list[Coefficient] = []
-    # Matched by identity in a list, not by id() keys: torch 2.6's dynamo cannot trace
-    # id() of a tensor made in the graph.
+    # Matched by identity in a list: torch 2.6's dynamo cannot trace id() of a graph tensor.
     made: list[tuple[Tensor, float | Tensor, Tensor]] = []
     for norm, threshold in zip(group_norms, thresholds, strict=True):
-        if _scales_nothing(threshold):
+        if isinstance(threshold, float) and math.isinf(threshold):
             coefficients.append(None)
             continue
         found = None
         for seen_norm, seen_threshold, coefficient in made:
-            if seen_norm is norm and _one_threshold([seen_threshold, threshold]) is not None:
+            if seen_norm is norm and same_threshold(seen_threshold, threshold):
                 found = coefficient
                 break
         if found is None:
@@ -789,7 +664,7 @@ def _shared(
     for index, c in enumerate(coefficients):
         if grads is not None and not grads[index]:
             continue
-        for seen in found:  # identity, as above
+        for seen in found:  # by identity, as above
             if c is seen:
                 break
         else:
@@ -799,19 +674,17 @@ def _shared(
     return found[0] if len(found) == 1 and not isinstance(found[0], tuple) else False
 
 
-def _dtypes(grads: list[list[Tensor]], measured: Measurement) -> set[torch.dtype]:
-    """The dtypes of the grads: from the measurement's grouping where it has one."""
+def _dtypes(flat: list[Tensor], measured: Measurement) -> set[torch.dtype]:
     if measured.groups is not None:
         return {dtype for _, dtype in (*measured.groups.dense, *measured.groups.sparse)}
-    return {g.dtype for group in grads for g in group}
+    return {g.dtype for g in flat}
 
 
 def _coefficient_values(
     coefficients: list[Coefficient], grad_scale: Tensor | None, like: Tensor
 ) -> Tensor:
-    """Every coefficient (or the folded ``grad_scale``) in one 1-D tensor, for a
-    finiteness check; a shared one is in it once per group (telling them apart by id()
-    made torch.compile guard on each step's new coefficient)."""
+    """Every coefficient (and ``grad_scale``) in one 1-D tensor, a shared one once per group
+    (by id(), torch.compile guarded on each new one)."""
     values = [] if grad_scale is None else [grad_scale.reshape(-1)]
     for coefficient in coefficients:
         for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
@@ -821,24 +694,6 @@ def _coefficient_values(
 
 
 def _local(tensors: list[Tensor]) -> list[Tensor]:
-    """DTensor grads' local shards (the scale is elementwise), plain ones as they are."""
     if all(type(t) is Tensor for t in tensors):
         return tensors
     return _mesh.local_tensors(tensors)
-
-
-def _scale_each_(grads: list[Tensor], coefficients: list[Tensor], foreach: bool | None) -> None:
-    """Multiply each grad in place by its own coefficient (broadcastable to it): one
-    ``_foreach_mul_`` per device and dtype unless ``foreach=False``, sparse grads one by
-    one. (On CUDA torch has no foreach op scaling each tensor by its own device scalar:
-    ATen runs it grad by grad.)"""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, grad in enumerate(grads):
-        if grad.is_sparse or foreach is False:
-            grad.mul_(coefficients[i].to(grad.device))
-        else:
-            groups.setdefault((grad.device, grad.dtype), []).append(i)
-    for (device, _), indices in groups.items():
-        torch._foreach_mul_(
-            [grads[i] for i in indices], [coefficients[i].to(device) for i in indices]
-        )

@@ -1,20 +1,6 @@
-"""Fold the clip into a fused optimizer's own pass over the grads.
-
-torch's ``Adam``, ``AdamW`` and ``SGD`` with ``fused=True`` (CPU and CUDA; ``Adagrad``
-on CPU only) read two optional tensors off the optimizer in ``step()``, the hook
-``GradScaler`` uses: ``grad_scale`` (every grad is divided by it inside the kernel, and
-the divided grad written back to ``.grad``) and ``found_inf`` (non-zero: parameters and
-state are left as they were, decided on the device). So instead of a pass multiplying
-every grad by the clip coefficient ``c``, the wrapper hands the kernel ``grad_scale``
-(``1 / c``, made directly: :func:`clipopt._kernels._scale.grad_scale_of`): the grads are
-read once for the norm and once by the update, which reads them anyway.
-
-Parameters agree with the explicit path to rounding: ``g / s`` and ``g * c`` differ by
-an ulp or two of a float32 ``g``; bfloat16 parameters by about one bfloat16 ulp, since
-the explicit path rounds the clipped grad to bfloat16 before the update. With ``c = 1``
-they are bit-identical. ``grad_scale`` and ``found_inf`` are torch's own attributes, read
-by the fused kernels in every release 2.6 to 2.14; this is the one module that sets them.
-"""
+"""The clip folded into a fused torch optimizer's kernel: its ``grad_scale`` (every grad is
+divided by it) and ``found_inf`` (non-zero: skip), the hook ``GradScaler`` uses, read by
+fused Adam, AdamW, SGD and Adagrad in torch 2.6 to 2.14; the one module that sets them."""
 
 from __future__ import annotations
 
@@ -27,14 +13,7 @@ from torch.optim import Optimizer
 
 from clipopt._wrapper import inner_step
 
-__all__ = ["apply_folded", "can_fold", "skips_cleanly", "takes_scale"]
-
-_FUSABLE: tuple[type[Optimizer], ...] = (
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.SGD,
-    torch.optim.Adagrad,
-)
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 _ATTRIBUTES = ("grad_scale", "found_inf")
 
 
@@ -44,23 +23,16 @@ def takes_scale(optimizer: Optimizer) -> bool:
 
 
 def can_fold(optimizer: Optimizer, dtypes: Collection[torch.dtype]) -> bool:
-    """Whether one scale of every grad can ride on the fused kernel of ``optimizer``, one
-    that :func:`takes_scale`: nobody else (``GradScaler``) has set its ``grad_scale`` /
-    ``found_inf``, and no grad is float64 (``grad_scale`` is float32; double grads
-    deserve a double coefficient)."""
+    """Nobody else (``GradScaler``) set the attributes, and no grad is float64 (the
+    ``grad_scale`` is float32)."""
     if any(getattr(optimizer, name, None) is not None for name in _ATTRIBUTES):
         return False
     return torch.float64 not in dtypes
 
 
 def skips_cleanly(optimizer: Optimizer) -> bool:
-    """``found_inf`` leaves the state as it was, except on a parameter's first step.
-
-    There torch creates the state before the kernel runs: fused SGD each momentum buffer
-    with ``empty_like`` (a skipped kernel leaves it uninitialised), fused Adam and AdamW
-    a ``step`` and zero moments (state the unfolded skip would not leave). Such a step
-    decides on the host instead; Adagrad makes its state at construction.
-    """
+    """``found_inf`` leaves the state as it was: not on a parameter's first step, where
+    fused SGD (momentum), Adam and AdamW make its state before the kernel runs."""
     kind = type(optimizer)
     if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return True

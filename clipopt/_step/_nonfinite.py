@@ -1,14 +1,5 @@
-"""What a non-finite norm (or a spike) does to a step: the verdicts, and the lagged count.
-
-``"propagate"`` looks at nothing; ``"assert"`` asserts on the device
-(:func:`assert_finite`). ``"raise"``, and a ``"skip"`` decided on the host, read
-three flags per step in one copy (:func:`host_verdict`). A ``"skip"`` that rides on a
-fused kernel's ``found_inf`` is decided on the device (:func:`device_verdict`), and
-``max_consecutive_skips`` is then checked (:func:`check_lagged_streak`, outside any
-compiled graph) against the count of the *previous* step, read from a copy made then
-without waiting (:class:`LaggedCount`): the error comes one ``step()`` later than on the
-host path. That step changes nothing, and the next is decided afresh.
-"""
+"""What a non-finite norm (or a spike) does to a step: verdicts on the host (one read) or
+on the device, the assertion, and the skip streak read one step late (:class:`LaggedCount`)."""
 
 from __future__ import annotations
 
@@ -21,22 +12,11 @@ from torch import Tensor
 
 from clipopt._errors import NonFiniteNormError
 
-__all__ = [
-    "LaggedCount",
-    "assert_finite",
-    "check_lagged_streak",
-    "device_verdict",
-    "host_verdict",
-    "skip_flag",
-    "spike_verdict",
-]
+_compiler: Any = torch.compiler  # its disable() is untyped
 
 
 def host_copy(like: Tensor) -> tuple[Tensor, Callable[[], None], Callable[[], None]]:
-    """A pinned host buffer for copies of the 0-dim CUDA tensor ``like``, a function that
-    marks a copy just queued (an event on ``like``'s device's current stream) and one
-    that waits for the mark: the CUDA runtime objects in one place, which the CUDA dry
-    run (``benchmarks/dryrun.py``) stands in for."""
+    """A pinned buffer for copies of the CUDA ``like``, a mark of a copy queued, a wait."""
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     device = like.device
     buffer = torch.empty((), dtype=like.dtype, pin_memory=True)
@@ -44,33 +24,28 @@ def host_copy(like: Tensor) -> tuple[Tensor, Callable[[], None], Callable[[], No
 
 
 class LaggedCount:
-    """A device counter read one step late, from a copy made without waiting.
+    """A device counter read one step late, from a copy made without waiting (on CUDA into
+    a pinned buffer, marked by an event). A copy or pickle holds the value read."""
 
-    On CUDA the copy goes to a pinned host buffer with ``non_blocking=True``, marked by
-    an event; by the next step it has long completed, so reading never stalls. Each
-    :meth:`publish` overwrites the previous copy. A copy (``copy.deepcopy``, pickle)
-    holds the value read, not the buffer and event.
-    """
+    _host: Tensor | None
+    _marks: tuple[Callable[[], None], Callable[[], None]] | None
+    _device: torch.device | None
 
     def __init__(self) -> None:
-        self._value = 0
-        self._host: Tensor | None = None
-        self._marks: tuple[Callable[[], None], Callable[[], None]] | None = None
-        self._host_device: torch.device | None = None
+        self.set(0)
 
     def publish(self, count: Tensor) -> None:
         if count.device.type != "cuda":
             self._host, self._marks = count.detach().to("cpu", copy=True), None
             return
-        if self._marks is None or self._host is None or self._host_device != count.device:
-            self._host, *marks = host_copy(count)
-            self._marks, self._host_device = (marks[0], marks[1]), count.device
+        if self._marks is None or self._host is None or self._device != count.device:
+            self._host, mark, wait = host_copy(count)
+            self._marks, self._device = (mark, wait), count.device
         self._host.copy_(count, non_blocking=True)
         self._marks[0]()
 
     def set(self, value: int) -> None:
-        """Hold ``value``, a count already known on the host."""
-        self._value, self._host, self._marks, self._host_device = value, None, None, None
+        self._value, self._host, self._marks, self._device = value, None, None, None
 
     def read(self) -> int:
         if self._host is None:
@@ -87,20 +62,15 @@ class LaggedCount:
 
 
 def _finite(norms: Tensor, coefficients: Tensor) -> Tensor:
-    """Whether every norm and clip coefficient is finite (0-dim bool), on the device."""
     return torch.isfinite(norms).all() & torch.isfinite(coefficients).all()
 
 
 def _nonfinite(norms: Tensor, coefficients: Tensor) -> Tensor:
-    """1 (int64) if any norm or clip coefficient is NaN or infinite, else 0, on the device."""
     return torch.logical_not(_finite(norms, coefficients)).to(torch.int64)
 
 
 def assert_finite(norms: Tensor, coefficients: Tensor) -> None:
-    """``nonfinite="assert"``: a device-side assertion that ``norms`` and
-    ``coefficients`` are finite, with no host read. On CPU a failure raises
-    ``RuntimeError`` at once; on CUDA the kernel fails and the error surfaces at the next
-    synchronisation, leaving the CUDA context unusable (the process must restart)."""
+    """``nonfinite="assert"``: a device-side assertion, no host read."""
     # No double quote in the message: inductor pastes it into a C++ string literal.
     message = "clipopt: the gradient norm or clip coefficient is non-finite, nonfinite=assert"
     torch._assert_async(_finite(norms, coefficients), message)
@@ -117,16 +87,12 @@ def _what(norms: Tensor) -> str:
     return f"the gradient norm is non-finite ({values})"
 
 
-def _flags_as_ints(flags: Tensor) -> tuple[int, int, int]:
-    """The three flags as Python ints: the one host read, which the user asked for."""
-    bad, streak, spike = (int(v) for v in flags.tolist())
-    return bad, streak, spike
+def _flags_as_ints(flags: Tensor) -> list[int]:
+    return [int(v) for v in flags.tolist()]
 
 
-# Outside any compiled graph: torch 2.7's dynamo traces ``tolist`` into data-dependent
-# symbols it then cannot branch on; a graph break here is what every release does.
-_compiler: Any = torch.compiler  # its disable() is untyped
-_read_on_host = cast(Callable[[Tensor], tuple[int, int, int]], _compiler.disable(_flags_as_ints))
+# Outside any compiled graph: torch 2.7's dynamo cannot branch on what tolist gives.
+_read_on_host = cast(Callable[[Tensor], list[int]], _compiler.disable(_flags_as_ints))
 
 
 def host_verdict(
@@ -138,23 +104,13 @@ def host_verdict(
     may_skip: bool,
     spike: Tensor | None = None,
 ) -> int | None:
-    """One host read: None if ``norms`` and ``coefficients`` are finite (and ``spike``,
-    where given, is false), else the skips in a row before this step (``streak_now``),
-    which is to be skipped. With ``mode`` ``"propagate"`` or ``"assert"`` only a spike
-    skips, whatever ``limit`` (``max_consecutive_skips``) says.
-
-    Raises:
-      NonFiniteNormError: a non-finite value and ``mode == "raise"``, or one that
-        cannot skip (``may_skip`` False inside a step that has started), or ``limit``
-        steps were skipped in a row already.
-    """
+    """One host read: None to step, else the skips in a row before this one, skipped.
+    Raises :class:`NonFiniteNormError` as ``mode``, ``limit`` and ``may_skip`` say."""
     nonfinite = _nonfinite(norms, coefficients)
     spiked = torch.zeros_like(nonfinite) if spike is None else spike.to(nonfinite)
     flags = torch.stack([nonfinite, streak_now.to(nonfinite.device), spiked])
     is_bad, streak, is_spike = _read_on_host(flags)
-    if mode in ("propagate", "assert"):  # asserted on the device already
-        is_bad = 0
-    if not is_bad:
+    if not is_bad or mode in ("propagate", "assert"):  # asserted on the device already
         return streak if is_spike else None
     if mode == "raise" or not may_skip:
         raise NonFiniteNormError(f"{_what(norms)}; nonfinite={mode!r}, so nothing was changed")
@@ -166,33 +122,20 @@ def host_verdict(
     return streak
 
 
-def skip_flag(norms: Tensor, coefficients: Tensor, mode: str, spike: Tensor | None) -> Tensor:
-    """:func:`host_verdict`'s skip as a 0-dim int64 tensor (1: skip), for a compiled
-    step's record: a Python bool there is a value dynamo guards on."""
-    bad = _nonfinite(norms, coefficients)
-    flag = bad if mode == "skip" else torch.zeros_like(bad)
-    return flag if spike is None else flag | spike.to(flag)
-
-
-def device_verdict(norms: Tensor, coefficients: Tensor) -> Tensor:
-    """``found_inf`` for this step (float32, 1.0 to skip), decided on the device."""
-    return _nonfinite(norms, coefficients).to(torch.float32)
-
-
-def spike_verdict(found_inf: Tensor | None, spike: Tensor) -> Tensor:
-    """``found_inf`` that also skips a spike (``skip_spikes``), on the device."""
-    flag = spike.to(torch.float32)
-    return flag if found_inf is None else torch.maximum(found_inf, flag.to(found_inf.device))
+def device_verdict(
+    norms: Tensor, coefficients: Tensor, mode: str, spike: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """:func:`host_verdict`'s skip on the device, in ``dtype`` (1: skip): a compiled step's
+    flag (int64), or a fused kernel's ``found_inf`` (float32)."""
+    flag = _nonfinite(norms, coefficients).to(dtype) if mode == "skip" else None
+    if spike is not None:
+        flag = spike.to(dtype) if flag is None else torch.maximum(flag, spike.to(flag))
+    return torch.zeros((), dtype=dtype, device=norms.device) if flag is None else flag
 
 
 def _lagged_streak_check(lagged: LaggedCount, limit: int) -> None:
-    """Raise if the previous steps skipped more than ``limit`` in a row on the device,
-    before a step that skips on the device changes anything; raising, drop the count,
-    so the next step is decided afresh.
-
-    Raises:
-      NonFiniteNormError: as said.
-    """
+    """Raise (and drop the count) if the previous steps skipped more than ``limit`` in a
+    row on the device."""
     if (streak := lagged.read()) > limit:
         lagged.set(0)
         raise NonFiniteNormError(
@@ -201,8 +144,7 @@ def _lagged_streak_check(lagged: LaggedCount, limit: int) -> None:
         )
 
 
-# Outside any compiled graph: a compiled step that read the count itself would guard on
-# its value and compile again after the first skipped step.
+# Outside any compiled graph: a graph that read the count would guard on its value.
 check_lagged_streak = cast(
     Callable[[LaggedCount, int], None], _compiler.disable(_lagged_streak_check)
 )

@@ -1,25 +1,6 @@
-"""The ``"clip"`` entry of a ``ClippedOptimizer`` state dict: written, and checked whole.
-
-Its layout, version :data:`FORMAT`::
-
-  {"format": 2,
-   "settings": {"max_norm": float, "norm_type": float, "per_group": bool,
-                "nonfinite": str, "max_consecutive_skips": int | None},
-   "last_norm": 0-dim Tensor | None,
-   "last_group_norms": 1-D Tensor | None,   # per_group=True or clip groups only
-   "last_clipped_norm": Tensor | None,      # shaped as last_group_norms, else 0-dim
-   "last_clipped": bool Tensor | None,      # shaped as last_clipped_norm
-   "step_count": 0-dim int64 Tensor, "skip_count": ..., "consecutive_skips": ...,
-   "clipped_count": int64 Tensor,           # 1-D with per_group
-   # only when max_norm is a rule / skip_spikes is set: their own state_dict()
-   "rule": {...}, "skip_spikes": {...}}
-
-With a rule, ``settings["max_norm"]`` is inf. Tensors and plain Python values only, so
-``torch.load(..., weights_only=True)`` reads it. Format 1 (without the clip readouts)
-still loads: ``clipped_count`` starts at 0, ``last_clipped`` and ``last_clipped_norm``
-at None. An entry of another version, or without one, is refused; a change to the
-layout is a new format number.
-"""
+"""The ``"clip"`` entry of a ``ClippedOptimizer`` state dict (format :data:`FORMAT`, laid out
+in docs/architecture.md): written, and checked whole before a load. Format 1 (without the
+clip readouts) still loads."""
 
 from __future__ import annotations
 
@@ -35,10 +16,7 @@ from clipopt._validation import SETTINGS_KEYS, Settings, check_groups, validated
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
 
-__all__ = ["FORMAT", "ClipState", "check_load", "clip_entry"]
-
 FORMAT = 2
-"""The version of the ``"clip"`` entry's layout, saved in it as ``"format"``."""
 
 COUNTERS = ("step_count", "skip_count", "consecutive_skips")
 _READOUTS = ("last_clipped_norm", "last_clipped", "clipped_count")  # new in format 2
@@ -63,8 +41,7 @@ def clip_entry(
     rule: ClipRule | None,
     skip_spikes: SpikeSkip | None,
 ) -> dict[str, Any]:
-    """The ``"clip"`` entry: copies of the record's tensors (the last norms, the clip
-    readouts and the counters, by name), the rules' own dicts."""
+    """The ``"clip"`` entry: copies of the record's tensors, the rules' own dicts."""
     entry: dict[str, Any] = {"format": FORMAT, "settings": settings.as_dict()}
     for key in _KEYS[2:]:
         value = record[key]
@@ -84,18 +61,8 @@ def check_load(
     rule: ClipRule | None,
     skip_spikes: SpikeSkip | None,
 ) -> ClipState | None:
-    """Validate what a load gives the wrapper, before anything is loaded: the ``"clip"``
-    entry ``raw`` (None: there is none) completely, the saved param groups' clip settings
-    where they are a list of dicts (else the inner optimizer's to judge), and that the
-    saved rule and spike skip are this wrapper's ``rule`` and ``skip_spikes``, their state
-    trial-loaded into copies.
-
-    Returns:
-      The validated entry, or None without one.
-
-    Raises:
-      TypeError, ValueError: naming the first bad value; nothing has been changed.
-    """
+    """The ``"clip"`` entry ``raw`` (None: none) validated whole, with the saved groups'
+    settings; the saved rules trial-loaded into copies of this wrapper's. Changes nothing."""
     state = None if raw is None else _parsed(raw, num_groups)
     settings = current if state is None else state.settings
     groups = inner_state.get("param_groups")
@@ -108,11 +75,9 @@ def check_load(
         ("skip_spikes", skip_spikes, state.skip_spikes),
     ):
         if (mine is None) != (saved is None):
-            had = (
-                "no rule (a number or None)"
-                if saved is None
-                else f"{saved.get('type')}({saved.get('config')})"
-            )
+            had = "no rule (a number or None)"
+            if saved is not None:
+                had = f"{saved.get('type')}({saved.get('config')})"
             shown: object = current.max_norm if mine is None and name == "max_norm" else mine
             raise ValueError(
                 f"the checkpoint was saved with {name}={had}, this optimizer has "
@@ -129,7 +94,6 @@ def check_load(
 
 
 def _parsed(raw: Any, num_groups: int) -> ClipState:
-    """A ``"clip"`` entry, validated completely."""
     if not isinstance(raw, Mapping):
         raise TypeError(f"state_dict['clip'] must be a dict, got {type(raw).__name__}")
     version = raw.get("format")
@@ -161,8 +125,7 @@ def _parsed(raw: Any, num_groups: int) -> ClipState:
             f"for {num_groups} param (or clip) groups"
         )
     last["last_group_norms"] = group_norms
-    # The readouts are shaped as the norms they derive from, the count per group from
-    # the start with per_group=True.
+    # shaped as the norms they derive from; the count per group from the start with per_group
     shape = () if group_norms is None else tuple(group_norms.shape)
     for key, kind in zip(_READOUTS[:2], ("float", "bool"), strict=True):
         last[key] = _tensor(key, raw.get(key), dims=len(shape), kind=kind)
@@ -185,8 +148,8 @@ def _parsed(raw: Any, num_groups: int) -> ClipState:
 
 
 def _tensor(name: str, value: Any, dims: int, kind: str) -> Tensor | None:
-    """None, or a tensor with ``dims`` dimensions and a ``kind`` dtype: ``"float"``
-    (any floating-point), ``"int64"`` or ``"bool"``."""
+    """None, or a tensor of ``dims`` dimensions and a ``kind`` (``"float"``, ``"int64"``,
+    ``"bool"``) dtype."""
     if value is None:
         return None
     good = isinstance(value, Tensor) and value.dim() == dims
