@@ -45,7 +45,7 @@ def _grads(parameters: list[Tensor]) -> list[Tensor]:
 
 def _scales(grads: list[Tensor], max_norm: MaxNorm) -> bool:
     """False where nothing can change: no grads, or a float ``max_norm`` of inf."""
-    return bool(grads) and (isinstance(max_norm, Tensor) or max_norm != math.inf)
+    return len(grads) > 0 and (isinstance(max_norm, Tensor) or max_norm != math.inf)
 
 
 def _raise_if_nonfinite(norm: Tensor, norm_type: float) -> None:
