@@ -1,6 +1,5 @@
-"""One ``ClippedOptimizer.step()``, top to bottom: decide (measure, choose the scale, rule on
-a non-finite norm or a spike; nothing changes) -> scale the grads, or fold the scale into a
-fused kernel -> the inner step -> commit the record and the rules' state."""
+"""One ``ClippedOptimizer.step()``, top to bottom: decide (nothing changes) -> scale the grads
+or fold the scale into a fused kernel -> the inner step -> commit the record and rules' state."""
 
 from __future__ import annotations
 
@@ -70,10 +69,8 @@ class ClipConfig:
 
 @dataclass(frozen=True)
 class ClipDecision:
-    """What a step applies and records, made before anything changes. A skip is decided on
-    the host (``skip``; ``streak``: the skips in a row before) or the device (``found_inf``,
-    after the lagged streak is checked against ``streak_limit``; ``skip_flag`` compiled).
-    ``final``: the call ends the step (DeepSpeed's ZeRO calls once per group)."""
+    """What a step applies and records; a skip decided on the host (``skip``) or the device
+    (``found_inf``; ``skip_flag`` compiled); ``final``: the call ends the step (not ZeRO's)."""
 
     grads: list[list[Tensor]]
     measurement: Measurement
@@ -91,9 +88,8 @@ class ClipDecision:
 
 
 def step(wrapper: Any, closure: Closure | None = None) -> Any:
-    """``ClippedOptimizer.step``: clip the grads, run the inner step, return what it returns.
-    The inner optimizer's closure returns the first loss once, then re-evaluates and clips
-    (LBFGS). Step hooks fire in torch's order around the whole clipped step."""
+    """``ClippedOptimizer.step``; a closure returns the first loss once, then re-evaluates and
+    clips (LBFGS)."""
     inner, config, record = wrapper.optimizer, wrapper._clip, wrapper._record
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(wrapper).__name__}.step"):
         args, kwargs, closure = pre_hooks(wrapper, closure)
@@ -113,8 +109,7 @@ def step(wrapper: Any, closure: Closure | None = None) -> Any:
 def decide(
     optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
 ) -> ClipDecision:
-    """Measure, choose the scale, rule on a non-finite norm or a spike; change nothing.
-    ``may_fold``: no closure; ``may_skip``: not a closure's re-evaluation (that raises)."""
+    """Measure, choose the scale, rule on a non-finite norm or a spike; change nothing."""
     view, rule, mode = config.view, config.rule, config.nonfinite
     zero, final = _check_groups(optimizer, config)
     with torch.no_grad():
@@ -163,7 +158,7 @@ def decide(
             if mode == "assert":
                 _nonfinite.assert_finite(norms, values)
             if spike is None and mode == "assert":
-                pass
+                pass  # asserted
             elif fold and mode != "raise" and _fold.skips_cleanly(optimizer):
                 found_inf = _nonfinite.device_verdict(norms, values, mode, spike, torch.float32)
             else:
@@ -184,9 +179,8 @@ def apply(
     closure: Closure | None,
     loss: Any,
 ) -> tuple[Any, ClipDecision]:
-    """Skip, run the fused step with the scale folded in, or the inner step; return what it
-    returns and the decision its grads were scaled by (a closure's last). Compiled, each
-    way breaks the graph here, and nothing here precedes the break."""
+    """Skip, the folded step or the inner step; its result and the decision its grads were
+    scaled by (a closure's last). Compiled, each way breaks the graph first."""
     if decision.skip:
         return _skipped(loss), decision
     if decision.fold:
@@ -210,12 +204,8 @@ def apply(
     return inner_step(optimizer, clipped_closure), latest[-1]
 
 
-def _skip(loss: Any) -> Any:
-    return loss
-
-
 # A skip breaks the graph as a step does: commit() is traced in one frame, not recompiled.
-_skipped: Any = _compiler.disable(_skip)
+_skipped: Any = _compiler.disable(lambda loss: loss)
 
 
 @torch.no_grad()  # grads made with create_graph=True must not record the scale
@@ -265,8 +255,7 @@ def scale(decision: ClipDecision, foreach: bool | None) -> None:
 def commit(
     config: ClipConfig, record: StepRecord, decision: ClipDecision, latest: ClipDecision
 ) -> None:
-    """Keep the record and the rules' state; ``latest``: the decision the inner step's
-    grads were scaled by."""
+    """Keep the record and the rules' state; ``latest``: the decision the grads were scaled by."""
     if not decision.final:
         return
     skipped: bool | Tensor | None = decision.skip_flag  # compiled: the verdict, as a tensor
@@ -337,8 +326,7 @@ def _applied(config: ClipConfig, latest: ClipDecision, skipped: Tensor | None) -
 
 
 class StepRecord:
-    """The last step's norms and the counters, on the device (``torch.compile`` drops
-    attribute writes onto an ``Optimizer``, not onto what it holds)."""
+    """The last step's norms and counters (compiled, writes onto an Optimizer are dropped)."""
 
     def __init__(self) -> None:
         self.last_norm: Tensor | None = None
@@ -427,8 +415,7 @@ class StepRecord:
 
 
 def check_rule_groups(groups: list[dict[str, Any]], rule: ClipRule | None) -> None:
-    """With a rule, no group may carry a threshold of its own, and one clip group at most
-    (others left unclipped): a rule keeps one history."""
+    """With a rule, no group's own threshold and one clip group at most (one history)."""
     if rule is None:
         return
     layout = clip_layout(groups)
@@ -448,8 +435,7 @@ def check_rule_groups(groups: list[dict[str, Any]], rule: ClipRule | None) -> No
 
 
 def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
-    """Validate the groups' settings where changed since the last step; ask DeepSpeed's
-    watch about this call. Returns the ZeRO call (or None) and whether it ends the step."""
+    """Validate the groups where changed; the ZeRO call (or None) and whether it ends the step."""
     view, groups, defaults = config.view, optimizer.param_groups, optimizer.defaults
     # Compiled, the checks are traced into guards, no cache (the second step would recompile)
     now: list[object] = []
@@ -504,8 +490,7 @@ def _plain(config: ClipConfig, zero: Any, flat: list[Tensor]) -> bool:
 def _measure_and_rule(
     optimizer: Optimizer, config: ClipConfig, grads: list[list[Tensor]], zero: Any
 ) -> tuple[Measurement, list[Coefficient], Outcome | None]:
-    """The step's norms and, with a rule, its coefficients and what it decided. A unit-wise
-    rule decides first, its squares giving the L2 norms without reading a grad again."""
+    """The step's norms and a rule's coefficients and outcome (a unit-wise rule's first)."""
     rule, track, groups = config.rule, config.track_tensor_norms, optimizer.param_groups
     view, scope, given = config.view, config.norm_scope, None
     norm_types, per_group, layout = view.norm_types, view.per_group, view.layout
@@ -528,16 +513,22 @@ def _measure_and_rule(
         )
     if squares is not None and all(p == 2.0 for p in norm_types):
         measured = _measure.measure_from_squares(
-            grads, names, squares, default, per_group, track, check
+            grads, names, squares, default, per_group, track, check, scope.pp_group
         )
-        measured = _measure.across_stages(measured, norm_types, default, per_group, scope.pp_group)
     elif given is not None and unit is None:
         measured = Measurement(given, [given] * len(grads), None)
     elif scope.process_group is None and (track or per_rule):
         measured = _measure.measure_per_tensor(
-            grads, names, norm_types, default, per_group, config.foreach, lambda: params, per_rule
+            grads,
+            names,
+            norm_types,
+            default,
+            per_group,
+            config.foreach,
+            lambda: params,
+            per_rule,
+            scope.pp_group,
         )
-        measured = _measure.across_stages(measured, norm_types, default, per_group, scope.pp_group)
     else:
         measured = _measure.measure(
             grads,
@@ -571,9 +562,8 @@ def _unit_coefficients(
     grads: list[list[Tensor]],
     norm_type: float,
 ) -> tuple[list[Coefficient], Outcome | None, tuple[Tensor, ...] | None, Tensor | None]:
-    """A unit-wise rule's coefficients per group, what it decided, its squares and check
-    (:class:`clipopt.UnitDecision`). With DTensors it decides over every one first, so a
-    rank without their grads joins its collective."""
+    """A unit-wise rule's coefficients per group, outcome, squares and check (with DTensors
+    over every one, so a rank without their grads joins the collective)."""
     every = [p for group in params for p in group]
     sharded = {id(q) for q in _mesh.dtensors(every)}
     # the DTensors, with a grad here or not, and any other with a grad (which is refused)
@@ -658,8 +648,7 @@ def _threshold_coefficients(
 def _shared(
     coefficients: list[Coefficient], grads: list[list[Tensor]] | None = None
 ) -> Coefficient | bool:
-    """The coefficient every group (with grads, where ``grads`` are given) shares: None
-    (scale nothing) or a 0-dim tensor; False where they differ or one is per grad."""
+    """The coefficient every group (with grads) shares, None, or False (they differ)."""
     found: list[Coefficient] = []
     for index, c in enumerate(coefficients):
         if grads is not None and not grads[index]:
@@ -683,8 +672,7 @@ def _dtypes(flat: list[Tensor], measured: Measurement) -> set[torch.dtype]:
 def _coefficient_values(
     coefficients: list[Coefficient], grad_scale: Tensor | None, like: Tensor
 ) -> Tensor:
-    """Every coefficient (and ``grad_scale``) in one 1-D tensor, a shared one once per group
-    (by id(), torch.compile guarded on each new one)."""
+    """Every coefficient (and ``grad_scale``) in one 1-D tensor."""
     values = [] if grad_scale is None else [grad_scale.reshape(-1)]
     for coefficient in coefficients:
         for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):

@@ -1,6 +1,5 @@
 """A step's norms beyond one local norm: per group, per tensor, from a unit-wise rule's
-squares, across ranks and pipeline stages. A name is the group's ``param_names`` entry,
-else the parameter's index over all groups."""
+squares, across ranks and pipeline stages."""
 
 from __future__ import annotations
 
@@ -17,15 +16,13 @@ from clipopt._kernels import _norms
 
 _T = TypeVar("_T")
 
+# A group's clip coefficient: None (scale nothing), 0-dim, or one per grad (or None)
 Coefficient: TypeAlias = Tensor | tuple[Tensor | None, ...] | None
-"""A group's clip coefficient: None (scale nothing), 0-dim (the whole group), or one per
-grad (broadcastable to it, or None)."""
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One step's pre-clip norms: ``group_norms`` each ``norm`` without ``per_group``, else
-    ``stacked``; ``groups``: the grads of a local norm as grouped by the kernels."""
+    """One step's pre-clip norms (``groups``: the grads as the kernels grouped them)."""
 
     norm: Tensor
     group_norms: list[Tensor]
@@ -35,28 +32,13 @@ class Measurement:
     groups: _norms.Groups | None = None
 
 
-def collect_grads(groups: Sequence[Mapping[str, Any]]) -> list[list[Tensor]]:
-    """Each group's grads, parameters without one left out."""
-    return [[p.grad for p in group["params"] if p.grad is not None] for group in groups]
-
-
 def flatten(grads: list[list[_T]]) -> list[_T]:
     """Every group's items in one list (the one group's own list, not copied)."""
     return grads[0] if len(grads) == 1 else [g for group in grads for g in group]
 
 
 def grad_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """Each group's names of the params that have a grad, in :func:`collect_grads`' order.
-
-    Example:
-      >>> import torch
-      >>> model = torch.nn.Linear(2, 1)
-      >>> model.weight.grad = torch.ones(1, 2)
-      >>> grad_names(torch.optim.SGD(model.named_parameters()).param_groups)
-      [['weight']]
-      >>> grad_names(torch.optim.SGD(model.parameters()).param_groups)
-      [['0']]
-    """
+    """Each group's ``param_names`` (else indices over all groups) of the params with a grad."""
     names: list[list[str]] = []
     index = 0
     for group in groups:
@@ -83,7 +65,11 @@ def _assembled(
     per_group: bool,
     p: float,
     names: tuple[str, ...],
+    pp_group: Any = None,
+    orders: Sequence[float] = (),
 ) -> Measurement:
+    if pp_group is not None:  # the totals combined over the pipeline stages
+        totals = _stages.combine_stages(totals, orders[: len(totals)], pp_group)
     if not per_group:
         return Measurement(totals[0], [totals[0]] * groups, None, norms, names)
     stacked = torch.stack(totals)
@@ -99,8 +85,7 @@ def measure(
     foreach: bool | None,
     params: Callable[[], Sequence[Tensor]],
 ) -> Measurement:
-    """The global norm, or each group's, across ranks and stages; ``params``' DTensor meshes
-    make a rank without grads join the same collective."""
+    """The global norm, or each group's, across ranks and stages (``params``: for DTensors)."""
     if not per_group:
         flat = flatten(grads)
         if scope.process_group is None and flat and _mesh.all_plain(flat):
@@ -116,8 +101,7 @@ def measure(
             device = g[0].device
             break
     dtype = _norms.result_dtype([n.dtype for n in own])
-    # A group without grads here gets its zero made here, unless its norm was reduced
-    # across ranks: moving the CPU zero the kernel returns would block every step.
+    # A group without grads here gets its zero made here (moving a CPU zero would block)
     group_norms = [
         n.to(device=device, dtype=dtype)
         if bucket or n.device == device
@@ -136,10 +120,10 @@ def measure_per_tensor(
     foreach: bool | None,
     params: Callable[[], list[list[Tensor]]] = lambda: [],
     strict: bool = False,
+    pp_group: Any = None,
 ) -> Measurement:
-    """:func:`measure` (no process group) from each grad's norm, kept with its name; DTensor
-    grads whole, in one collective with a slot per parameter of ``params``; ``strict``:
-    all NaN where the ranks' grads do not line up."""
+    """:func:`measure` (no process group) from each grad's norm, kept with its name (DTensors
+    in one collective with a slot per parameter of ``params``; ``strict``: NaN if unmatched)."""
     flat = flatten(grads)
     flat_names = () if names is None else tuple(n for group in names for n in group)
     dtype = _norms.result_dtype([g.dtype for g in flat])
@@ -174,7 +158,10 @@ def measure_per_tensor(
     else:  # the parameters' dtype, as the norms of the ranks (and stages) with grads
         zero = torch.zeros((), dtype=_norms.result_dtype([q.dtype for q in flatten(slots)]))
         return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
-    return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
+    count = len(grads)
+    return _assembled(
+        totals, norms, count, per_group, default_norm_type, flat_names, pp_group, orders
+    )
 
 
 def measure_from_squares(
@@ -185,6 +172,7 @@ def measure_from_squares(
     per_group: bool,
     tensor_norms: bool,
     check: Tensor | None = None,
+    pp_group: Any = None,
 ) -> Measurement:
     """:func:`measure_per_tensor`'s L2 norms from a unit-wise rule's ``squares`` (per grad,
     summing to its squared norm); ``check`` (0 or NaN) is added to every total."""
@@ -206,20 +194,7 @@ def measure_from_squares(
         norms = norms.to(dtype)
     elif tensor_norms:
         norms = like.new_zeros(0, dtype=dtype)
-    return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
-
-
-def across_stages(
-    measured: Measurement,
-    norm_types: list[float],
-    default_norm_type: float,
-    per_group: bool,
-    pp_group: Any,
-) -> Measurement:
-    """``measured`` with its totals combined over the pipeline stages of ``pp_group``."""
-    if pp_group is None:
-        return measured
-    norms = [measured.norm] if not per_group else measured.group_norms
-    totals = _stages.combine_stages(norms, norm_types[: len(norms)], pp_group)
-    count, names = len(measured.group_norms), measured.tensor_names
-    return _assembled(totals, measured.tensor_norms, count, per_group, default_norm_type, names)
+    twos = [2.0] * len(totals)
+    return _assembled(
+        totals, norms, len(grads), per_group, default_norm_type, flat_names, pp_group, twos
+    )
