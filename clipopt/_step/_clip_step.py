@@ -17,7 +17,7 @@ from clipopt._dist._deepspeed import Watch
 from clipopt._dist._reduce import NormScope
 from clipopt._kernels import _norms, _scale
 from clipopt._step import _fold, _measure, _nonfinite
-from clipopt._step._measure import Coefficient, Measurement
+from clipopt._step._measure import Coefficient, Measurement, Orders
 from clipopt._step._saved import COUNTERS
 from clipopt._validation import (
     CLIP_GROUP_KEY,
@@ -32,23 +32,23 @@ from clipopt._validation import (
 from clipopt._wrapper import Closure, inner_step, post_hooks, pre_hooks
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
-from clipopt.rules._unit import UnitDecision, UnitWiseRule
+from clipopt.rules._unit import UnitWiseRule
 
 _compiler: Any = torch.compiler  # its disable() is untyped
 Outcome = tuple[Tensor, Tensor, Tensor]  # what a rule decided: norms, coefficients, thresholds
 
 
+@dataclass(eq=False)
 class GroupView:
     """The (clip) groups' settings as last validated from the objects ``seen``."""
 
-    def __init__(self) -> None:
-        self.seen: list[object] = []
-        self.thresholds: list[float | Tensor] = []
-        self.norm_types: list[float] = []
-        self.layout: Layout | None = None
-        self.per_group = False  # each of the step's groups has a norm of its own
-        self.one: float | Tensor | None = None  # the threshold all groups share
-        self.fusable = False
+    seen: list[object] = field(default_factory=list)
+    thresholds: list[float | Tensor] = field(default_factory=list)
+    layout: Layout | None = None
+    orders: Orders = field(default_factory=lambda: Orders([], 2.0, False))
+    one: float | Tensor | None = None  # the threshold all groups share
+    fusable: bool = False
+    plain: bool = False  # a fixed threshold's global norm on this rank alone
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,6 @@ class ClipDecision:
     rule_outcome: Outcome | None = None
     spike: Tensor | None = None
     skip_flag: Tensor | None = None
-    streak_limit: int | None = None
     final: bool = True
 
 
@@ -121,12 +120,13 @@ def decide(
         flat = grads[0] if len(grads) == 1 else [g for group in grads for g in group]
         coefficients: list[Coefficient] = []
         outcome = None
-        if _plain(config, zero, flat):  # the shortest path: one grouped norm
-            norm, grouped = _norms.grouped_total_norm(flat, view.norm_types[0], config.foreach)
+        # the shortest path: one grouped norm of plain grads
+        if view.plain and zero is None and len(flat) > 0 and all(type(g) is Tensor for g in flat):
+            norm, grouped = _norms.grouped_total_norm(flat, view.orders.types[0], config.foreach)
             measured = Measurement(norm, [norm] * len(grads), None, groups=grouped)
         else:
             measured, coefficients, outcome = _measure_and_rule(optimizer, config, grads, zero)
-        threshold = None if rule is not None or view.per_group else view.one
+        threshold = None if rule is not None or view.orders.per_group else view.one
         one = _shared(coefficients) if rule is not None else None
         if rule is None and threshold is None:
             coefficients = _threshold_coefficients(measured.group_norms, view.thresholds)
@@ -134,7 +134,7 @@ def decide(
             may_fold
             and view.fusable
             and (threshold is not None or (rule is not None and one is not False))
-            and _fold.can_fold(optimizer, _dtypes(flat, measured))
+            and _fold.can_fold(optimizer, flat, measured.groups)
         )
         grad_scale = None
         if isinstance(threshold, float) and math.isinf(threshold):  # measured, not scaled
@@ -154,7 +154,12 @@ def decide(
             spike = spikes.verdict(measured.norm)
         if mode != "propagate" or spike is not None:
             norms = measured.norm if measured.stacked is None else measured.stacked
-            values = _coefficient_values(coefficients, grad_scale, norms)
+            values_ = [] if grad_scale is None else [grad_scale.reshape(-1)]
+            for coefficient in coefficients:
+                for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
+                    if c is not None:
+                        values_.append(c.reshape(-1))
+            values = torch.cat(values_) if values_ else norms.new_zeros(0)
             if mode == "assert":
                 _nonfinite.assert_finite(norms, values)
             if spike is None and mode == "assert":
@@ -166,8 +171,7 @@ def decide(
                     flag = _nonfinite.device_verdict(norms, values, mode, spike, torch.int64)
                 past = record.consecutive_skips
                 streak = _nonfinite.host_verdict(norms, values, past, mode, limit, may_skip, spike)
-        lagged = limit if found_inf is not None and mode == "skip" else None
-        verdict = (streak is not None, streak or 0, found_inf, outcome, spike, flag, lagged)
+        verdict = (streak is not None, streak or 0, found_inf, outcome, spike, flag)
         return ClipDecision(grads, measured, coefficients, fold, grad_scale, *verdict, final)
 
 
@@ -184,8 +188,9 @@ def apply(
     if decision.skip:
         return _skipped(loss), decision
     if decision.fold:
-        if decision.streak_limit is not None:
-            _nonfinite.check_lagged_streak(record.lagged, decision.streak_limit)
+        limit = config.max_consecutive_skips
+        if limit is not None and decision.found_inf is not None and config.nonfinite == "skip":
+            _nonfinite.check_lagged_streak(record.lagged, limit)
         return _fold.apply_folded(optimizer, decision.grad_scale, decision.found_inf), decision
     if closure is None:
         return inner_step(optimizer, None), decision
@@ -263,8 +268,7 @@ def commit(
         skipped = decision.skip if decision.found_inf is None else decision.found_inf
     on_device = skipped if isinstance(skipped, Tensor) else None
     applied = None if skipped is True else _applied(config, latest, on_device)
-    record.record(latest.measurement, skipped, decision.streak, config.track_tensor_norms)
-    record.record_clip(applied)
+    record.record(latest.measurement, skipped, decision.streak, config.track_tensor_norms, applied)
     if config.rule is not None and decision.rule_outcome is not None:
         config.rule.commit(*decision.rule_outcome)
     if config.skip_spikes is not None:
@@ -273,24 +277,21 @@ def commit(
 
 @dataclass(frozen=True)
 class Applied:
-    """How the clip scaled the grads (``clipped``: some), for the post-clip norm when read:
-    the pre-clip norm(s) times (or divided by) ``factor``, or a rule's ``units`` (norms,
-    coefficients); not ``known`` for one norm scaled by several coefficients; ``saved``
-    by a checkpoint; ``skipped``: the skip decided on the device."""
+    """How the clip scaled the grads (``clipped``: some), for the post-clip norm when read."""
 
     clipped: Tensor | None
-    factor: Tensor | None = None
+    factor: Tensor | None = None  # pre * factor, or pre / factor where it ``divides``
     divides: bool = False
-    known: bool = True
-    saved: Tensor | None = None
-    skipped: Tensor | None = None
-    units: tuple[Tensor, Tensor] | None = None
+    units: tuple[Tensor, Tensor] | None = None  # a rule's norms and coefficients
     norm_type: float = 2.0
+    skipped: Tensor | None = None  # the skip decided on the device
+    fixed: bool = False  # the post-clip norm is ``saved``: loaded, or not known
+    saved: Tensor | None = None
 
     def post_clip(self, pre: Tensor) -> Tensor | None:
-        if self.saved is not None or not self.known:
-            return self.saved
         post = pre
+        if self.fixed:
+            return self.saved
         if self.factor is not None:
             post = pre / self.factor if self.divides else pre * self.factor
         elif self.units is not None:
@@ -300,8 +301,8 @@ class Applied:
 
 
 def _applied(config: ClipConfig, latest: ClipDecision, skipped: Tensor | None) -> Applied | None:
-    factor, divides, known, units = None, False, True, None
-    outcome, per_group = latest.rule_outcome, config.view.per_group
+    factor, divides, fixed, units = None, False, False, None
+    outcome, (types, _, per_group) = latest.rule_outcome, config.view.orders
     if latest.grad_scale is not None:
         factor, divides, clipped = latest.grad_scale, True, latest.grad_scale > 1
     elif outcome is not None and outcome[1].dim() > 0:  # per tensor, or per unit
@@ -318,11 +319,10 @@ def _applied(config: ClipConfig, latest: ClipDecision, skipped: Tensor | None) -
                 [c if isinstance(c, Tensor) else norm.new_ones(()) for c in latest.coefficients]
             )
             factor, clipped = (factors, factors < 1) if per_group else (None, (factors < 1).any())
-            known = per_group
+            fixed = not per_group
     if skipped is not None:
         clipped = clipped & (skipped == 0)
-    p = config.view.norm_types[0]
-    return Applied(clipped, factor, divides, known, None, skipped, units, p)
+    return Applied(clipped, factor, divides, units, types[0], skipped, fixed)
 
 
 class StepRecord:
@@ -337,21 +337,9 @@ class StepRecord:
         self.skip_count = torch.zeros((), dtype=torch.int64)
         self.consecutive_skips = torch.zeros((), dtype=torch.int64)
         self.lagged = _nonfinite.LaggedCount()
-        # False while consecutive_skips is known to be 0: a step need not zero it
-        self._streak_may_be_set = False
+        self._streak_may_be_set = False  # False while consecutive_skips is known to be 0
         self.applied: Applied | None = None
         self.clipped_count = torch.zeros((), dtype=torch.int64)
-
-    def record_clip(self, applied: Applied | None) -> None:
-        flag = None if applied is None else applied.clipped
-        if flag is not None:
-            count = self.clipped_count.to(flag.device)
-            if count.shape != flag.shape:  # per group: the first step, or a group added
-                kept = count.reshape(-1)[: flag.numel()]
-                fill = kept.new_zeros(flag.numel() - kept.numel())
-                count = torch.cat([kept, fill]).reshape(flag.shape)
-            self.clipped_count = count.add_(flag)
-        self.applied = Applied(None) if applied is None else applied
 
     def last_clipped_norm(self) -> Tensor | None:
         pre = self.last_norm if self.last_group_norms is None else self.last_group_norms
@@ -365,16 +353,29 @@ class StepRecord:
         return torch.zeros(pre.shape, dtype=torch.bool, device=pre.device) if flag is None else flag
 
     def record(
-        self, measured: Measurement, skipped: bool | Tensor, streak: int, track: bool
+        self,
+        measured: Measurement,
+        skipped: bool | Tensor,
+        streak: int,
+        track: bool,
+        applied: Applied | None,
     ) -> None:
         """``skipped`` on the host (``streak``: the skips in a row before) or the device."""
-        norm = measured.norm
+        norm, flag = measured.norm, None if applied is None else applied.clipped
         self.last_norm, self.last_group_norms = norm, measured.stacked
         if track and measured.tensor_norms is not None:
             self.tensor_norms, self.tensor_names = measured.tensor_norms, measured.tensor_names
         if self.step_count.device != norm.device:
             for name in COUNTERS:
                 setattr(self, name, getattr(self, name).to(norm.device))
+        if flag is not None:
+            count = self.clipped_count.to(flag.device)
+            if count.shape != flag.shape:  # per group: the first step, or a group added
+                kept = count.reshape(-1)[: flag.numel()]
+                fill = kept.new_zeros(flag.numel() - kept.numel())
+                count = torch.cat([kept, fill]).reshape(flag.shape)
+            self.clipped_count = count.add_(flag)
+        self.applied = Applied(None) if applied is None else applied
         if isinstance(skipped, Tensor):
             bad = skipped.to(torch.int64)
             self.skip_count.add_(bad)
@@ -390,9 +391,7 @@ class StepRecord:
             if torch.compiler.is_compiling() or self._streak_may_be_set:  # no guard on it
                 self.consecutive_skips.zero_()
                 self.lagged.set(0)
-            self._streak_may_be_set = False
-            return
-        self._streak_may_be_set = True
+        self._streak_may_be_set = skipped is not False
 
     def state(self) -> dict[str, Tensor | None]:
         return {
@@ -409,7 +408,7 @@ class StepRecord:
         for name in (*COUNTERS, "clipped_count"):
             setattr(self, name, counters[name])
         flag, post = last["last_clipped"], last["last_clipped_norm"]
-        self.applied = None if flag is None else Applied(flag, known=post is not None, saved=post)
+        self.applied = None if flag is None else Applied(flag, fixed=True, saved=post)
         self._streak_may_be_set = True
         self.lagged.set(int(self.consecutive_skips))  # a load, not a step: this may wait
 
@@ -461,12 +460,16 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
         per_group = config.per_group or len(names) > 1
         if config.norm_scope.pp_group is not None:
             config.norm_scope.check_stages(per_group, norm_types, thresholds, names)
-        view.thresholds, view.norm_types, view.layout = thresholds, norm_types, layout
-        first = thresholds[0]
-        view.per_group = per_group
+        view.thresholds, view.layout, first = thresholds, layout, thresholds[0]
+        view.orders = Orders(norm_types, float(norm_type), per_group)
         view.one = first if all(same_threshold(t, first) for t in thresholds) else None
         # a fused kernel's grad_scale scales every grad: not with a group left unclipped
         view.fusable = _fold.takes_scale(optimizer) and (layout is None or None not in layout[0])
+        scope = config.norm_scope
+        local = scope.process_group is None and scope.pp_group is None
+        view.plain = (
+            config.rule is None and not per_group and not config.track_tensor_norms and local
+        )
         view.seen = now
     zero, final = watch.call(groups)
     if zero is not None and view.layout is not None:
@@ -479,21 +482,14 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
     return zero, final
 
 
-def _plain(config: ClipConfig, zero: Any, flat: list[Tensor]) -> bool:
-    """A fixed threshold's global norm of plain grads on this rank alone."""
-    scope = config.norm_scope
-    simple = config.rule is None and not config.view.per_group and not config.track_tensor_norms
-    local = zero is None and scope.process_group is None and scope.pp_group is None
-    return simple and local and len(flat) > 0 and all(type(g) is Tensor for g in flat)
-
-
 def _measure_and_rule(
     optimizer: Optimizer, config: ClipConfig, grads: list[list[Tensor]], zero: Any
 ) -> tuple[Measurement, list[Coefficient], Outcome | None]:
     """The step's norms and a rule's coefficients and outcome (a unit-wise rule's first)."""
     rule, track, groups = config.rule, config.track_tensor_norms, optimizer.param_groups
     view, scope, given = config.view, config.norm_scope, None
-    norm_types, per_group, layout = view.norm_types, view.per_group, view.layout
+    orders, layout = view.orders, view.layout
+    norm_types, per_group = orders.types, orders.per_group
     params = [group["params"] for group in groups]
     names = _measure.grad_names(groups) if track else None
     if layout is not None:
@@ -504,7 +500,6 @@ def _measure_and_rule(
     if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
         each = track or unit is not None or per_rule
         scope, given = _deepspeed.zero_source(zero, scope, norm_types, per_group, each)
-    default = float(optimizer.defaults[NORM_TYPE_KEY])
     coefficients: list[Coefficient] = []
     outcome = squares = check = None
     if unit is not None:
@@ -513,32 +508,17 @@ def _measure_and_rule(
         )
     if squares is not None and all(p == 2.0 for p in norm_types):
         measured = _measure.measure_from_squares(
-            grads, names, squares, default, per_group, track, check, scope.pp_group
+            grads, names, squares, orders, track, check, scope.pp_group
         )
     elif given is not None and unit is None:
         measured = Measurement(given, [given] * len(grads), None)
     elif scope.process_group is None and (track or per_rule):
         measured = _measure.measure_per_tensor(
-            grads,
-            names,
-            norm_types,
-            default,
-            per_group,
-            config.foreach,
-            lambda: params,
-            per_rule,
-            scope.pp_group,
+            grads, names, orders, config.foreach, lambda: params, per_rule, scope.pp_group
         )
     else:
-        measured = _measure.measure(
-            grads,
-            norm_types,
-            default,
-            per_group,
-            scope,
-            config.foreach,
-            lambda: _measure.flatten(params),
-        )
+        every = lambda: _measure.flatten(params)  # noqa: E731
+        measured = _measure.measure(grads, orders, scope, config.foreach, every)
     if rule is None or unit is not None:
         return measured, coefficients, outcome
     if not per_rule:
@@ -557,50 +537,38 @@ def _measure_and_rule(
 
 
 def _unit_coefficients(
-    rule: UnitWiseRule,
-    params: list[list[Tensor]],
-    grads: list[list[Tensor]],
-    norm_type: float,
+    rule: UnitWiseRule, params: list[list[Tensor]], grads: list[list[Tensor]], norm_type: float
 ) -> tuple[list[Coefficient], Outcome | None, tuple[Tensor, ...] | None, Tensor | None]:
     """A unit-wise rule's coefficients per group, outcome, squares and check (with DTensors
     over every one, so a rank without their grads joins the collective)."""
     every = [p for group in params for p in group]
     sharded = {id(q) for q in _mesh.dtensors(every)}
-    # the DTensors, with a grad here or not, and any other with a grad (which is refused)
-    slotted = [p for p in every if id(p) in sharded or p.grad is not None] if sharded else []
+    slotted = [p for p in every if id(p) in sharded or p.grad is not None]
     flat = [g for group in grads for g in group]
-    decision = None
-    if slotted:
-        rule.check_norm_type(norm_type)
-        decision = rule.decide_slots(slotted, [p.grad for p in slotted], norm_type)
-    if decision is not None:
-        _check_lengths(rule, decision, len(slotted), "parameters")
-        here = [p.grad is not None for p in slotted]
-        per_grad = [c for c, has in zip(decision.per_grad, here, strict=True) if has]
-        squares = decision.squares
-        if squares is not None:
-            squares = tuple(s for s, has in zip(squares, here, strict=True) if has)
-    elif not flat:
+    if not slotted:
         return [None] * len(grads), None, None, None
-    else:
-        held = [p for p in every if p.grad is not None]
-        rule.check_norm_type(norm_type)
-        decision = rule.decide_units(held, flat, norm_type)
-        _check_lengths(rule, decision, len(flat), "grads")
-        per_grad, squares = decision.per_grad, decision.squares
+    rule.check_norm_type(norm_type)
+    decision = rule.decide_slots(slotted, [p.grad for p in slotted], norm_type) if sharded else None
+    what = "parameters"
+    if decision is None and not flat:
+        return [None] * len(grads), None, None, None
+    if decision is None:
+        slotted, what = [p for p in every if p.grad is not None], "grads"
+        decision = rule.decide_units(slotted, flat, norm_type)
+    for name, given in (("coefficients", decision.per_grad), ("squares", decision.squares)):
+        if given is not None and len(given) != len(slotted):
+            raise ValueError(f"{rule!r} gave {len(given)} {name} for {len(slotted)} {what}")
+    here = [p.grad is not None for p in slotted]
+    per_grad = [c for c, has in zip(decision.per_grad, here, strict=True) if has]
+    squares = decision.squares
+    if squares is not None:
+        squares = tuple(s for s, has in zip(squares, here, strict=True) if has)
     coefficients: list[Coefficient] = [
         c if isinstance(c, tuple) and any(x is not None for x in c) else None
         for c in _by_group(per_grad, grads)
     ]
     outcome = (decision.norms, decision.coefficients, decision.thresholds) if flat else None
     return coefficients, outcome, squares, decision.check
-
-
-def _check_lengths(rule: UnitWiseRule, decision: UnitDecision, count: int, what: str) -> None:
-    """``decision`` has one coefficient (and squares, if any) per one of ``count``."""
-    for name, given in (("coefficients", decision.per_grad), ("squares", decision.squares)):
-        if given is not None and len(given) != count:
-            raise ValueError(f"{rule!r} gave {len(given)} {name} for {count} {what}")
 
 
 def _by_group(per_grad: Sequence[Tensor | None], grads: list[list[Tensor]]) -> list[Coefficient]:
@@ -627,18 +595,15 @@ def _threshold_coefficients(
 ) -> list[Coefficient]:
     """Each group's coefficient (None: inf); a norm and equal threshold share one."""
     coefficients: list[Coefficient] = []
-    # Matched by identity in a list: torch 2.6's dynamo cannot trace id() of a graph tensor.
-    made: list[tuple[Tensor, float | Tensor, Tensor]] = []
+    made: list[tuple[Tensor, float | Tensor, Tensor]] = []  # by identity: dynamo 2.6 has no id()
     for norm, threshold in zip(group_norms, thresholds, strict=True):
         if isinstance(threshold, float) and math.isinf(threshold):
             coefficients.append(None)
             continue
-        found = None
-        for seen_norm, seen_threshold, coefficient in made:
+        for seen_norm, seen_threshold, found in made:  # noqa: B007 (read after the loop)
             if seen_norm is norm and same_threshold(seen_threshold, threshold):
-                found = coefficient
                 break
-        if found is None:
+        else:
             found = _scale.clip_coefficient(threshold, norm)
             made.append((norm, threshold, found))
         coefficients.append(found)
@@ -649,36 +614,13 @@ def _shared(
     coefficients: list[Coefficient], grads: list[list[Tensor]] | None = None
 ) -> Coefficient | bool:
     """The coefficient every group (with grads) shares, None, or False (they differ)."""
-    found: list[Coefficient] = []
+    found: list[Coefficient] = []  # the first, and any other (by identity, as above)
     for index, c in enumerate(coefficients):
-        if grads is not None and not grads[index]:
-            continue
-        for seen in found:  # by identity, as above
-            if c is seen:
-                break
-        else:
+        if (grads is None or grads[index]) and (len(found) == 0 or c is not found[0]):
             found.append(c)
     if not found:
         return None
     return found[0] if len(found) == 1 and not isinstance(found[0], tuple) else False
-
-
-def _dtypes(flat: list[Tensor], measured: Measurement) -> set[torch.dtype]:
-    if measured.groups is not None:
-        return {dtype for _, dtype in (*measured.groups.dense, *measured.groups.sparse)}
-    return {g.dtype for g in flat}
-
-
-def _coefficient_values(
-    coefficients: list[Coefficient], grad_scale: Tensor | None, like: Tensor
-) -> Tensor:
-    """Every coefficient (and ``grad_scale``) in one 1-D tensor."""
-    values = [] if grad_scale is None else [grad_scale.reshape(-1)]
-    for coefficient in coefficients:
-        for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
-            if c is not None:
-                values.append(c.reshape(-1))
-    return torch.cat(values) if values else like.new_zeros(0)
 
 
 def _local(tensors: list[Tensor]) -> list[Tensor]:

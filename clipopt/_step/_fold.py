@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from clipopt._kernels._norms import Groups
 from clipopt._wrapper import inner_step
 
 _FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -20,10 +20,13 @@ def takes_scale(optimizer: Optimizer) -> bool:
     return type(optimizer) in _FUSABLE and all(g.get("fused") for g in optimizer.param_groups)
 
 
-def can_fold(optimizer: Optimizer, dtypes: Collection[torch.dtype]) -> bool:
+def can_fold(optimizer: Optimizer, grads: list[Tensor], groups: Groups | None) -> bool:
     """Nobody else (``GradScaler``) set the attributes; no grad is float64 (the scale's float32)."""
-    free = all(getattr(optimizer, name, None) is None for name in _ATTRIBUTES)
-    return free and torch.float64 not in dtypes
+    if any(getattr(optimizer, name, None) is not None for name in _ATTRIBUTES):
+        return False
+    if groups is not None:
+        return torch.float64 not in {dtype for _, dtype in (*groups.dense, *groups.sparse)}
+    return torch.float64 not in {g.dtype for g in grads}
 
 
 def skips_cleanly(optimizer: Optimizer) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor
@@ -18,6 +18,14 @@ _T = TypeVar("_T")
 
 # A group's clip coefficient: None (scale nothing), 0-dim, or one per grad (or None)
 Coefficient: TypeAlias = Tensor | tuple[Tensor | None, ...] | None
+
+
+class Orders(NamedTuple):
+    """Each group's norm type, the norm type of the group norms, and whether each has one."""
+
+    types: list[float]
+    default: float
+    per_group: bool
 
 
 @dataclass(frozen=True)
@@ -61,32 +69,30 @@ def _combined(norms: Tensor, p: float, dtype: torch.dtype) -> Tensor:
 def _assembled(
     totals: list[Tensor],
     norms: Tensor | None,
-    groups: int,
-    per_group: bool,
-    p: float,
-    names: tuple[str, ...],
+    count: int,
+    orders: Orders,
+    names: tuple[str, ...] = (),
     pp_group: Any = None,
-    orders: Sequence[float] = (),
 ) -> Measurement:
     if pp_group is not None:  # the totals combined over the pipeline stages
-        totals = _stages.combine_stages(totals, orders[: len(totals)], pp_group)
-    if not per_group:
-        return Measurement(totals[0], [totals[0]] * groups, None, norms, names)
+        totals = _stages.combine_stages(totals, orders.types[: len(totals)], pp_group)
+    if not orders.per_group:
+        return Measurement(totals[0], [totals[0]] * count, None, norms, names)
     stacked = torch.stack(totals)
-    return Measurement(_combined(stacked, p, stacked.dtype), totals, stacked, norms, names)
+    default = orders.default
+    return Measurement(_combined(stacked, default, stacked.dtype), totals, stacked, norms, names)
 
 
 def measure(
     grads: list[list[Tensor]],
-    norm_types: list[float],
-    default_norm_type: float,
-    per_group: bool,
+    orders: Orders,
     scope: _reduce.NormScope,
     foreach: bool | None,
     params: Callable[[], Sequence[Tensor]],
 ) -> Measurement:
     """The global norm, or each group's, across ranks and stages (``params``: for DTensors)."""
-    if not per_group:
+    norm_types = orders.types
+    if not orders.per_group:
         flat = flatten(grads)
         if scope.process_group is None and flat and _mesh.all_plain(flat):
             norm, grouped = _norms.grouped_total_norm(flat, norm_types[0], foreach)
@@ -108,15 +114,13 @@ def measure(
         else torch.zeros((), device=device, dtype=dtype)
         for n, bucket in zip(own, grads, strict=True)
     ]
-    return _assembled(group_norms, None, len(grads), True, default_norm_type, ())
+    return _assembled(group_norms, None, len(grads), orders)
 
 
 def measure_per_tensor(
     grads: list[list[Tensor]],
     names: list[list[str]] | None,
-    norm_types: list[float],
-    default_norm_type: float,
-    per_group: bool,
+    orders: Orders,
     foreach: bool | None,
     params: Callable[[], list[list[Tensor]]] = lambda: [],
     strict: bool = False,
@@ -124,11 +128,11 @@ def measure_per_tensor(
 ) -> Measurement:
     """:func:`measure` (no process group) from each grad's norm, kept with its name (DTensors
     in one collective with a slot per parameter of ``params``; ``strict``: NaN if unmatched)."""
-    flat = flatten(grads)
+    flat, norm_types, per_group = flatten(grads), orders.types, orders.per_group
     flat_names = () if names is None else tuple(n for group in names for n in group)
     dtype = _norms.result_dtype([g.dtype for g in flat])
     slots = [] if flat and _mesh.all_plain(flat) else params()
-    orders = norm_types if per_group else norm_types[:1]
+    types = norm_types if per_group else norm_types[:1]
     if not _mesh.all_plain(flat) or (
         not flat and any(q.requires_grad for q in _mesh.dtensors(flatten(slots)))
     ):
@@ -136,9 +140,9 @@ def measure_per_tensor(
         if not per_group:
             held = [flatten(held)]
         powers = _per_tensor.global_tensor_powers(
-            held, orders, foreach, params=flatten(slots), strict=strict
+            held, types, foreach, params=flatten(slots), strict=strict
         )
-        triples = list(zip(powers, held, orders, strict=True))
+        triples = list(zip(powers, held, types, strict=True))
         norms = torch.cat([_per_tensor.root(_per_tensor.held(w, h), p) for w, h, p in triples])
         totals = [_per_tensor.total_root(w, p).to(dtype) for w, _, p in triples]
         norms = norms.to(dtype)
@@ -154,22 +158,18 @@ def measure_per_tensor(
                 ]
             )
         parts = torch.split(norms, [len(group) for group in grads]) if per_group else [norms]
-        totals = [_combined(part, p, norms.dtype) for part, p in zip(parts, orders, strict=True)]
+        totals = [_combined(part, p, norms.dtype) for part, p in zip(parts, types, strict=True)]
     else:  # the parameters' dtype, as the norms of the ranks (and stages) with grads
         zero = torch.zeros((), dtype=_norms.result_dtype([q.dtype for q in flatten(slots)]))
         return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
-    count = len(grads)
-    return _assembled(
-        totals, norms, count, per_group, default_norm_type, flat_names, pp_group, orders
-    )
+    return _assembled(totals, norms, len(grads), orders, flat_names, pp_group)
 
 
 def measure_from_squares(
     grads: list[list[Tensor]],
     names: list[list[str]] | None,
     squares: Sequence[Tensor],
-    default_norm_type: float,
-    per_group: bool,
+    orders: Orders,
     tensor_norms: bool,
     check: Tensor | None = None,
     pp_group: Any = None,
@@ -177,6 +177,7 @@ def measure_from_squares(
     """:func:`measure_per_tensor`'s L2 norms from a unit-wise rule's ``squares`` (per grad,
     summing to its squared norm); ``check`` (0 or NaN) is added to every total."""
     flat_names = () if names is None else tuple(n for group in names for n in group)
+    per_group = orders.per_group
     dtype = _norms.result_dtype([g.dtype for group in grads for g in group])
     sizes = [len(group) for group in grads] if per_group else [len(squares)]
     ends = [0, *itertools.accumulate(sizes)]
@@ -194,7 +195,4 @@ def measure_from_squares(
         norms = norms.to(dtype)
     elif tensor_norms:
         norms = like.new_zeros(0, dtype=dtype)
-    twos = [2.0] * len(totals)
-    return _assembled(
-        totals, norms, len(grads), per_group, default_norm_type, flat_names, pp_group, twos
-    )
+    return _assembled(totals, norms, len(grads), orders, flat_names, pp_group)

@@ -26,24 +26,23 @@ class LaggedCount:
     """A device counter read one step late, from a copy made without waiting."""
 
     _host: Tensor | None
-    _marks: tuple[Callable[[], None], Callable[[], None]] | None
-    _device: torch.device | None
+    _marks: tuple[Callable[[], None], Callable[[], None], torch.device] | None  # mark, wait
 
-    def __init__(self) -> None:
-        self.set(0)
+    def __init__(self, value: int = 0) -> None:
+        self.set(value)
 
     def publish(self, count: Tensor) -> None:
         if count.device.type != "cuda":
             self._host, self._marks = count.detach().to("cpu", copy=True), None
             return
-        if self._marks is None or self._host is None or self._device != count.device:
+        if self._marks is None or self._host is None or self._marks[2] != count.device:
             self._host, mark, wait = host_copy(count)
-            self._marks, self._device = (mark, wait), count.device
+            self._marks = (mark, wait, count.device)
         self._host.copy_(count, non_blocking=True)
         self._marks[0]()
 
     def set(self, value: int) -> None:
-        self._value, self._host, self._marks, self._device = value, None, None, None
+        self._value, self._host, self._marks = value, None, None
 
     def read(self) -> int:
         if self._host is None:
@@ -52,11 +51,8 @@ class LaggedCount:
             self._marks[1]()
         return int(self._host.item())  # the user asked for the limit; a copy: no wait
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"value": self.read()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.set(state["value"])
+    def __reduce__(self) -> tuple[type[LaggedCount], tuple[int]]:
+        return LaggedCount, (self.read(),)
 
 
 def _finite(norms: Tensor, coefficients: Tensor) -> Tensor:
