@@ -87,8 +87,7 @@ class ClipDecision:
 
 
 def step(wrapper: Any, closure: Closure | None = None) -> Any:
-    """``ClippedOptimizer.step``; a closure returns the first loss once, then re-evaluates and
-    clips (LBFGS)."""
+    """``ClippedOptimizer.step``; a closure returns the first loss, then re-evaluates and clips."""
     inner, config, record = wrapper.optimizer, wrapper._clip, wrapper._record
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(wrapper).__name__}.step"):
         args, kwargs, closure = pre_hooks(wrapper, closure)
@@ -154,12 +153,12 @@ def decide(
             spike = spikes.verdict(measured.norm)
         if mode != "propagate" or spike is not None:
             norms = measured.norm if measured.stacked is None else measured.stacked
-            values_ = [] if grad_scale is None else [grad_scale.reshape(-1)]
+            parts = [] if grad_scale is None else [grad_scale.reshape(-1)]
             for coefficient in coefficients:
                 for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
                     if c is not None:
-                        values_.append(c.reshape(-1))
-            values = torch.cat(values_) if values_ else norms.new_zeros(0)
+                        parts.append(c.reshape(-1))
+            values = torch.cat(parts) if parts else norms.new_zeros(0)
             if mode == "assert":
                 _nonfinite.assert_finite(norms, values)
             if spike is None and mode == "assert":
@@ -183,8 +182,7 @@ def apply(
     closure: Closure | None,
     loss: Any,
 ) -> tuple[Any, ClipDecision]:
-    """Skip, the folded step or the inner step; its result and the decision its grads were
-    scaled by (a closure's last). Compiled, each way breaks the graph first."""
+    """Skip, the folded or the inner step (each breaks a graph); its result and last decision."""
     if decision.skip:
         return _skipped(loss), decision
     if decision.fold:
@@ -539,8 +537,7 @@ def _measure_and_rule(
 def _unit_coefficients(
     rule: UnitWiseRule, params: list[list[Tensor]], grads: list[list[Tensor]], norm_type: float
 ) -> tuple[list[Coefficient], Outcome | None, tuple[Tensor, ...] | None, Tensor | None]:
-    """A unit-wise rule's coefficients per group, outcome, squares and check (with DTensors
-    over every one, so a rank without their grads joins the collective)."""
+    """A unit-wise rule's coefficients per group, outcome, squares and check (DTensors: all)."""
     every = [p for group in params for p in group]
     sharded = {id(q) for q in _mesh.dtensors(every)}
     slotted = [p for p in every if id(p) in sharded or p.grad is not None]

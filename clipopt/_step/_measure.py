@@ -1,5 +1,4 @@
-"""A step's norms beyond one local norm: per group, per tensor, from a unit-wise rule's
-squares, across ranks and pipeline stages."""
+"""A step's norms beyond one local norm: per group, per tensor, from squares, across ranks."""
 
 from __future__ import annotations
 
@@ -126,8 +125,7 @@ def measure_per_tensor(
     strict: bool = False,
     pp_group: Any = None,
 ) -> Measurement:
-    """:func:`measure` (no process group) from each grad's norm, kept with its name (DTensors
-    in one collective with a slot per parameter of ``params``; ``strict``: NaN if unmatched)."""
+    """:func:`measure` (no process group) from each grad's norm (``strict``: NaN if unmatched)."""
     flat, norm_types, per_group = flatten(grads), orders.types, orders.per_group
     flat_names = () if names is None else tuple(n for group in names for n in group)
     dtype = _norms.result_dtype([g.dtype for g in flat])
@@ -174,8 +172,7 @@ def measure_from_squares(
     check: Tensor | None = None,
     pp_group: Any = None,
 ) -> Measurement:
-    """:func:`measure_per_tensor`'s L2 norms from a unit-wise rule's ``squares`` (per grad,
-    summing to its squared norm); ``check`` (0 or NaN) is added to every total."""
+    """:func:`measure_per_tensor`'s L2 norms from ``squares``; ``check`` added to every total."""
     flat_names = () if names is None else tuple(n for group in names for n in group)
     per_group = orders.per_group
     dtype = _norms.result_dtype([g.dtype for group in grads for g in group])

@@ -44,10 +44,9 @@ def clip_entry(
     for key in _KEYS[2:]:
         value = record[key]
         entry[key] = None if value is None else value.detach().clone()
-    if rule is not None:
-        entry["rule"] = rule.state_dict()
-    if skip_spikes is not None:
-        entry["skip_spikes"] = skip_spikes.state_dict()
+    for key, owner in (("rule", rule), ("skip_spikes", skip_spikes)):
+        if owner is not None:
+            entry[key] = owner.state_dict()
     return entry
 
 
