@@ -288,7 +288,9 @@ def test_per_group_norms_from_the_units_match_float64() -> None:
     squares = clipopt.AGC(exclude=params[-2:]).decide_units(weights, grads, 2.0).squares
     assert squares is not None
     groups = [grads[:3], [], grads[3:]]
-    got = _measure.measure_from_squares(groups, None, squares, 2.0, True, False)
+    got = _measure.measure_from_squares(
+        groups, None, squares, _measure.Orders([2.0] * 3, 2.0, True), False
+    )
     expected = torch.stack(
         [float64_norms(g)[1] if g else torch.zeros((), dtype=torch.float64) for g in groups]
     )

@@ -694,10 +694,10 @@ def test_a_dtensor_step_measurement_matches_float64(
     if not per_group:
         orders = [orders[0]] * 3
     groups = [{"params": group} for group in split]
-    grads = _measure.collect_grads(groups)
+    grads = [[p.grad for p in g["params"] if p.grad is not None] for g in groups]
     with CountAllReduce() as counter:
         measured = _measure.measure_per_tensor(
-            grads, None, orders, 2.0, per_group, None, lambda: split, strict=True
+            grads, None, _measure.Orders(orders, 2.0, per_group), None, lambda: split, strict=True
         )
     finite = {p != math.inf for p in orders}
     assert counter.calls == len(finite)

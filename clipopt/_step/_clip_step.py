@@ -1,6 +1,5 @@
-"""One ``ClippedOptimizer.step()``, top to bottom: decide (measure, choose the scale, rule on
-a non-finite norm or a spike; nothing changes) -> scale the grads, or fold the scale into a
-fused kernel -> the inner step -> commit the record and the rules' state."""
+"""One ``ClippedOptimizer.step()``, top to bottom: decide (nothing changes) -> scale the grads
+or fold the scale into a fused kernel -> the inner step -> commit the record and rules' state."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from clipopt._dist._deepspeed import Watch
 from clipopt._dist._reduce import NormScope
 from clipopt._kernels import _norms, _scale
 from clipopt._step import _fold, _measure, _nonfinite
-from clipopt._step._measure import Coefficient, Measurement
+from clipopt._step._measure import Coefficient, Measurement, Orders
 from clipopt._step._saved import COUNTERS
 from clipopt._validation import (
     CLIP_GROUP_KEY,
@@ -33,23 +32,23 @@ from clipopt._validation import (
 from clipopt._wrapper import Closure, inner_step, post_hooks, pre_hooks
 from clipopt.rules._base import ClipRule
 from clipopt.rules._spike_skip import SpikeSkip
-from clipopt.rules._unit import UnitDecision, UnitWiseRule
+from clipopt.rules._unit import UnitWiseRule
 
 _compiler: Any = torch.compiler  # its disable() is untyped
 Outcome = tuple[Tensor, Tensor, Tensor]  # what a rule decided: norms, coefficients, thresholds
 
 
+@dataclass(eq=False)
 class GroupView:
     """The (clip) groups' settings as last validated from the objects ``seen``."""
 
-    def __init__(self) -> None:
-        self.seen: list[object] = []
-        self.thresholds: list[float | Tensor] = []
-        self.norm_types: list[float] = []
-        self.layout: Layout | None = None
-        self.per_group = False  # each of the step's groups has a norm of its own
-        self.one: float | Tensor | None = None  # the threshold all groups share
-        self.fusable = False
+    seen: list[object] = field(default_factory=list)
+    thresholds: list[float | Tensor] = field(default_factory=list)
+    layout: Layout | None = None
+    orders: Orders = field(default_factory=lambda: Orders([], 2.0, False))
+    one: float | Tensor | None = None  # the threshold all groups share
+    fusable: bool = False
+    plain: bool = False  # a fixed threshold's global norm on this rank alone
 
 
 @dataclass(frozen=True)
@@ -70,10 +69,8 @@ class ClipConfig:
 
 @dataclass(frozen=True)
 class ClipDecision:
-    """What a step applies and records, made before anything changes. A skip is decided on
-    the host (``skip``; ``streak``: the skips in a row before) or the device (``found_inf``,
-    after the lagged streak is checked against ``streak_limit``; ``skip_flag`` compiled).
-    ``final``: the call ends the step (DeepSpeed's ZeRO calls once per group)."""
+    """What a step applies and records; a skip decided on the host (``skip``) or the device
+    (``found_inf``; ``skip_flag`` compiled); ``final``: the call ends the step (not ZeRO's)."""
 
     grads: list[list[Tensor]]
     measurement: Measurement
@@ -86,14 +83,11 @@ class ClipDecision:
     rule_outcome: Outcome | None = None
     spike: Tensor | None = None
     skip_flag: Tensor | None = None
-    streak_limit: int | None = None
     final: bool = True
 
 
 def step(wrapper: Any, closure: Closure | None = None) -> Any:
-    """``ClippedOptimizer.step``: clip the grads, run the inner step, return what it returns.
-    The inner optimizer's closure returns the first loss once, then re-evaluates and clips
-    (LBFGS). Step hooks fire in torch's order around the whole clipped step."""
+    """``ClippedOptimizer.step``; a closure returns the first loss, then re-evaluates and clips."""
     inner, config, record = wrapper.optimizer, wrapper._clip, wrapper._record
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(wrapper).__name__}.step"):
         args, kwargs, closure = pre_hooks(wrapper, closure)
@@ -113,8 +107,7 @@ def step(wrapper: Any, closure: Closure | None = None) -> Any:
 def decide(
     optimizer: Optimizer, config: ClipConfig, record: StepRecord, may_fold: bool, may_skip: bool
 ) -> ClipDecision:
-    """Measure, choose the scale, rule on a non-finite norm or a spike; change nothing.
-    ``may_fold``: no closure; ``may_skip``: not a closure's re-evaluation (that raises)."""
+    """Measure, choose the scale, rule on a non-finite norm or a spike; change nothing."""
     view, rule, mode = config.view, config.rule, config.nonfinite
     zero, final = _check_groups(optimizer, config)
     with torch.no_grad():
@@ -126,12 +119,13 @@ def decide(
         flat = grads[0] if len(grads) == 1 else [g for group in grads for g in group]
         coefficients: list[Coefficient] = []
         outcome = None
-        if _plain(config, zero, flat):  # the shortest path: one grouped norm
-            norm, grouped = _norms.grouped_total_norm(flat, view.norm_types[0], config.foreach)
+        # the shortest path: one grouped norm of plain grads
+        if view.plain and zero is None and len(flat) > 0 and all(type(g) is Tensor for g in flat):
+            norm, grouped = _norms.grouped_total_norm(flat, view.orders.types[0], config.foreach)
             measured = Measurement(norm, [norm] * len(grads), None, groups=grouped)
         else:
             measured, coefficients, outcome = _measure_and_rule(optimizer, config, grads, zero)
-        threshold = None if rule is not None or view.per_group else view.one
+        threshold = None if rule is not None or view.orders.per_group else view.one
         one = _shared(coefficients) if rule is not None else None
         if rule is None and threshold is None:
             coefficients = _threshold_coefficients(measured.group_norms, view.thresholds)
@@ -139,7 +133,7 @@ def decide(
             may_fold
             and view.fusable
             and (threshold is not None or (rule is not None and one is not False))
-            and _fold.can_fold(optimizer, _dtypes(flat, measured))
+            and _fold.can_fold(optimizer, flat, measured.groups)
         )
         grad_scale = None
         if isinstance(threshold, float) and math.isinf(threshold):  # measured, not scaled
@@ -159,11 +153,16 @@ def decide(
             spike = spikes.verdict(measured.norm)
         if mode != "propagate" or spike is not None:
             norms = measured.norm if measured.stacked is None else measured.stacked
-            values = _coefficient_values(coefficients, grad_scale, norms)
+            parts = [] if grad_scale is None else [grad_scale.reshape(-1)]
+            for coefficient in coefficients:
+                for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
+                    if c is not None:
+                        parts.append(c.reshape(-1))
+            values = torch.cat(parts) if parts else norms.new_zeros(0)
             if mode == "assert":
                 _nonfinite.assert_finite(norms, values)
             if spike is None and mode == "assert":
-                pass
+                pass  # asserted
             elif fold and mode != "raise" and _fold.skips_cleanly(optimizer):
                 found_inf = _nonfinite.device_verdict(norms, values, mode, spike, torch.float32)
             else:
@@ -171,8 +170,7 @@ def decide(
                     flag = _nonfinite.device_verdict(norms, values, mode, spike, torch.int64)
                 past = record.consecutive_skips
                 streak = _nonfinite.host_verdict(norms, values, past, mode, limit, may_skip, spike)
-        lagged = limit if found_inf is not None and mode == "skip" else None
-        verdict = (streak is not None, streak or 0, found_inf, outcome, spike, flag, lagged)
+        verdict = (streak is not None, streak or 0, found_inf, outcome, spike, flag)
         return ClipDecision(grads, measured, coefficients, fold, grad_scale, *verdict, final)
 
 
@@ -184,14 +182,13 @@ def apply(
     closure: Closure | None,
     loss: Any,
 ) -> tuple[Any, ClipDecision]:
-    """Skip, run the fused step with the scale folded in, or the inner step; return what it
-    returns and the decision its grads were scaled by (a closure's last). Compiled, each
-    way breaks the graph here, and nothing here precedes the break."""
+    """Skip, the folded or the inner step (each breaks a graph); its result and last decision."""
     if decision.skip:
         return _skipped(loss), decision
     if decision.fold:
-        if decision.streak_limit is not None:
-            _nonfinite.check_lagged_streak(record.lagged, decision.streak_limit)
+        limit = config.max_consecutive_skips
+        if limit is not None and decision.found_inf is not None and config.nonfinite == "skip":
+            _nonfinite.check_lagged_streak(record.lagged, limit)
         return _fold.apply_folded(optimizer, decision.grad_scale, decision.found_inf), decision
     if closure is None:
         return inner_step(optimizer, None), decision
@@ -210,12 +207,8 @@ def apply(
     return inner_step(optimizer, clipped_closure), latest[-1]
 
 
-def _skip(loss: Any) -> Any:
-    return loss
-
-
 # A skip breaks the graph as a step does: commit() is traced in one frame, not recompiled.
-_skipped: Any = _compiler.disable(_skip)
+_skipped: Any = _compiler.disable(lambda loss: loss)
 
 
 @torch.no_grad()  # grads made with create_graph=True must not record the scale
@@ -265,8 +258,7 @@ def scale(decision: ClipDecision, foreach: bool | None) -> None:
 def commit(
     config: ClipConfig, record: StepRecord, decision: ClipDecision, latest: ClipDecision
 ) -> None:
-    """Keep the record and the rules' state; ``latest``: the decision the inner step's
-    grads were scaled by."""
+    """Keep the record and the rules' state; ``latest``: the decision the grads were scaled by."""
     if not decision.final:
         return
     skipped: bool | Tensor | None = decision.skip_flag  # compiled: the verdict, as a tensor
@@ -274,8 +266,7 @@ def commit(
         skipped = decision.skip if decision.found_inf is None else decision.found_inf
     on_device = skipped if isinstance(skipped, Tensor) else None
     applied = None if skipped is True else _applied(config, latest, on_device)
-    record.record(latest.measurement, skipped, decision.streak, config.track_tensor_norms)
-    record.record_clip(applied)
+    record.record(latest.measurement, skipped, decision.streak, config.track_tensor_norms, applied)
     if config.rule is not None and decision.rule_outcome is not None:
         config.rule.commit(*decision.rule_outcome)
     if config.skip_spikes is not None:
@@ -284,24 +275,21 @@ def commit(
 
 @dataclass(frozen=True)
 class Applied:
-    """How the clip scaled the grads (``clipped``: some), for the post-clip norm when read:
-    the pre-clip norm(s) times (or divided by) ``factor``, or a rule's ``units`` (norms,
-    coefficients); not ``known`` for one norm scaled by several coefficients; ``saved``
-    by a checkpoint; ``skipped``: the skip decided on the device."""
+    """How the clip scaled the grads (``clipped``: some), for the post-clip norm when read."""
 
     clipped: Tensor | None
-    factor: Tensor | None = None
+    factor: Tensor | None = None  # pre * factor, or pre / factor where it ``divides``
     divides: bool = False
-    known: bool = True
-    saved: Tensor | None = None
-    skipped: Tensor | None = None
-    units: tuple[Tensor, Tensor] | None = None
+    units: tuple[Tensor, Tensor] | None = None  # a rule's norms and coefficients
     norm_type: float = 2.0
+    skipped: Tensor | None = None  # the skip decided on the device
+    fixed: bool = False  # the post-clip norm is ``saved``: loaded, or not known
+    saved: Tensor | None = None
 
     def post_clip(self, pre: Tensor) -> Tensor | None:
-        if self.saved is not None or not self.known:
-            return self.saved
         post = pre
+        if self.fixed:
+            return self.saved
         if self.factor is not None:
             post = pre / self.factor if self.divides else pre * self.factor
         elif self.units is not None:
@@ -311,8 +299,8 @@ class Applied:
 
 
 def _applied(config: ClipConfig, latest: ClipDecision, skipped: Tensor | None) -> Applied | None:
-    factor, divides, known, units = None, False, True, None
-    outcome, per_group = latest.rule_outcome, config.view.per_group
+    factor, divides, fixed, units = None, False, False, None
+    outcome, (types, _, per_group) = latest.rule_outcome, config.view.orders
     if latest.grad_scale is not None:
         factor, divides, clipped = latest.grad_scale, True, latest.grad_scale > 1
     elif outcome is not None and outcome[1].dim() > 0:  # per tensor, or per unit
@@ -329,16 +317,14 @@ def _applied(config: ClipConfig, latest: ClipDecision, skipped: Tensor | None) -
                 [c if isinstance(c, Tensor) else norm.new_ones(()) for c in latest.coefficients]
             )
             factor, clipped = (factors, factors < 1) if per_group else (None, (factors < 1).any())
-            known = per_group
+            fixed = not per_group
     if skipped is not None:
         clipped = clipped & (skipped == 0)
-    p = config.view.norm_types[0]
-    return Applied(clipped, factor, divides, known, None, skipped, units, p)
+    return Applied(clipped, factor, divides, units, types[0], skipped, fixed)
 
 
 class StepRecord:
-    """The last step's norms and the counters, on the device (``torch.compile`` drops
-    attribute writes onto an ``Optimizer``, not onto what it holds)."""
+    """The last step's norms and counters (compiled, writes onto an Optimizer are dropped)."""
 
     def __init__(self) -> None:
         self.last_norm: Tensor | None = None
@@ -349,21 +335,9 @@ class StepRecord:
         self.skip_count = torch.zeros((), dtype=torch.int64)
         self.consecutive_skips = torch.zeros((), dtype=torch.int64)
         self.lagged = _nonfinite.LaggedCount()
-        # False while consecutive_skips is known to be 0: a step need not zero it
-        self._streak_may_be_set = False
+        self._streak_may_be_set = False  # False while consecutive_skips is known to be 0
         self.applied: Applied | None = None
         self.clipped_count = torch.zeros((), dtype=torch.int64)
-
-    def record_clip(self, applied: Applied | None) -> None:
-        flag = None if applied is None else applied.clipped
-        if flag is not None:
-            count = self.clipped_count.to(flag.device)
-            if count.shape != flag.shape:  # per group: the first step, or a group added
-                kept = count.reshape(-1)[: flag.numel()]
-                fill = kept.new_zeros(flag.numel() - kept.numel())
-                count = torch.cat([kept, fill]).reshape(flag.shape)
-            self.clipped_count = count.add_(flag)
-        self.applied = Applied(None) if applied is None else applied
 
     def last_clipped_norm(self) -> Tensor | None:
         pre = self.last_norm if self.last_group_norms is None else self.last_group_norms
@@ -377,16 +351,29 @@ class StepRecord:
         return torch.zeros(pre.shape, dtype=torch.bool, device=pre.device) if flag is None else flag
 
     def record(
-        self, measured: Measurement, skipped: bool | Tensor, streak: int, track: bool
+        self,
+        measured: Measurement,
+        skipped: bool | Tensor,
+        streak: int,
+        track: bool,
+        applied: Applied | None,
     ) -> None:
         """``skipped`` on the host (``streak``: the skips in a row before) or the device."""
-        norm = measured.norm
+        norm, flag = measured.norm, None if applied is None else applied.clipped
         self.last_norm, self.last_group_norms = norm, measured.stacked
         if track and measured.tensor_norms is not None:
             self.tensor_norms, self.tensor_names = measured.tensor_norms, measured.tensor_names
         if self.step_count.device != norm.device:
             for name in COUNTERS:
                 setattr(self, name, getattr(self, name).to(norm.device))
+        if flag is not None:
+            count = self.clipped_count.to(flag.device)
+            if count.shape != flag.shape:  # per group: the first step, or a group added
+                kept = count.reshape(-1)[: flag.numel()]
+                fill = kept.new_zeros(flag.numel() - kept.numel())
+                count = torch.cat([kept, fill]).reshape(flag.shape)
+            self.clipped_count = count.add_(flag)
+        self.applied = Applied(None) if applied is None else applied
         if isinstance(skipped, Tensor):
             bad = skipped.to(torch.int64)
             self.skip_count.add_(bad)
@@ -402,9 +389,7 @@ class StepRecord:
             if torch.compiler.is_compiling() or self._streak_may_be_set:  # no guard on it
                 self.consecutive_skips.zero_()
                 self.lagged.set(0)
-            self._streak_may_be_set = False
-            return
-        self._streak_may_be_set = True
+        self._streak_may_be_set = skipped is not False
 
     def state(self) -> dict[str, Tensor | None]:
         return {
@@ -421,14 +406,13 @@ class StepRecord:
         for name in (*COUNTERS, "clipped_count"):
             setattr(self, name, counters[name])
         flag, post = last["last_clipped"], last["last_clipped_norm"]
-        self.applied = None if flag is None else Applied(flag, known=post is not None, saved=post)
+        self.applied = None if flag is None else Applied(flag, fixed=True, saved=post)
         self._streak_may_be_set = True
         self.lagged.set(int(self.consecutive_skips))  # a load, not a step: this may wait
 
 
 def check_rule_groups(groups: list[dict[str, Any]], rule: ClipRule | None) -> None:
-    """With a rule, no group may carry a threshold of its own, and one clip group at most
-    (others left unclipped): a rule keeps one history."""
+    """With a rule, no group's own threshold and one clip group at most (one history)."""
     if rule is None:
         return
     layout = clip_layout(groups)
@@ -448,8 +432,7 @@ def check_rule_groups(groups: list[dict[str, Any]], rule: ClipRule | None) -> No
 
 
 def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
-    """Validate the groups' settings where changed since the last step; ask DeepSpeed's
-    watch about this call. Returns the ZeRO call (or None) and whether it ends the step."""
+    """Validate the groups where changed; the ZeRO call (or None) and whether it ends the step."""
     view, groups, defaults = config.view, optimizer.param_groups, optimizer.defaults
     # Compiled, the checks are traced into guards, no cache (the second step would recompile)
     now: list[object] = []
@@ -475,12 +458,16 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
         per_group = config.per_group or len(names) > 1
         if config.norm_scope.pp_group is not None:
             config.norm_scope.check_stages(per_group, norm_types, thresholds, names)
-        view.thresholds, view.norm_types, view.layout = thresholds, norm_types, layout
-        first = thresholds[0]
-        view.per_group = per_group
+        view.thresholds, view.layout, first = thresholds, layout, thresholds[0]
+        view.orders = Orders(norm_types, float(norm_type), per_group)
         view.one = first if all(same_threshold(t, first) for t in thresholds) else None
         # a fused kernel's grad_scale scales every grad: not with a group left unclipped
         view.fusable = _fold.takes_scale(optimizer) and (layout is None or None not in layout[0])
+        scope = config.norm_scope
+        local = scope.process_group is None and scope.pp_group is None
+        view.plain = (
+            config.rule is None and not per_group and not config.track_tensor_norms and local
+        )
         view.seen = now
     zero, final = watch.call(groups)
     if zero is not None and view.layout is not None:
@@ -493,22 +480,14 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
     return zero, final
 
 
-def _plain(config: ClipConfig, zero: Any, flat: list[Tensor]) -> bool:
-    """A fixed threshold's global norm of plain grads on this rank alone."""
-    scope = config.norm_scope
-    simple = config.rule is None and not config.view.per_group and not config.track_tensor_norms
-    local = zero is None and scope.process_group is None and scope.pp_group is None
-    return simple and local and len(flat) > 0 and all(type(g) is Tensor for g in flat)
-
-
 def _measure_and_rule(
     optimizer: Optimizer, config: ClipConfig, grads: list[list[Tensor]], zero: Any
 ) -> tuple[Measurement, list[Coefficient], Outcome | None]:
-    """The step's norms and, with a rule, its coefficients and what it decided. A unit-wise
-    rule decides first, its squares giving the L2 norms without reading a grad again."""
+    """The step's norms and a rule's coefficients and outcome (a unit-wise rule's first)."""
     rule, track, groups = config.rule, config.track_tensor_norms, optimizer.param_groups
     view, scope, given = config.view, config.norm_scope, None
-    norm_types, per_group, layout = view.norm_types, view.per_group, view.layout
+    orders, layout = view.orders, view.layout
+    norm_types, per_group = orders.types, orders.per_group
     params = [group["params"] for group in groups]
     names = _measure.grad_names(groups) if track else None
     if layout is not None:
@@ -519,7 +498,6 @@ def _measure_and_rule(
     if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
         each = track or unit is not None or per_rule
         scope, given = _deepspeed.zero_source(zero, scope, norm_types, per_group, each)
-    default = float(optimizer.defaults[NORM_TYPE_KEY])
     coefficients: list[Coefficient] = []
     outcome = squares = check = None
     if unit is not None:
@@ -528,26 +506,17 @@ def _measure_and_rule(
         )
     if squares is not None and all(p == 2.0 for p in norm_types):
         measured = _measure.measure_from_squares(
-            grads, names, squares, default, per_group, track, check
+            grads, names, squares, orders, track, check, scope.pp_group
         )
-        measured = _measure.across_stages(measured, norm_types, default, per_group, scope.pp_group)
     elif given is not None and unit is None:
         measured = Measurement(given, [given] * len(grads), None)
     elif scope.process_group is None and (track or per_rule):
         measured = _measure.measure_per_tensor(
-            grads, names, norm_types, default, per_group, config.foreach, lambda: params, per_rule
+            grads, names, orders, config.foreach, lambda: params, per_rule, scope.pp_group
         )
-        measured = _measure.across_stages(measured, norm_types, default, per_group, scope.pp_group)
     else:
-        measured = _measure.measure(
-            grads,
-            norm_types,
-            default,
-            per_group,
-            scope,
-            config.foreach,
-            lambda: _measure.flatten(params),
-        )
+        every = lambda: _measure.flatten(params)  # noqa: E731
+        measured = _measure.measure(grads, orders, scope, config.foreach, every)
     if rule is None or unit is not None:
         return measured, coefficients, outcome
     if not per_rule:
@@ -566,51 +535,37 @@ def _measure_and_rule(
 
 
 def _unit_coefficients(
-    rule: UnitWiseRule,
-    params: list[list[Tensor]],
-    grads: list[list[Tensor]],
-    norm_type: float,
+    rule: UnitWiseRule, params: list[list[Tensor]], grads: list[list[Tensor]], norm_type: float
 ) -> tuple[list[Coefficient], Outcome | None, tuple[Tensor, ...] | None, Tensor | None]:
-    """A unit-wise rule's coefficients per group, what it decided, its squares and check
-    (:class:`clipopt.UnitDecision`). With DTensors it decides over every one first, so a
-    rank without their grads joins its collective."""
+    """A unit-wise rule's coefficients per group, outcome, squares and check (DTensors: all)."""
     every = [p for group in params for p in group]
     sharded = {id(q) for q in _mesh.dtensors(every)}
-    # the DTensors, with a grad here or not, and any other with a grad (which is refused)
-    slotted = [p for p in every if id(p) in sharded or p.grad is not None] if sharded else []
+    slotted = [p for p in every if id(p) in sharded or p.grad is not None]
     flat = [g for group in grads for g in group]
-    decision = None
-    if slotted:
-        rule.check_norm_type(norm_type)
-        decision = rule.decide_slots(slotted, [p.grad for p in slotted], norm_type)
-    if decision is not None:
-        _check_lengths(rule, decision, len(slotted), "parameters")
-        here = [p.grad is not None for p in slotted]
-        per_grad = [c for c, has in zip(decision.per_grad, here, strict=True) if has]
-        squares = decision.squares
-        if squares is not None:
-            squares = tuple(s for s, has in zip(squares, here, strict=True) if has)
-    elif not flat:
+    if not slotted:
         return [None] * len(grads), None, None, None
-    else:
-        held = [p for p in every if p.grad is not None]
-        rule.check_norm_type(norm_type)
-        decision = rule.decide_units(held, flat, norm_type)
-        _check_lengths(rule, decision, len(flat), "grads")
-        per_grad, squares = decision.per_grad, decision.squares
+    rule.check_norm_type(norm_type)
+    decision = rule.decide_slots(slotted, [p.grad for p in slotted], norm_type) if sharded else None
+    what = "parameters"
+    if decision is None and not flat:
+        return [None] * len(grads), None, None, None
+    if decision is None:
+        slotted, what = [p for p in every if p.grad is not None], "grads"
+        decision = rule.decide_units(slotted, flat, norm_type)
+    for name, given in (("coefficients", decision.per_grad), ("squares", decision.squares)):
+        if given is not None and len(given) != len(slotted):
+            raise ValueError(f"{rule!r} gave {len(given)} {name} for {len(slotted)} {what}")
+    here = [p.grad is not None for p in slotted]
+    per_grad = [c for c, has in zip(decision.per_grad, here, strict=True) if has]
+    squares = decision.squares
+    if squares is not None:
+        squares = tuple(s for s, has in zip(squares, here, strict=True) if has)
     coefficients: list[Coefficient] = [
         c if isinstance(c, tuple) and any(x is not None for x in c) else None
         for c in _by_group(per_grad, grads)
     ]
     outcome = (decision.norms, decision.coefficients, decision.thresholds) if flat else None
     return coefficients, outcome, squares, decision.check
-
-
-def _check_lengths(rule: UnitWiseRule, decision: UnitDecision, count: int, what: str) -> None:
-    """``decision`` has one coefficient (and squares, if any) per one of ``count``."""
-    for name, given in (("coefficients", decision.per_grad), ("squares", decision.squares)):
-        if given is not None and len(given) != count:
-            raise ValueError(f"{rule!r} gave {len(given)} {name} for {count} {what}")
 
 
 def _by_group(per_grad: Sequence[Tensor | None], grads: list[list[Tensor]]) -> list[Coefficient]:
@@ -637,18 +592,15 @@ def _threshold_coefficients(
 ) -> list[Coefficient]:
     """Each group's coefficient (None: inf); a norm and equal threshold share one."""
     coefficients: list[Coefficient] = []
-    # Matched by identity in a list: torch 2.6's dynamo cannot trace id() of a graph tensor.
-    made: list[tuple[Tensor, float | Tensor, Tensor]] = []
+    made: list[tuple[Tensor, float | Tensor, Tensor]] = []  # by identity: dynamo 2.6 has no id()
     for norm, threshold in zip(group_norms, thresholds, strict=True):
         if isinstance(threshold, float) and math.isinf(threshold):
             coefficients.append(None)
             continue
-        found = None
-        for seen_norm, seen_threshold, coefficient in made:
+        for seen_norm, seen_threshold, found in made:  # noqa: B007 (read after the loop)
             if seen_norm is norm and same_threshold(seen_threshold, threshold):
-                found = coefficient
                 break
-        if found is None:
+        else:
             found = _scale.clip_coefficient(threshold, norm)
             made.append((norm, threshold, found))
         coefficients.append(found)
@@ -658,39 +610,14 @@ def _threshold_coefficients(
 def _shared(
     coefficients: list[Coefficient], grads: list[list[Tensor]] | None = None
 ) -> Coefficient | bool:
-    """The coefficient every group (with grads, where ``grads`` are given) shares: None
-    (scale nothing) or a 0-dim tensor; False where they differ or one is per grad."""
-    found: list[Coefficient] = []
+    """The coefficient every group (with grads) shares, None, or False (they differ)."""
+    found: list[Coefficient] = []  # the first, and any other (by identity, as above)
     for index, c in enumerate(coefficients):
-        if grads is not None and not grads[index]:
-            continue
-        for seen in found:  # by identity, as above
-            if c is seen:
-                break
-        else:
+        if (grads is None or grads[index]) and (len(found) == 0 or c is not found[0]):
             found.append(c)
     if not found:
         return None
     return found[0] if len(found) == 1 and not isinstance(found[0], tuple) else False
-
-
-def _dtypes(flat: list[Tensor], measured: Measurement) -> set[torch.dtype]:
-    if measured.groups is not None:
-        return {dtype for _, dtype in (*measured.groups.dense, *measured.groups.sparse)}
-    return {g.dtype for g in flat}
-
-
-def _coefficient_values(
-    coefficients: list[Coefficient], grad_scale: Tensor | None, like: Tensor
-) -> Tensor:
-    """Every coefficient (and ``grad_scale``) in one 1-D tensor, a shared one once per group
-    (by id(), torch.compile guarded on each new one)."""
-    values = [] if grad_scale is None else [grad_scale.reshape(-1)]
-    for coefficient in coefficients:
-        for c in coefficient if isinstance(coefficient, tuple) else (coefficient,):
-            if c is not None:
-                values.append(c.reshape(-1))
-    return torch.cat(values) if values else like.new_zeros(0)
 
 
 def _local(tensors: list[Tensor]) -> list[Tensor]:

@@ -1,16 +1,14 @@
-"""The clip folded into a fused torch optimizer's kernel: its ``grad_scale`` (every grad is
-divided by it) and ``found_inf`` (non-zero: skip), the hook ``GradScaler`` uses, read by
-fused Adam, AdamW, SGD and Adagrad in torch 2.6 to 2.14; the one module that sets them."""
+"""The clip folded into a fused torch optimizer's ``grad_scale`` and ``found_inf``."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from clipopt._kernels._norms import Groups
 from clipopt._wrapper import inner_step
 
 _FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -22,17 +20,17 @@ def takes_scale(optimizer: Optimizer) -> bool:
     return type(optimizer) in _FUSABLE and all(g.get("fused") for g in optimizer.param_groups)
 
 
-def can_fold(optimizer: Optimizer, dtypes: Collection[torch.dtype]) -> bool:
-    """Nobody else (``GradScaler``) set the attributes, and no grad is float64 (the
-    ``grad_scale`` is float32)."""
+def can_fold(optimizer: Optimizer, grads: list[Tensor], groups: Groups | None) -> bool:
+    """Nobody else (``GradScaler``) set the attributes; no grad is float64 (the scale's float32)."""
     if any(getattr(optimizer, name, None) is not None for name in _ATTRIBUTES):
         return False
-    return torch.float64 not in dtypes
+    if groups is not None:
+        return torch.float64 not in {dtype for _, dtype in (*groups.dense, *groups.sparse)}
+    return torch.float64 not in {g.dtype for g in grads}
 
 
 def skips_cleanly(optimizer: Optimizer) -> bool:
-    """``found_inf`` leaves the state as it was: not on a parameter's first step, where
-    fused SGD (momentum), Adam and AdamW make its state before the kernel runs."""
+    """``found_inf`` leaves the state as it was (fused SGD, Adam, AdamW make it first)."""
     kind = type(optimizer)
     if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return True
@@ -49,8 +47,7 @@ def skips_cleanly(optimizer: Optimizer) -> bool:
 
 
 def apply_folded(optimizer: Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None) -> Any:
-    """Run ``optimizer``'s step with ``grad_scale`` / ``found_inf`` (None: not set) on it,
-    then restore them; return what its step returns."""
+    """``optimizer``'s step with ``grad_scale`` / ``found_inf`` (None: not set) set on it."""
     missing = object()
     saved = {name: getattr(optimizer, name, missing) for name in _ATTRIBUTES}
     for name, value in zip(_ATTRIBUTES, (grad_scale, found_inf), strict=True):

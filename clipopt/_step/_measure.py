@@ -1,13 +1,11 @@
-"""A step's norms beyond one local norm: per group, per tensor, from a unit-wise rule's
-squares, across ranks and pipeline stages. A name is the group's ``param_names`` entry,
-else the parameter's index over all groups."""
+"""A step's norms beyond one local norm: per group, per tensor, from squares, across ranks."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor
@@ -17,15 +15,21 @@ from clipopt._kernels import _norms
 
 _T = TypeVar("_T")
 
+# A group's clip coefficient: None (scale nothing), 0-dim, or one per grad (or None)
 Coefficient: TypeAlias = Tensor | tuple[Tensor | None, ...] | None
-"""A group's clip coefficient: None (scale nothing), 0-dim (the whole group), or one per
-grad (broadcastable to it, or None)."""
+
+
+class Orders(NamedTuple):
+    """Each group's norm type, the norm type of the group norms, and whether each has one."""
+
+    types: list[float]
+    default: float
+    per_group: bool
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One step's pre-clip norms: ``group_norms`` each ``norm`` without ``per_group``, else
-    ``stacked``; ``groups``: the grads of a local norm as grouped by the kernels."""
+    """One step's pre-clip norms (``groups``: the grads as the kernels grouped them)."""
 
     norm: Tensor
     group_norms: list[Tensor]
@@ -35,28 +39,13 @@ class Measurement:
     groups: _norms.Groups | None = None
 
 
-def collect_grads(groups: Sequence[Mapping[str, Any]]) -> list[list[Tensor]]:
-    """Each group's grads, parameters without one left out."""
-    return [[p.grad for p in group["params"] if p.grad is not None] for group in groups]
-
-
 def flatten(grads: list[list[_T]]) -> list[_T]:
     """Every group's items in one list (the one group's own list, not copied)."""
     return grads[0] if len(grads) == 1 else [g for group in grads for g in group]
 
 
 def grad_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """Each group's names of the params that have a grad, in :func:`collect_grads`' order.
-
-    Example:
-      >>> import torch
-      >>> model = torch.nn.Linear(2, 1)
-      >>> model.weight.grad = torch.ones(1, 2)
-      >>> grad_names(torch.optim.SGD(model.named_parameters()).param_groups)
-      [['weight']]
-      >>> grad_names(torch.optim.SGD(model.parameters()).param_groups)
-      [['0']]
-    """
+    """Each group's ``param_names`` (else indices over all groups) of the params with a grad."""
     names: list[list[str]] = []
     index = 0
     for group in groups:
@@ -79,29 +68,30 @@ def _combined(norms: Tensor, p: float, dtype: torch.dtype) -> Tensor:
 def _assembled(
     totals: list[Tensor],
     norms: Tensor | None,
-    groups: int,
-    per_group: bool,
-    p: float,
-    names: tuple[str, ...],
+    count: int,
+    orders: Orders,
+    names: tuple[str, ...] = (),
+    pp_group: Any = None,
 ) -> Measurement:
-    if not per_group:
-        return Measurement(totals[0], [totals[0]] * groups, None, norms, names)
+    if pp_group is not None:  # the totals combined over the pipeline stages
+        totals = _stages.combine_stages(totals, orders.types[: len(totals)], pp_group)
+    if not orders.per_group:
+        return Measurement(totals[0], [totals[0]] * count, None, norms, names)
     stacked = torch.stack(totals)
-    return Measurement(_combined(stacked, p, stacked.dtype), totals, stacked, norms, names)
+    default = orders.default
+    return Measurement(_combined(stacked, default, stacked.dtype), totals, stacked, norms, names)
 
 
 def measure(
     grads: list[list[Tensor]],
-    norm_types: list[float],
-    default_norm_type: float,
-    per_group: bool,
+    orders: Orders,
     scope: _reduce.NormScope,
     foreach: bool | None,
     params: Callable[[], Sequence[Tensor]],
 ) -> Measurement:
-    """The global norm, or each group's, across ranks and stages; ``params``' DTensor meshes
-    make a rank without grads join the same collective."""
-    if not per_group:
+    """The global norm, or each group's, across ranks and stages (``params``: for DTensors)."""
+    norm_types = orders.types
+    if not orders.per_group:
         flat = flatten(grads)
         if scope.process_group is None and flat and _mesh.all_plain(flat):
             norm, grouped = _norms.grouped_total_norm(flat, norm_types[0], foreach)
@@ -116,35 +106,31 @@ def measure(
             device = g[0].device
             break
     dtype = _norms.result_dtype([n.dtype for n in own])
-    # A group without grads here gets its zero made here, unless its norm was reduced
-    # across ranks: moving the CPU zero the kernel returns would block every step.
+    # A group without grads here gets its zero made here (moving a CPU zero would block)
     group_norms = [
         n.to(device=device, dtype=dtype)
         if bucket or n.device == device
         else torch.zeros((), device=device, dtype=dtype)
         for n, bucket in zip(own, grads, strict=True)
     ]
-    return _assembled(group_norms, None, len(grads), True, default_norm_type, ())
+    return _assembled(group_norms, None, len(grads), orders)
 
 
 def measure_per_tensor(
     grads: list[list[Tensor]],
     names: list[list[str]] | None,
-    norm_types: list[float],
-    default_norm_type: float,
-    per_group: bool,
+    orders: Orders,
     foreach: bool | None,
     params: Callable[[], list[list[Tensor]]] = lambda: [],
     strict: bool = False,
+    pp_group: Any = None,
 ) -> Measurement:
-    """:func:`measure` (no process group) from each grad's norm, kept with its name; DTensor
-    grads whole, in one collective with a slot per parameter of ``params``; ``strict``:
-    all NaN where the ranks' grads do not line up."""
-    flat = flatten(grads)
+    """:func:`measure` (no process group) from each grad's norm (``strict``: NaN if unmatched)."""
+    flat, norm_types, per_group = flatten(grads), orders.types, orders.per_group
     flat_names = () if names is None else tuple(n for group in names for n in group)
     dtype = _norms.result_dtype([g.dtype for g in flat])
     slots = [] if flat and _mesh.all_plain(flat) else params()
-    orders = norm_types if per_group else norm_types[:1]
+    types = norm_types if per_group else norm_types[:1]
     if not _mesh.all_plain(flat) or (
         not flat and any(q.requires_grad for q in _mesh.dtensors(flatten(slots)))
     ):
@@ -152,9 +138,9 @@ def measure_per_tensor(
         if not per_group:
             held = [flatten(held)]
         powers = _per_tensor.global_tensor_powers(
-            held, orders, foreach, params=flatten(slots), strict=strict
+            held, types, foreach, params=flatten(slots), strict=strict
         )
-        triples = list(zip(powers, held, orders, strict=True))
+        triples = list(zip(powers, held, types, strict=True))
         norms = torch.cat([_per_tensor.root(_per_tensor.held(w, h), p) for w, h, p in triples])
         totals = [_per_tensor.total_root(w, p).to(dtype) for w, _, p in triples]
         norms = norms.to(dtype)
@@ -170,25 +156,25 @@ def measure_per_tensor(
                 ]
             )
         parts = torch.split(norms, [len(group) for group in grads]) if per_group else [norms]
-        totals = [_combined(part, p, norms.dtype) for part, p in zip(parts, orders, strict=True)]
+        totals = [_combined(part, p, norms.dtype) for part, p in zip(parts, types, strict=True)]
     else:  # the parameters' dtype, as the norms of the ranks (and stages) with grads
         zero = torch.zeros((), dtype=_norms.result_dtype([q.dtype for q in flatten(slots)]))
         return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
-    return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
+    return _assembled(totals, norms, len(grads), orders, flat_names, pp_group)
 
 
 def measure_from_squares(
     grads: list[list[Tensor]],
     names: list[list[str]] | None,
     squares: Sequence[Tensor],
-    default_norm_type: float,
-    per_group: bool,
+    orders: Orders,
     tensor_norms: bool,
     check: Tensor | None = None,
+    pp_group: Any = None,
 ) -> Measurement:
-    """:func:`measure_per_tensor`'s L2 norms from a unit-wise rule's ``squares`` (per grad,
-    summing to its squared norm); ``check`` (0 or NaN) is added to every total."""
+    """:func:`measure_per_tensor`'s L2 norms from ``squares``; ``check`` added to every total."""
     flat_names = () if names is None else tuple(n for group in names for n in group)
+    per_group = orders.per_group
     dtype = _norms.result_dtype([g.dtype for group in grads for g in group])
     sizes = [len(group) for group in grads] if per_group else [len(squares)]
     ends = [0, *itertools.accumulate(sizes)]
@@ -206,20 +192,4 @@ def measure_from_squares(
         norms = norms.to(dtype)
     elif tensor_norms:
         norms = like.new_zeros(0, dtype=dtype)
-    return _assembled(totals, norms, len(grads), per_group, default_norm_type, flat_names)
-
-
-def across_stages(
-    measured: Measurement,
-    norm_types: list[float],
-    default_norm_type: float,
-    per_group: bool,
-    pp_group: Any,
-) -> Measurement:
-    """``measured`` with its totals combined over the pipeline stages of ``pp_group``."""
-    if pp_group is None:
-        return measured
-    norms = [measured.norm] if not per_group else measured.group_norms
-    totals = _stages.combine_stages(norms, norm_types[: len(norms)], pp_group)
-    count, names = len(measured.group_norms), measured.tensor_names
-    return _assembled(totals, measured.tensor_norms, count, per_group, default_norm_type, names)
+    return _assembled(totals, norms, len(grads), orders, flat_names, pp_group)

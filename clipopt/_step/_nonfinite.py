@@ -1,5 +1,4 @@
-"""What a non-finite norm (or a spike) does to a step: verdicts on the host (one read) or
-on the device, the assertion, and the skip streak read one step late (:class:`LaggedCount`)."""
+"""A non-finite norm's (or a spike's) verdict, on the host or the device; the lagged skip streak."""
 
 from __future__ import annotations
 
@@ -24,28 +23,26 @@ def host_copy(like: Tensor) -> tuple[Tensor, Callable[[], None], Callable[[], No
 
 
 class LaggedCount:
-    """A device counter read one step late, from a copy made without waiting (on CUDA into
-    a pinned buffer, marked by an event). A copy or pickle holds the value read."""
+    """A device counter read one step late, from a copy made without waiting."""
 
     _host: Tensor | None
-    _marks: tuple[Callable[[], None], Callable[[], None]] | None
-    _device: torch.device | None
+    _marks: tuple[Callable[[], None], Callable[[], None], torch.device] | None  # mark, wait
 
-    def __init__(self) -> None:
-        self.set(0)
+    def __init__(self, value: int = 0) -> None:
+        self.set(value)
 
     def publish(self, count: Tensor) -> None:
         if count.device.type != "cuda":
             self._host, self._marks = count.detach().to("cpu", copy=True), None
             return
-        if self._marks is None or self._host is None or self._device != count.device:
+        if self._marks is None or self._host is None or self._marks[2] != count.device:
             self._host, mark, wait = host_copy(count)
-            self._marks, self._device = (mark, wait), count.device
+            self._marks = (mark, wait, count.device)
         self._host.copy_(count, non_blocking=True)
         self._marks[0]()
 
     def set(self, value: int) -> None:
-        self._value, self._host, self._marks, self._device = value, None, None, None
+        self._value, self._host, self._marks = value, None, None
 
     def read(self) -> int:
         if self._host is None:
@@ -54,19 +51,12 @@ class LaggedCount:
             self._marks[1]()
         return int(self._host.item())  # the user asked for the limit; a copy: no wait
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"value": self.read()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.set(state["value"])
+    def __reduce__(self) -> tuple[type[LaggedCount], tuple[int]]:
+        return LaggedCount, (self.read(),)
 
 
 def _finite(norms: Tensor, coefficients: Tensor) -> Tensor:
     return torch.isfinite(norms).all() & torch.isfinite(coefficients).all()
-
-
-def _nonfinite(norms: Tensor, coefficients: Tensor) -> Tensor:
-    return torch.logical_not(_finite(norms, coefficients)).to(torch.int64)
 
 
 def assert_finite(norms: Tensor, coefficients: Tensor) -> None:
@@ -76,8 +66,7 @@ def assert_finite(norms: Tensor, coefficients: Tensor) -> None:
     torch._assert_async(_finite(norms, coefficients), message)
 
 
-def _what(norms: Tensor) -> str:
-    """What was non-finite, for an error message (read on the host: it is raising)."""
+def _what(norms: Tensor) -> str:  # read on the host: it is raising
     values = norms.tolist()
     if all(math.isfinite(v) for v in (values if isinstance(values, list) else [values])):
         return (
@@ -87,12 +76,8 @@ def _what(norms: Tensor) -> str:
     return f"the gradient norm is non-finite ({values})"
 
 
-def _flags_as_ints(flags: Tensor) -> list[int]:
-    return [int(v) for v in flags.tolist()]
-
-
 # Outside any compiled graph: torch 2.7's dynamo cannot branch on what tolist gives.
-_read_on_host = cast(Callable[[Tensor], list[int]], _compiler.disable(_flags_as_ints))
+_read_on_host = cast(Callable[[Tensor], list[int]], _compiler.disable(lambda f: f.tolist()))
 
 
 def host_verdict(
@@ -104,9 +89,8 @@ def host_verdict(
     may_skip: bool,
     spike: Tensor | None = None,
 ) -> int | None:
-    """One host read: None to step, else the skips in a row before this one, skipped.
-    Raises :class:`NonFiniteNormError` as ``mode``, ``limit`` and ``may_skip`` say."""
-    nonfinite = _nonfinite(norms, coefficients)
+    """One host read: None to step, else the skips in a row before this one; may raise."""
+    nonfinite = torch.logical_not(_finite(norms, coefficients)).to(torch.int64)
     spiked = torch.zeros_like(nonfinite) if spike is None else spike.to(nonfinite)
     flags = torch.stack([nonfinite, streak_now.to(nonfinite.device), spiked])
     is_bad, streak, is_spike = _read_on_host(flags)
@@ -125,17 +109,14 @@ def host_verdict(
 def device_verdict(
     norms: Tensor, coefficients: Tensor, mode: str, spike: Tensor | None, dtype: torch.dtype
 ) -> Tensor:
-    """:func:`host_verdict`'s skip on the device, in ``dtype`` (1: skip): a compiled step's
-    flag (int64), or a fused kernel's ``found_inf`` (float32)."""
-    flag = _nonfinite(norms, coefficients).to(dtype) if mode == "skip" else None
+    """:func:`host_verdict`'s skip on the device (1: skip), in ``dtype``."""
+    flag = torch.logical_not(_finite(norms, coefficients)).to(dtype) if mode == "skip" else None
     if spike is not None:
         flag = spike.to(dtype) if flag is None else torch.maximum(flag, spike.to(flag))
     return torch.zeros((), dtype=dtype, device=norms.device) if flag is None else flag
 
 
 def _lagged_streak_check(lagged: LaggedCount, limit: int) -> None:
-    """Raise (and drop the count) if the previous steps skipped more than ``limit`` in a
-    row on the device."""
     if (streak := lagged.read()) > limit:
         lagged.set(0)
         raise NonFiniteNormError(

@@ -1,6 +1,4 @@
-"""The ``"clip"`` entry of a ``ClippedOptimizer`` state dict (format :data:`FORMAT`, laid out
-in docs/architecture.md): written, and checked whole before a load. Format 1 (without the
-clip readouts) still loads."""
+"""The ``"clip"`` entry of a state dict (format :data:`FORMAT`; format 1 still loads)."""
 
 from __future__ import annotations
 
@@ -46,10 +44,9 @@ def clip_entry(
     for key in _KEYS[2:]:
         value = record[key]
         entry[key] = None if value is None else value.detach().clone()
-    if rule is not None:
-        entry["rule"] = rule.state_dict()
-    if skip_spikes is not None:
-        entry["skip_spikes"] = skip_spikes.state_dict()
+    for key, owner in (("rule", rule), ("skip_spikes", skip_spikes)):
+        if owner is not None:
+            entry[key] = owner.state_dict()
     return entry
 
 
@@ -61,8 +58,7 @@ def check_load(
     rule: ClipRule | None,
     skip_spikes: SpikeSkip | None,
 ) -> ClipState | None:
-    """The ``"clip"`` entry ``raw`` (None: none) validated whole, with the saved groups'
-    settings; the saved rules trial-loaded into copies of this wrapper's. Changes nothing."""
+    """``raw`` (None: none) and the saved groups validated whole; changes nothing."""
     state = None if raw is None else _parsed(raw, num_groups)
     settings = current if state is None else state.settings
     groups = inner_state.get("param_groups")
@@ -148,8 +144,7 @@ def _parsed(raw: Any, num_groups: int) -> ClipState:
 
 
 def _tensor(name: str, value: Any, dims: int, kind: str) -> Tensor | None:
-    """None, or a tensor of ``dims`` dimensions and a ``kind`` (``"float"``, ``"int64"``,
-    ``"bool"``) dtype."""
+    """None, or a tensor of ``dims`` dimensions and a ``kind`` (float, int64, bool) dtype."""
     if value is None:
         return None
     good = isinstance(value, Tensor) and value.dim() == dims
