@@ -473,6 +473,60 @@ def test_thresholds_scale_with_the_params_above_eps(
 # ---------------------------------------------------------------- fused, host reads
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 4), max_size=4), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+    transposed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_batched_unit_norms_match_float64_and_the_per_tensor_path(
+    shapes: list[list[int]], dtype: torch.dtype, transposed: bool, seed: int
+) -> None:
+    """The batched unit norms (squares summed by one segment_reduce, forced on the CPU
+    through ``_scale.batched``; a transposed tensor takes the per-tensor route) are each
+    unit's float64 norm within float32 rounding, as the per-tensor path's; the last
+    tensor is also passed as a whole one."""
+    from clipopt._dist._units import unit_norms
+    from clipopt._kernels import _scale
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [(torch.randn(s, generator=gen) * 3).to(dtype) for s in shapes]
+    tensors = [t.transpose(0, 1) if transposed and t.dim() >= 2 else t for t in tensors]
+    wide = [t.double() for t in tensors]
+    expected = torch.cat(
+        [t.flatten(1).norm(dim=1) if t.dim() >= 2 else t.norm().reshape(1) for t in wide]
+        + [wide[-1].norm().reshape(1)]
+    )
+    cpu = torch.device("cpu")
+    each = unit_norms(tensors, cpu, torch.float64, tensors[-1:])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_scale, "batched", lambda device: True)
+        got = unit_norms(tensors, cpu, torch.float64, tensors[-1:])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got, each, rtol=1e-5, atol=0.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes=units, seed=st.integers(0, 2**16), clipping=st.floats(1e-3, 1.0))
+def test_batched_decision_matches_the_per_tensor_one(
+    shapes: list[tuple[int, int]], seed: int, clipping: float
+) -> None:
+    from clipopt._kernels import _scale
+
+    params, grads = _tensors(shapes, seed)
+    rule = clipopt.AGC(clipping=clipping)
+    each = rule.decide_units(params, grads, 2.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_scale, "batched", lambda device: True)
+        got = rule.decide_units(params, grads, 2.0)
+    for name in ("norms", "coefficients", "thresholds"):
+        torch.testing.assert_close(getattr(got, name), getattr(each, name), rtol=1e-5, atol=0.0)
+    for a, b in zip(got.per_grad, each.per_grad, strict=True):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0.0)
+
+
 def test_agc_on_fused_adamw_trains_as_on_the_plain_one() -> None:
     fused_params, plain_params = list(model().parameters()), list(model().parameters())
     fused = clipopt.ClippedOptimizer(

@@ -29,10 +29,10 @@ SETTINGS = list(dryrun.settings(dryrun.INNERS["fused AdamW"]))
 HOST_FLAGS = 3
 ON_THE_HOST = {'nonfinite="raise"', 'nonfinite="skip"', "skip_spikes=SpikeSkip()"}
 FUSED = {"fused AdamW", "fused Adam"}
-# Per-tensor scaling by a coefficient on the device: torch has no foreach op that scales
-# each tensor by its own device scalar, so ATen runs _foreach_mul_ tensor by tensor.
-# AGC also takes each grad's and weight's norms along dim 0: two reductions a tensor.
-PER_TENSOR = {"AutoClip(per_tensor=True)": 1, "AdaGC()": 1, "AGC()": 3}
+# Per-tensor scaling by a coefficient on the device: the step's own _scale_each_ hands
+# ATen's _foreach_mul_ one 0-dim (or per-row) coefficient a grad, which it runs tensor
+# by tensor; _scale.scale_each_ does not grow (below), and the step is to call it.
+PER_TENSOR = {"AutoClip(per_tensor=True)": 1, "AdaGC()": 1, "AGC()": 1}
 # The folded step's launches over torch's clip + fused AdamW (10; ours 17 with 64 tensors):
 # the per-tensor norms combined in float64 (cast there and back: +2); grad_scale =
 # max(1, (norm + eps) / max_norm) made directly (add, div, clamp) where torch's
@@ -71,6 +71,28 @@ def test_launches_do_not_grow_with_the_tensors(setting: str) -> None:
     assert large.launches - small.launches <= 8 + per_tensor * (512 - 64), setting
     if per_tensor:  # the bound is tight: the scale is the one part that grows
         assert large.launches - small.launches >= 512 - 64
+
+
+def test_the_per_grad_scale_does_not_grow_with_the_tensors() -> None:
+    """``_scale.scale_each_`` over 0-dim and per-row coefficients, alternating: as many
+    launches for 512 grads as for 64, every _foreach_mul_ on alike lists."""
+    import torch
+
+    from clipopt._kernels import _scale
+
+    def make(params: list[torch.nn.Parameter]) -> dryrun.Step:
+        values = torch.rand(len(params), 8, device="cuda").unbind()  # made before counting
+
+        def step() -> None:
+            grads = [p.grad for p in params if p.grad is not None]
+            given = [v.view(8, 1) if i % 2 else v[0] for i, v in enumerate(values)]
+            _scale.scale_each_(grads, given, None)
+
+        return step
+
+    small, large = (dryrun.count_step(make, tensors) for tensors in (64, 512))
+    assert 0 < small.launches == large.launches, (small.ops, large.ops)
+    assert small.ops.count("_foreach_mul_.List") == 1
 
 
 def test_the_folded_step_makes_one_pass_fewer_than_torch() -> None:

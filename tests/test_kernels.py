@@ -404,6 +404,56 @@ def test_grouped_norm_and_scale_touch_each_tensor_once(p: float) -> None:
         )
 
 
+def _coefficient_like(t: Tensor, kind: str, gen: torch.Generator) -> Tensor:
+    """A coefficient in [0.01, 1] broadcastable to ``t``: 0-dim, one per leading row,
+    one per element, or one per column (not along leading dims: left to the slow route)."""
+    shape = {
+        "scalar": (),
+        "rows": t.shape[:1] + (1,) * (t.dim() - 1),
+        "full": t.shape,
+        "column": (1,) * (t.dim() - 1) + t.shape[-1:],
+    }[kind]
+    return torch.rand(shape, generator=gen) * 0.99 + 0.01
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    layout=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 4), max_size=3),
+            st.sampled_from(["scalar", "rows", "full", "column"]),
+            st.booleans(),  # transposed: not contiguous
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    dtype=st.sampled_from([torch.float32, torch.float64, *HALF]),
+    seed=st.integers(0, 2**16),
+)
+def test_scale_each_batched_matches_float64_and_the_per_tensor_path(
+    layout: list[tuple[list[int], str, bool]], dtype: torch.dtype, seed: int
+) -> None:
+    """The batched path (forced on the CPU through ``_scale.batched``) scales each grad
+    by its own coefficient as the float64 product, rounded once or twice (the coefficient
+    in the grad's dtype), and as the per-tensor path does within that."""
+    gen = torch.Generator().manual_seed(seed)
+    grads, coefficients = [], []
+    for shape, kind, transposed in layout:
+        grad = (torch.randn(shape, generator=gen) * 3).to(dtype)
+        grads.append(grad.t() if transposed and grad.dim() == 2 else grad)
+        coefficients.append(_coefficient_like(grads[-1], kind, gen))
+    expected = [g.double() * c.double() for g, c in zip(grads, coefficients, strict=True)]
+    tol = {"rtol": 2 * torch.finfo(dtype).eps, "atol": 0.0}
+    each = [g.clone() for g in grads]
+    _scale.scale_each_(each, coefficients, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_scale, "batched", lambda device: True)
+        _scale.scale_each_(grads, coefficients, None)
+    for got, one, want in zip(grads, each, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, **tol)
+        torch.testing.assert_close(got.double(), one.double(), **tol)
+
+
 def test_clip_coefficient_is_one_below_the_threshold_and_exact_above() -> None:
     norms = torch.tensor([0.0, 0.5, 1.0 - 2e-6, 4.0])
     coefficients = _scale.clip_coefficient(1.0, norms)

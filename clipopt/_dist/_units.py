@@ -16,6 +16,7 @@ from torch import Tensor
 
 from clipopt._dist import _mesh
 from clipopt._dist._mesh import REDUCE_DTYPE
+from clipopt._kernels import _scale
 from clipopt._kernels._norms import accumulate_dtype, combine_dtype, per_tensor_norms
 
 if TYPE_CHECKING:
@@ -120,22 +121,38 @@ def unit_norms(
     whole: Sequence[Tensor] = (),
 ) -> Tensor:
     """The L2 norm of every unit of every tensor, then of each of ``whole`` (one unit
-    each), 1-D in order; half types accumulate in float32, as timm's ``unitwise_norm``."""
+    each), 1-D in order; half types accumulate in float32, as timm's ``unitwise_norm``.
+    Where :func:`~clipopt._kernels._scale.batched`, the squares of a device's and
+    dtype's contiguous tensors are concatenated and summed by unit in one segment_reduce."""
     every = [*tensors, *whole]
     parts: dict[int, Tensor] = {}
-    batched: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    grouped: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(every):
         one = i >= len(tensors) or t.dim() <= 1
+        segmented = _scale.batched(t.device) and t.is_contiguous() and not t.is_complex()
         if t.is_sparse:  # only a whole one: AGC refuses sparse grads it clips
             parts[i] = per_tensor_norms([t], 2.0)
-        elif one and t.numel() > 0:  # one foreach norm per device and dtype
-            batched.setdefault((t.device, t.dtype), []).append(i)
+        elif segmented or (one and t.numel() > 0):  # one foreach norm per device and dtype
+            grouped.setdefault((t.device, t.dtype, segmented), []).append(i)
         else:
             dims = None if one else tuple(range(1, t.dim()))
             parts[i] = torch.linalg.vector_norm(t, 2.0, dim=dims, dtype=accumulate_dtype(t.dtype))
-    for (_, kind), at in batched.items():
-        norms = torch._foreach_norm([every[i] for i in at], 2.0, dtype=accumulate_dtype(kind))
-        parts.update(zip(at, norms, strict=True))
+    for (here, kind, segmented), at in grouped.items():
+        group = [every[i] for i in at]
+        if not segmented:
+            norms = torch._foreach_norm(group, 2.0, dtype=accumulate_dtype(kind))
+            parts.update(zip(at, norms, strict=True))
+            continue
+        units = [
+            t.shape[0] if i < len(tensors) and t.dim() >= 2 else 1
+            for i, t in zip(at, group, strict=True)
+        ]
+        lengths = _scale.runs(
+            [(t.numel() // u if u else 0, u) for t, u in zip(group, units, strict=True)], here
+        )
+        flat = torch.cat([t.view(-1) for t in group]).to(accumulate_dtype(kind) or kind)
+        sums = torch.segment_reduce(flat.mul_(flat), "sum", lengths=lengths, unsafe=True)
+        parts.update(zip(at, torch.split(sums.sqrt(), units), strict=True))
     found = [parts[i].reshape(-1) for i in range(len(every))]
     if len({(part.device, part.dtype) for part in found}) == 1:  # one cast, not one a tensor
         return torch.cat(found).to(device=device, dtype=dtype)

@@ -1,5 +1,6 @@
 """The clip coefficient ``min(1, max_norm / (norm + EPS))``, defined here only, and the
-in-place scales of grads grouped by (device, dtype), on their devices."""
+in-place scales of grads grouped by (device, dtype), on their devices; :func:`batched`
+chooses where per-tensor and unit-wise work runs in stacked ops."""
 
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ from clipopt._kernels._norms import Groups, group
 
 EPS = 1e-6
 """Added to the norm before dividing, as torch.nn.utils does."""
+
+
+def batched(device: torch.device) -> bool:
+    """Whether per-tensor and unit-wise work on ``device`` runs in stacked ops, a constant
+    number of launches for a buffer of the grads' size: off the CPU. On the CPU it runs
+    tensor by tensor, bit-exact with timm's and autoclip's references, with no buffer."""
+    return device.type != "cpu"
+
+
+def runs(sizes: Sequence[tuple[int, int]], device: torch.device) -> Tensor:
+    """``count`` runs of ``length`` for each ``(length, count)``, one int64 vector on
+    ``device``: a non-blocking copy (no stream sync, no host read), a repeat_interleave."""
+    pairs = torch.tensor(sizes, dtype=torch.int64).view(-1, 2).to(device, non_blocking=True)
+    return torch.repeat_interleave(pairs[:, 0], pairs[:, 1], output_size=sum(c for _, c in sizes))
 
 
 def coefficient(threshold: float | Tensor, norm: Tensor) -> Tensor:
@@ -65,6 +80,40 @@ def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> 
     for sparse in groups.sparse.values():
         for t in sparse:  # a sparse mul_ would round coef to t's dtype: fp16 loses 1e-5
             t._values().mul_(coef_on.setdefault(t.device, coef.to(t.device)))
+
+
+def scale_each_(grads: list[Tensor], coefficients: list[Tensor], foreach: bool | None) -> None:
+    """Multiply each grad in place by its own coefficient (broadcastable to it): one
+    ``_foreach_mul_`` per device and dtype unless ``foreach=False``, sparse grads one by
+    one. Where :func:`batched`, the coefficients of contiguous grads are first repeated
+    into one buffer of their size and dtype (CUDA's ``_foreach_mul_`` runs tensor by
+    tensor unless both lists are alike)."""
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for i, (grad, c) in enumerate(zip(grads, coefficients, strict=True)):
+        if grad.is_sparse or foreach is False:
+            grad.mul_(c.to(grad.device))
+        else:
+            wide = batched(grad.device) and grad.is_contiguous() and _leading(c, grad)
+            groups.setdefault((grad.device, grad.dtype, wide), []).append(i)
+    for (device, _, wide), indices in groups.items():
+        tensors, given = [grads[i] for i in indices], [coefficients[i].to(device) for i in indices]
+        torch._foreach_mul_(tensors, _repeated(given, tensors) if wide else given)
+
+
+def _leading(c: Tensor, t: Tensor) -> bool:
+    """``c`` varies along leading dims of ``t`` only: each entry scales a run of ``t``."""
+    shape = (1,) * (t.dim() - c.dim()) + tuple(c.shape)
+    k = next((d for d, (a, b) in enumerate(zip(shape, t.shape, strict=False)) if a != b), t.dim())
+    return t.numel() > 0 and all(s == 1 for s in shape[k:])
+
+
+def _repeated(coefficients: list[Tensor], like: list[Tensor]) -> list[Tensor]:
+    """Each coefficient repeated to its tensor's shape and dtype: views of one buffer."""
+    sizes = [(t.numel() // c.numel(), c.numel()) for c, t in zip(coefficients, like, strict=True)]
+    values = torch.cat([c.reshape(-1) for c in coefficients]).to(like[0].dtype)
+    numels = [t.numel() for t in like]
+    flat = torch.repeat_interleave(values, runs(sizes, values.device), output_size=sum(numels))
+    return [part.view(t.shape) for part, t in zip(torch.split(flat, numels), like, strict=True)]
 
 
 def grad_scale_of(max_norm: float | Tensor, norm: Tensor) -> Tensor:

@@ -27,7 +27,9 @@ def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -
 class AGC(UnitWiseRule):
     """Adaptive Gradient Clipping (Brock et al., 2021): clip each unit's grad (a slice
     along dim 0, or a whole 0- or 1-D tensor) at ``clipping * max(||W||, eps)``, ``W``
-    its weights, as timm's ``adaptive_clip_grad`` (docs/adaptive.md, "AGC").
+    its weights, as timm's ``adaptive_clip_grad`` (docs/adaptive.md, "AGC"); off the CPU
+    its unit norms take one copy of the grads and weights, for a constant number of
+    launches ("Cost" there).
 
     Args:
       clipping: the largest ratio of a unit's grad norm to its weight norm, > 0.
