@@ -103,7 +103,11 @@ def scale_each_(grads: list[Tensor], coefficients: list[Tensor], foreach: bool |
 def _leading(c: Tensor, t: Tensor) -> bool:
     """``c`` varies along leading dims of ``t`` only: each entry scales a run of ``t``."""
     shape = (1,) * (t.dim() - c.dim()) + tuple(c.shape)
-    k = next((d for d, (a, b) in enumerate(zip(shape, t.shape, strict=False)) if a != b), t.dim())
+    k = t.dim()
+    for d in range(t.dim()):  # not next(..., default): torch 2.6's dynamo cannot trace it
+        if shape[d] != t.shape[d]:
+            k = d
+            break
     return t.numel() > 0 and all(s == 1 for s in shape[k:])
 
 

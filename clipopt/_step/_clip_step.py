@@ -241,18 +241,7 @@ def scale(decision: ClipDecision, foreach: bool | None) -> None:
         _scale.scale_(_local(tensors), coefficient, foreach)
     if not each:
         return
-    # torch has no foreach op scaling each tensor by its own device scalar
-    per_grad = _local([g for g, _ in each])
-    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, grad in enumerate(per_grad):
-        if grad.is_sparse or foreach is False:
-            grad.mul_(each[i][1].to(grad.device))
-        else:
-            by_kind.setdefault((grad.device, grad.dtype), []).append(i)
-    for (device, _), indices in by_kind.items():
-        torch._foreach_mul_(
-            [per_grad[i] for i in indices], [each[i][1].to(device) for i in indices]
-        )
+    _scale.scale_each_(_local([g for g, _ in each]), [c for _, c in each], foreach)
 
 
 def commit(
