@@ -1,4 +1,4 @@
-"""Settings and their checks, run when set: each names the argument and the value."""
+"""Settings and their checks, run when set, each naming the argument and the value."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias, cast, get_args
 
 import torch
 from torch import Tensor
@@ -15,10 +15,8 @@ NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
 NonFinite: TypeAlias = Literal["propagate", "skip", "raise", "assert"]
 Threshold: TypeAlias = float | Tensor
-# Each param group's clip group (an index into the names, or None), and the names.
-Layout: TypeAlias = tuple[list[int | None], list[str | int]]
+Layout: TypeAlias = tuple[list[int | None], list[str | int]]  # each group's clip group; names
 
-NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise", "assert")
 CLIP_KEY = "clip"  # ClippedOptimizer.state_dict()'s entry of the clip state
 # Param group (and defaults) keys no optimizer uses: saved, loaded and edited like ``lr``.
 MAX_NORM_KEY, NORM_TYPE_KEY, CLIP_GROUP_KEY = "clip_max_norm", "clip_norm_type", "clip_group"
@@ -27,8 +25,6 @@ DEFAULT_CLIP_GROUP = "default"
 
 @dataclass(frozen=True)
 class Settings:
-    """Validated wrapper-wide settings; ``max_norm``/``norm_type`` are group defaults."""
-
     max_norm: float
     norm_type: float
     per_group: bool
@@ -43,7 +39,6 @@ SETTINGS_KEYS = tuple(Settings.__dataclass_fields__)
 
 
 def check_norm_type(norm_type: NormType) -> float:
-    """Validate a norm order and return it as a float (``math.inf`` for ``'inf'``)."""
     if isinstance(norm_type, str):
         if norm_type.lower() in ("inf", "+inf", "infinity"):
             return math.inf
@@ -56,7 +51,6 @@ def check_norm_type(norm_type: NormType) -> float:
 
 
 def check_positive(name: str, value: MaxNorm, allow_tensor: bool = True) -> None:
-    """Refuse all but a real number > 0 (``inf`` allowed) or a 0-dim real tensor."""
     if isinstance(value, Tensor) and allow_tensor:
         if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} tensor must be a 0-dim real tensor, got {value!r}")
@@ -75,13 +69,12 @@ def check_foreach(foreach: object) -> None:
 def validated_settings(
     max_norm: Any, norm_type: Any, per_group: Any, nonfinite: Any, max_consecutive_skips: Any
 ) -> Settings:
-    """Check every wrapper-wide setting; raise naming the first bad one."""
     check_positive("max_norm", max_norm, allow_tensor=False)
     p = check_norm_type(norm_type)
     if not isinstance(per_group, bool):
         raise TypeError(f"per_group must be a bool, got {per_group!r}")
-    if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    if not isinstance(nonfinite, str) or nonfinite not in get_args(NonFinite):
+        raise ValueError(f"nonfinite must be one of {get_args(NonFinite)}, got {nonfinite!r}")
     limit = max_consecutive_skips
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
         raise TypeError(f"max_consecutive_skips must be a positive int or None, got {limit!r}")
@@ -91,7 +84,6 @@ def validated_settings(
 
 
 def same_threshold(a: Threshold, b: Threshold) -> bool:
-    """Equal numbers, or one tensor (whose value is not read)."""
     return a is b or (isinstance(a, float) and isinstance(b, float) and a == b)
 
 
@@ -119,9 +111,7 @@ def clip_layout(groups: Sequence[Mapping[str, Any]]) -> Layout | None:
 def check_groups(
     groups: Sequence[Mapping[str, Any]], max_norm: Any, norm_type: Any, per_group: bool
 ) -> tuple[list[Threshold], list[float], Layout | None]:
-    """Each param group's (or, where named, clip group's) threshold and norm order
-    (``max_norm``, ``norm_type`` where it has none), validated, and the :func:`clip_layout`.
-    Refuses two orders for one norm, and ``per_group`` with clip group names."""
+    """Each param (or clip) group's threshold and norm order, validated, and the layout."""
     thresholds: list[Threshold] = []
     norm_types = []
     for index, group in enumerate(groups):

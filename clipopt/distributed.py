@@ -1,5 +1,5 @@
-"""The true global gradient norm under ``torch.distributed`` (docs/distributed.md says
-how every layout is reduced), and :class:`ClippedOptimizerState` for DCP checkpoints."""
+"""The global gradient norm under ``torch.distributed`` (docs/distributed.md), and
+:class:`ClippedOptimizerState` for DCP checkpoints."""
 
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ __all__ = ["ClippedOptimizerState"]
 class ClippedOptimizerState:
     """The clip state of a :class:`clipopt.ClippedOptimizer` as a DCP ``Stateful``.
 
-    Save it beside the model and the optimizer under a name of its own (``dcp.save`` /
-    ``dcp.load``, torchtitan's ``CheckpointManager(states=...)``): torch's DCP functions
-    drop the wrapper's ``"clip"`` entry. Its state dict is ``{"stage<i>": bytes}``, the
-    entry ``torch.save``-d, ``i`` this rank's stage in ``pp_mesh`` (0 without one); it
-    loads with ``weights_only=True``, validated first. A partial ``dcp.load`` without it
-    warns and keeps the clip state.
+    Save it beside the model and the optimizer under its own name (``dcp.save``,
+    torchtitan's ``CheckpointManager(states=...)``): DCP drops the wrapper's ``"clip"``
+    entry. Its state dict is ``{"stage<i>": bytes}`` (``i``: this rank's stage in
+    ``pp_mesh``, else 0), loaded with ``weights_only=True`` and validated first; a partial
+    ``dcp.load`` without it warns and keeps the clip state.
 
     Raises:
       TypeError: ``optimizer`` is not a ``ClippedOptimizer``.

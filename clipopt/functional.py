@@ -1,5 +1,4 @@
-"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions, and an
-out-of-place :func:`clip_grad_norm`; docs/functional.md says what differs from torch."""
+"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions (docs/functional.md)."""
 
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ def _grads(parameters: list[Tensor]) -> list[Tensor]:
 
 
 def _scales(grads: list[Tensor], max_norm: MaxNorm) -> bool:
-    """False where nothing can change: no grads, or a float ``max_norm`` of inf."""
     return bool(grads) and (isinstance(max_norm, Tensor) or max_norm != math.inf)
 
 
@@ -67,11 +65,11 @@ def get_total_norm(
     replicated: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
-    """The norm of all ``tensors`` together, as if concatenated into one vector; DTensors
-    across their mesh, the same on every rank (see :mod:`clipopt.distributed`).
+    """The norm of all ``tensors`` as one vector; of DTensors across their mesh, the same
+    on every rank (see :mod:`clipopt.distributed`).
 
     Args:
-      tensors: a tensor or tensors, read once, None skipped; devices, dtypes, sparse mix.
+      tensors: a tensor or tensors, read once, None skipped; any devices, dtypes, sparse.
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
       error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN or inf norm.
       foreach: multi-tensor kernels (True or None) or per-tensor ops (False).
@@ -139,7 +137,6 @@ def _clip(
     pp_mesh: DeviceMesh | ProcessGroup | None,
     in_place: bool,
 ) -> tuple[list[Tensor | None], Tensor]:
-    """The clipped copies (none ``in_place``) and the pre-clip norm."""
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
     params = _as_list(parameters)
@@ -197,9 +194,8 @@ def clip_grad_norm_(
     Args:
       parameters: a tensor or tensors (read once); grads that are None are skipped.
       max_norm: the largest allowed total norm, > 0 (``inf``: measure only), or a tensor.
-      norm_type: as in :func:`get_total_norm`, as are ``error_if_nonfinite``,
-        ``foreach``, ``process_group``, ``pp_mesh``, and its ``replicated``
-        (``replicated_params`` here).
+      norm_type: and the rest as in :func:`get_total_norm` (``replicated_params``: its
+        ``replicated``).
 
     Returns:
       The total norm before clipping, as :func:`get_total_norm` returns it.
@@ -248,8 +244,7 @@ def clip_grad_norm(
 def clip_grad_value_(
     parameters: TensorOrTensors, clip_value: float, foreach: bool | None = None
 ) -> None:
-    """Clamp every grad element into ``[-clip_value, clip_value]`` in place, as
-    :func:`torch.nn.utils.clip_grad_value_`.
+    """Clamp the grads into ``[-clip_value, clip_value]`` in place, as torch's.
 
     Args:
       parameters: a tensor or tensors (read once). foreach: as in :func:`get_total_norm`.

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt._chain import OptimizerChain
 from clipopt._dist._deepspeed import Watch, bind
 from clipopt._dist._reduce import NormScope
 from clipopt._kernels._norms import result_dtype
@@ -32,7 +31,7 @@ from clipopt._validation import (
     clip_layout,
     validated_settings,
 )
-from clipopt._wrapper import OptimizerShell, check_inner, check_state_shapes
+from clipopt._wrapper import OptimizerChain, OptimizerShell, check_inner, load_checked
 from clipopt.rules import ClipRule, SpikeSkip, UnitWiseRule
 
 if TYPE_CHECKING:
@@ -42,20 +41,21 @@ if TYPE_CHECKING:
 __all__ = ["ClippedOptimizer"]
 
 
-def _refuse(name: str, value: object, how: str) -> NoReturn:
-    raise AttributeError(f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): {how}")
+def _read_only(name: str, get: Any, how: str, doc: str | None = None) -> Any:
+    def refuse(o: object, value: object) -> NoReturn:
+        raise AttributeError(
+            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): {how}"
+        )
+
+    return property(get, refuse, doc=doc)
 
 
 def _fixed(name: str, doc: str) -> Any:
-    """A read-only property of the wrapper's ``ClipConfig``."""
     how = "it is fixed when the wrapper is made; make a new ClippedOptimizer"
-    return property(lambda o: getattr(o._clip, name), lambda o, v: _refuse(name, v, how), doc=doc)
+    return _read_only(name, lambda o: getattr(o._clip, name), how, doc)
 
 
 def _group_setting(name: str, key: str) -> Any:
-    """A read-only property of the groups' ``key``, one number where all are equal (a rule
-    is the ``max_norm``)."""
-
     def get(o: Any) -> Any:
         if name == "max_norm" and o._clip.rule is not None:
             return o._clip.rule
@@ -63,16 +63,14 @@ def _group_setting(name: str, key: str) -> Any:
         return values[0] if len(set(values)) == 1 else values
 
     how = f"set opt.param_groups[i][{key!r}] (and opt.defaults[{key!r}] for groups added later)"
-    return property(get, lambda o, v: _refuse(name, v, how))
+    return _read_only(name, get, how)
 
 
 def _recorded(name: str) -> Any:
-    """A read-only view of the wrapper's ``StepRecord``'s ``name``, called if a method."""
     return property(lambda o: value() if callable(value := getattr(o._record, name)) else value)
 
 
 def _inner(name: str) -> Any:
-    """The inner optimizer's attribute ``name``, the very object."""
     return property(
         lambda o: getattr(o.optimizer, name), lambda o, v: setattr(o.optimizer, name, v)
     )
@@ -123,8 +121,7 @@ class ClippedOptimizer(OptimizerShell):
       (tensor(50.), tensor([0.6000, 0.8000]), tensor([-0.6000, -0.8000]))
     """
 
-    # GradScaler unscales the grads before step() measures them, even for a fused inner
-    # optimizer that could take the scale itself: last_norm is the true norm.
+    # GradScaler unscales the grads before step() measures them: last_norm is the true norm.
     _step_supports_amp_scaling = False
     clips = True
 
@@ -188,8 +185,7 @@ class ClippedOptimizer(OptimizerShell):
         self._record = StepRecord()
         if len(self.clip_groups) > 1 or per_group:  # shaped from the start
             self._record.clipped_count = torch.zeros(len(self.clip_groups), dtype=torch.int64)
-        # The rules' state for the norms the step will give them, so that a compiled step
-        # compiles once (a wrong guess, grads on another device, costs one recompile).
+        # The rules' state shaped for the step's norms, so that a compiled step compiles once.
         clipped = [g for g in groups if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None]
         trained = [p for g in clipped for p in g["params"] if p.requires_grad]
         if trained:
@@ -210,7 +206,6 @@ class ClippedOptimizer(OptimizerShell):
         self.optimizer.zero_grad(set_to_none)
 
     def _apply_settings(self, settings: Settings) -> None:
-        """Make ``settings`` the wrapper's; groups without their own take the defaults."""
         self.defaults[MAX_NORM_KEY] = settings.max_norm
         self.defaults[NORM_TYPE_KEY] = settings.norm_type
         for group in self.param_groups:
@@ -227,7 +222,7 @@ class ClippedOptimizer(OptimizerShell):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the inner optimizer; a missing ``clip_max_norm`` or
-        ``clip_norm_type`` is filled from :attr:`defaults`, like every hyperparameter.
+        ``clip_norm_type`` comes from :attr:`defaults`.
 
         Raises:
           TypeError, ValueError: bad clip settings (as in the constructor); nothing is added.
@@ -241,11 +236,11 @@ class ClippedOptimizer(OptimizerShell):
 
     def attach_deepspeed(self, engine: Any) -> None:
         """Say that DeepSpeed's ``engine`` steps this wrapper: call it once, right after
-        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage.
+        ``deepspeed.initialize(optimizer=this wrapper, ...)``.
 
         Raises:
-          ValueError: the engine does not step this wrapper, or uses a setting under which
-            the norm cannot be right (named: an OptimizerChain is one); nothing changes.
+          ValueError: the engine does not step this wrapper, or a setting (named) makes
+            the norm wrong; nothing changes.
         """
         if isinstance(self.optimizer, OptimizerChain):
             raise ValueError("DeepSpeed steps one optimizer, not an OptimizerChain")
@@ -268,21 +263,18 @@ class ClippedOptimizer(OptimizerShell):
     track_tensor_norms = _fixed("track_tensor_norms", "Whether a step keeps its tensors' norms.")
 
     max_norm: float | list[float] | ClipRule = _group_setting("max_norm", MAX_NORM_KEY)
-    """The rule, else the groups' ``clip_max_norm`` (one number where all are equal).
-    Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and ``opt.defaults``'s for
-    groups added later), as a scheduler sets ``lr``."""
+    """The rule, else the groups' ``clip_max_norm`` (one number where all are equal);
+    read-only: set ``opt.param_groups[i]["clip_max_norm"]``, as a scheduler sets ``lr``."""
 
     norm_type: float | list[float] = _group_setting("norm_type", NORM_TYPE_KEY)
     """The groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
 
     last_norm: Tensor | None = _recorded("last_norm")
-    """The pre-clip total norm of the last step (None before the first), a 0-dim
-    tensor on the grads' device (float32, float64 for double grads); with
-    ``per_group=True``, the norm of the group norms."""
+    """The last step's pre-clip total norm (with ``per_group``, of the group norms), 0-dim
+    on the grads' device (float32, float64 for double grads); None before the first."""
 
     last_group_norms: Tensor | None = _recorded("last_group_norms")
-    """With ``per_group=True`` or clip groups, each one's pre-clip norm (1-D, in the
-    order of :attr:`clip_groups`); else None."""
+    """Each clip group's pre-clip norm (1-D, as :attr:`clip_groups`), else None."""
 
     @property
     def clip_groups(self) -> tuple[str | int, ...]:
@@ -294,27 +286,22 @@ class ClippedOptimizer(OptimizerShell):
         return tuple(range(len(self.param_groups))) if self.per_group else (DEFAULT_CLIP_GROUP,)
 
     last_clipped_norm: Tensor | None = _recorded("last_clipped_norm")
-    """The post-clip norm of the last step (of the grads its inner step used), shaped
-    as :attr:`last_group_norms` or :attr:`last_norm`, derived when read. For a
-    per-tensor or unit-wise rule, the float64 norm of its scaled tensors or units. A
-    skipped step's is :attr:`last_norm`. None before the first step, after loading a
-    format-1 checkpoint, and where groups with different ``clip_max_norm`` share one
-    norm."""
+    """The last step's post-clip norm, shaped as :attr:`last_group_norms` or
+    :attr:`last_norm` (float64 for a per-tensor or unit-wise rule; a skipped step's is
+    :attr:`last_norm`). None before the first step, after loading a format-1 checkpoint,
+    and where groups with different ``clip_max_norm`` share one norm."""
 
     last_clipped: Tensor | None = _recorded("last_clipped")
-    """Whether the last step's clip scaled the grads (some, for a per-tensor or
-    unit-wise rule), a bool tensor shaped as :attr:`last_clipped_norm`; False for a
-    skipped step, None before the first."""
+    """Whether the last step's clip scaled (some of) the grads, a bool tensor shaped as
+    :attr:`last_clipped_norm`; False for a skipped step, None before the first."""
 
     clipped_count: Tensor = _recorded("clipped_count")
-    """Steps whose clip scaled the grads, an int64 tensor shaped as
-    :attr:`last_clipped`, counted on the device and saved in :meth:`state_dict`."""
+    """Steps whose clip scaled the grads, an int64 tensor shaped as :attr:`last_clipped`."""
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
-        """With ``track_tensor_norms=True``, ``{name: pre-clip norm}`` of each grad in the
-        last step, in the groups' order; a name is the group's ``param_names`` entry, else
-        the parameter's index as a string. None before the first step and after a load."""
+        """With ``track_tensor_norms``, ``{name: pre-clip norm}`` of the last step's grads (a
+        name: the ``param_names`` entry, else the index as a str); None before a step."""
         record = self._record
         if record.tensor_norms is None:
             return None
@@ -337,14 +324,13 @@ class ClippedOptimizer(OptimizerShell):
         return _saved.clip_entry(self._settings(), self._record.state(), c.rule, c.skip_spikes)
 
     def _load(self, loaded: dict[str, Any], inner: bool = True) -> None:
-        """Check the ``"clip"`` entry and the groups' clip settings, load the inner
-        optimizer (unless not ``inner``: ClippedOptimizerState's load), then the entry."""
+        """Check the ``"clip"`` entry, load the inner optimizer (if ``inner``), the entry."""
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
                 f"load_state_dict got a state dict without a {CLIP_KEY!r} entry (as DCP's): the "
                 "clip state stays; save clipopt.distributed.ClippedOptimizerState(optimizer) too",
                 UserWarning,
-                stacklevel=3,  # load_state_dict -> here
+                stacklevel=3,
             )
         extra, c = loaded.pop(CLIP_KEY, None), self._clip
         # The entry has a norm per saved clip group (the inner optimizer judges odd groups).
@@ -356,8 +342,7 @@ class ClippedOptimizer(OptimizerShell):
         count = len(groups) if layout is None else len(layout[1])
         prepared = _saved.check_load(extra, loaded, count, self._settings(), c.rule, c.skip_spikes)
         if inner:
-            self.optimizer.load_state_dict(loaded)
-            check_state_shapes(self.optimizer)
+            load_checked(self.optimizer, loaded)
         # An inner optimizer with a layout of its own loads groups that only now can be read.
         s = self._settings() if prepared is None else prepared.settings
         check_groups(self.param_groups, s.max_norm, s.norm_type, s.per_group)

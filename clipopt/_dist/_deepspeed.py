@@ -1,6 +1,5 @@
-"""DeepSpeed stepping the wrapper, as the user attached it. ZeRO-1 and -2 step the client
-once per param group, on this rank's flat fp32 partition: with one group its ``norm**p``
-summed over the data-parallel group is the global norm; with several, only DeepSpeed's is."""
+"""DeepSpeed stepping the wrapper. ZeRO-1/2 step it once per param group on this rank's
+flat partition: with one group, reduced over the data-parallel group; else DeepSpeed's norm."""
 
 from __future__ import annotations
 
@@ -20,16 +19,12 @@ from clipopt._dist._reduce import NormScope
 
 @dataclass(frozen=True)
 class Binding:
-    """``caller`` for messages; ``owner``: DeepSpeed's ZeRO optimizer, or None (whole grads)."""
-
     caller: str
     owner: Any = None
 
 
 @dataclass(frozen=True)
 class ZeroStep:
-    """One client call of DeepSpeed's ZeRO optimizer: the group it steps, of how many."""
-
     caller: str
     group_index: int
     group_count: int
@@ -38,8 +33,7 @@ class ZeroStep:
 
 
 class Watch:
-    """The wrapper's parameters, whether it has stepped, and the engine it was attached to
-    (a copy or a pickle is not attached)."""
+    """The wrapper's parameters, whether it stepped, and its engine (not pickled)."""
 
     def __init__(self, params: Iterable[Tensor]) -> None:
         self.params = list(params)
@@ -53,8 +47,7 @@ class Watch:
         return {"params": self.params, "binding": None, "stepped": self.stepped}
 
     def call(self, param_groups: Sequence[dict[str, Any]]) -> tuple[ZeroStep | None, bool]:
-        """This step's ZeRO call (None on whole parameters) and whether it is recorded:
-        not DeepSpeed's start-up step, nor a ZeRO call but its step's last."""
+        """This step's ZeRO call (None on whole parameters) and whether it is recorded."""
         if self.binding is not None:
             self.stepped, owner = True, self.binding.owner
             if owner is None:
@@ -87,8 +80,7 @@ class Watch:
 
 
 def bind(engine: Any, optimizer: Optimizer) -> Binding:
-    """How ``engine`` steps ``optimizer``; a ValueError naming the setting to change where
-    it cannot give the true norm."""
+    """How ``engine`` steps ``optimizer``; a ValueError names a setting giving a wrong norm."""
     import deepspeed.runtime.fp16.unfused_optimizer as unfused  # type: ignore[import-untyped]
     import deepspeed.runtime.zero.stage_1_and_2 as zero12  # type: ignore[import-untyped]
 
@@ -130,10 +122,8 @@ def _ranks(group: Any) -> list[int]:
 def zero_source(
     call: ZeroStep, scope: NormScope, norm_types: list[float], per_group: bool, each: bool
 ) -> tuple[NormScope, Tensor | None]:
-    """Where the norm of a step under ``call`` comes from: (DeepSpeed's data-parallel
-    group, None) with one param group, (``scope``, DeepSpeed's norm) with several; a
-    ValueError naming the setting to use where neither is right (``each``: a norm of each
-    grad or unit is asked, which a flat partition cannot give)."""
+    """(the scope, DeepSpeed's norm or None) of a step under ``call``; ``each``: a norm of
+    each grad or unit is asked, which a flat partition cannot give."""
     flat = f"{call.caller} steps flat partitions of one data-parallel group"
     if each:
         raise ValueError(f"{flat}: track_tensor_norms, per-tensor and unit-wise rules cannot run")

@@ -1,5 +1,4 @@
-"""DTensor shards and meshes, and the float64 all_reduce every norm across ranks takes.
-Nothing here imports ``torch.distributed.tensor``: no grad is a DTensor before the user has."""
+"""DTensor meshes and the float64 all_reduce of norms (no DTensor import at run time)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ REDUCE_DTYPE = torch.float64  # one dtype on every rank (gloo aborts otherwise),
 
 
 def collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch.device:
-    """The grads' device, or the group's when this rank has none."""
     if tensors:
         return tensors[0].device
     device_types = getattr(groups[0] or dist.group.WORLD, "_device_types", [])
@@ -39,9 +37,9 @@ def all_reduce(
     count: int | None = None,
     ranks: int = 1,
 ) -> Tensor:
-    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group in
-    turn. With ``count`` (this rank's tensors) one value more ends it: 0, or NaN where the
-    ``ranks`` ranks' counts differ (every value is NaN then)."""
+    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group;
+    with ``count``, one value more: 0, or NaN where the ``ranks`` ranks' counts differ (all
+    values NaN then)."""
     values = torch.cat([p.to(device) for p in parts])
     if count is not None:  # counts equal iff ranks * sum(n**2) == sum(n)**2, or max(n) == min(n)
         pair = (count, count * count if summed else -count)
@@ -71,8 +69,7 @@ def reduce_by_order(
     count: int | None = None,
     ranks: int = 1,
 ) -> list[Tensor]:
-    """Each of ``parts`` reduced: finite orders' summed in one :func:`all_reduce`, the
-    inf-norm's maxed in another."""
+    """Each of ``parts`` reduced: finite orders' summed in one :func:`all_reduce`, inf's maxed."""
     out: dict[int, Tensor] = {}
     for summed in (True, False):
         at = [i for i, p in enumerate(norm_types) if (p != math.inf) == summed]
@@ -84,7 +81,6 @@ def reduce_by_order(
 
 
 def all_plain(tensors: Sequence[Tensor]) -> bool:
-    """True if no tensor is a DTensor (by type, each distinct one once)."""
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
         return True
@@ -101,7 +97,6 @@ def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
 
 
 def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``tensors`` with every DTensor replaced by its local shard (the same storage)."""
     return (
         list(tensors) if all_plain(tensors) else [getattr(t, "_local_tensor", t) for t in tensors]
     )
@@ -131,7 +126,6 @@ def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
 
 
 def by_replicas(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[int]]:
-    """The indices of ``grads`` grouped by :func:`replica_count`."""
     found: dict[int, list[int]] = {}
     for index, grad in enumerate(grads):
         found.setdefault(replica_count(grad, mesh), []).append(index)
@@ -158,8 +152,7 @@ def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 
 def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
-    """The grads' mesh holding all their meshes' ranks (by ranks, not names: torchtitan
-    unflattens its meshes from a 1-D root), else their root's named dims they use."""
+    """The grads' mesh holding all their meshes' ranks, else the root's dims they use."""
     meshes: list[DeviceMesh] = []
     for g in grads:
         if not any(g.device_mesh is known or g.device_mesh == known for known in meshes):
@@ -184,7 +177,6 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
 
 
 def mesh_groups(mesh: DeviceMesh) -> list[Any]:
-    """The groups to all_reduce over in turn to sum every rank of ``mesh``."""
     if mesh.size() == dist.get_world_size():
         return [None]
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
@@ -193,9 +185,8 @@ def mesh_groups(mesh: DeviceMesh) -> list[Any]:
 def reduction_for(
     tensors: Sequence[Tensor], params: Sequence[Tensor] = (), process_group: Any = None
 ) -> tuple[DeviceMesh, list[Any]] | None:
-    """The mesh and groups to reduce DTensor ``tensors`` over (None for plain ones),
-    decided with the DTensor ``params`` that require grad, so a rank without grads joins;
-    ``process_group``, if given, must span the mesh's ranks."""
+    """The mesh and groups to reduce DTensor ``tensors`` over (None for plain ones), also
+    from the ``params`` that require grad, so that a rank without grads joins."""
     found = dtensors(tensors)
     if tensors and not found:
         return None

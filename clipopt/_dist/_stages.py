@@ -1,5 +1,4 @@
-"""Pipeline stages: the model's norm is the p-norm of the stages' norms, one all_reduce
-more over ``pp_mesh`` (one rank of every stage); :func:`check_layout` lines the stages up."""
+"""Pipeline stages: the model's norm is the p-norm of the stages' norms over ``pp_mesh``."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from clipopt._dist._mesh import REDUCE_DTYPE, collective_device, reduce_by_order
 
 
 def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
-    """The group of ``pp_mesh`` (None, a 1-D ``DeviceMesh`` or a ``ProcessGroup``), None
-    where it holds only this rank."""
+    """The group of ``pp_mesh``, None where it holds only this rank."""
     mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", ())
     if pp_mesh is None:
         return None
@@ -44,9 +42,8 @@ def check_layout(
     thresholds: Sequence[object],
     names: Sequence[str | int] = (),
 ) -> None:
-    """Raise a ValueError on every rank unless every stage has this stage's clip layout:
-    one ``all_reduce(MAX)`` of ``per_group``, the group count and the layout's CRC-32,
-    each beside its negation (so the maximum gives the least too)."""
+    """Raise on every rank unless every stage has this clip layout: one ``all_reduce(MAX)``
+    of ``per_group``, the group count and the layout's CRC-32, each beside its negation."""
     if per_group:  # a tensor threshold by kind, not value
         pairs = [
             (p, "a tensor" if isinstance(t, Tensor) else t)
@@ -82,8 +79,7 @@ def check_layout(
 def combine_stages(
     norms: Sequence[Tensor], norm_types: Sequence[float], pp_group: Any
 ) -> list[Tensor]:
-    """Each of a stage's 0-dim ``norms`` combined with the other stages' (powers in
-    float64), in its dtype and device."""
+    """Each of a stage's 0-dim ``norms`` combined with the other stages'."""
     if pp_group is None or not norms:
         return list(norms)
     device = norms[0].device
