@@ -96,10 +96,8 @@ def clip_layout(groups: Sequence[Mapping[str, Any]]) -> Layout | None:
     for index, group in enumerate(groups):
         name = group.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP)
         if name is not None and (isinstance(name, bool) or not isinstance(name, (str, int))):
-            raise TypeError(
-                f"param_groups[{index}][{CLIP_GROUP_KEY!r}] must be a str, an int or None, "
-                f"got {name!r}"
-            )
+            where = f"param_groups[{index}][{CLIP_GROUP_KEY!r}]"
+            raise TypeError(f"{where} must be a str, an int or None, got {name!r}")
         if name is not None and name not in names:
             names.append(name)
         layout.append(None if name is None else names.index(name))
@@ -125,25 +123,19 @@ def check_groups(
     layout = clip_layout(groups)
     if layout is None:
         if not per_group and len(set(norm_types)) > 1:
-            raise ValueError(
-                f"param groups use different norm_type values {norm_types} for one norm: "
-                f"pass per_group=True, or name clip groups with {CLIP_GROUP_KEY!r}"
-            )
+            raise ValueError(f"one norm of norm_type values {norm_types}: pass per_group=True")
         return thresholds, norm_types, None
     at, names = layout
     if per_group:
         index = next(i for i, group in enumerate(groups) if CLIP_GROUP_KEY in group)
-        raise ValueError(
-            f"per_group=True gives each group its own clip group, but "
-            f"param_groups[{index}][{CLIP_GROUP_KEY!r}] is {groups[index][CLIP_GROUP_KEY]!r}"
-        )
+        name = f"param_groups[{index}][{CLIP_GROUP_KEY!r}]"
+        raise ValueError(f"per_group=True but {name} is {groups[index][CLIP_GROUP_KEY]!r}")
     first = [at.index(k) for k in range(len(names))]
     for index, k in enumerate(at):
         for key, values in ((MAX_NORM_KEY, thresholds), (NORM_TYPE_KEY, norm_types)):
             if k is not None and not same_threshold(values[first[k]], values[index]):
                 raise ValueError(
                     f"param_groups[{first[k]}] and param_groups[{index}] are in clip group "
-                    f"{names[k]!r} but have {key!r} {values[first[k]]!r} and "
-                    f"{values[index]!r}: a clip group has one threshold and one order"
+                    f"{names[k]!r} but have {key!r} {values[first[k]]!r} and {values[index]!r}"
                 )
     return [thresholds[i] for i in first], [norm_types[i] for i in first], layout

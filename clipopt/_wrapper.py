@@ -1,5 +1,4 @@
-"""torch.optim's step hooks in torch's order (the one module reading their private state),
-:class:`OptimizerShell`, the wrapper's and chain's base, and :class:`OptimizerChain`."""
+"""torch.optim's step hooks in torch's order, the wrapper's base, and :class:`OptimizerChain`."""
 
 from __future__ import annotations
 
@@ -92,10 +91,9 @@ class OptimizerShell(Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a dict from :meth:`state_dict`, checked first: a bad one raises and changes
-        nothing. A ClippedOptimizer loads a dict without its ``"clip"`` entry (DCP's) keeping
-        its clip state, and warns unless a ``ClippedOptimizerState`` carries the entry;
-        loaded clip settings replace the constructor's, as for ``lr``.
+        """Load a dict from :meth:`state_dict`; a bad one raises and changes nothing. Without
+        a ``"clip"`` entry (DCP's), the clip state stays (a warning, unless a
+        ``ClippedOptimizerState`` carries it); loaded clip settings replace the constructor's.
 
         Raises:
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
@@ -128,18 +126,14 @@ def check_inner(opt: object, name: str) -> Optimizer:
     ``SkipStepOptimizer`` (which skips only as OLMo-core's own optimizer, never wrapped)."""
     if isinstance(opt, OptimizerShell) and opt.clips:
         raise TypeError(
-            f"{name} is a {type(opt).__name__}, already a ClippedOptimizer: it would clip "
-            "twice; pass the optimizer it wraps, or change its groups' 'clip_max_norm'"
+            f"{name} is a {type(opt).__name__}, already a ClippedOptimizer: pass the one it wraps"
         )
     if not isinstance(opt, Optimizer):
         hint = "; a list is optimizers to chain, not parameters" if isinstance(opt, Tensor) else ""
         raise TypeError(f"{name} must be a torch.optim.Optimizer, got {type(opt).__name__}{hint}")
     for kind in type(opt).__mro__:
         if kind.__name__ == "SkipStepOptimizer" and kind.__module__.startswith("olmo_core."):
-            raise TypeError(
-                f"{name} is OLMo-core's {type(opt).__name__}: wrapped it would never skip; wrap "
-                "the plain optimizer and pass skip_spikes=clipopt.SpikeSkip() instead"
-            )
+            raise TypeError(f"{name} is {type(opt).__name__}: pass skip_spikes=clipopt.SpikeSkip()")
     return opt
 
 
@@ -157,16 +151,14 @@ def load_checked(opt: Optimizer, state_dict: dict[str, Any]) -> None:
                 if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
                     raise ValueError(
                         f"the loaded state {key!r} of param_groups[{g}]['params'][{i}] has "
-                        f"shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
-                        "nothing was loaded"
+                        f"shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
                     )
 
 
 class OptimizerChain(OptimizerShell):
     """Step several optimizers as one: ``ClippedOptimizer([muon, adamw], max_norm=1.0)``
-    clips all their grads by one global norm, then steps each in order. ``param_groups``
-    are theirs (the very dicts), ``state`` reads theirs; the state dict is one torch
-    optimizer's holding all the groups.
+    clips all their grads by one norm, then steps each in order. ``param_groups`` and
+    ``state`` are theirs; the state dict is one torch optimizer's with all the groups.
 
     Args:
       optimizers: the optimizers, stepped in this order; no parameter in two of them.
@@ -253,11 +245,7 @@ class OptimizerChain(OptimizerShell):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused (a ValueError): add the group to one of the optimizers; the chain sees it."""
-        raise ValueError(
-            "OptimizerChain.add_param_group cannot tell which optimizer should step the "
-            f"group: add it to one of {self._names()}, e.g. "
-            "chain.optimizers[i].add_param_group(group); the chain sees it"
-        )
+        raise ValueError(f"add the group to one of {self._names()}: chain.optimizers[i]")
 
     def _names(self) -> str:
         return ", ".join(
@@ -298,8 +286,8 @@ class OptimizerChain(OptimizerShell):
             raise TypeError(f"state_dict['chain'] must be a list of {len(sizes)} dicts")
         parts: list[dict[str, Any]] = []
         known: set[Any] = set()
-        start = 0
         for i, (opt, extra) in enumerate(zip(self.optimizers, extras, strict=True)):
+            start = sum(sizes[:i])
             mine = groups[start : start + sizes[i]]
             for g, (saved, group) in enumerate(zip(mine, opt.param_groups, strict=True), start):
                 if len(saved["params"]) != len(group["params"]):
@@ -310,13 +298,11 @@ class OptimizerChain(OptimizerShell):
                     )
             if not isinstance(extra, Mapping):
                 raise TypeError(f"state_dict['chain'][{i}] must be a dict, got {extra!r}")
-            start += sizes[i]
             index, renumbered = _renumbered(mine)
             known.update(index)
             own = {index[k]: v for k, v in state.items() if k in index}
             parts.append({**extra, "state": own, "param_groups": renumbered})
-        unknown = [k for k in state if k not in known]
-        if unknown:
+        if unknown := [k for k in state if k not in known]:
             raise ValueError(f"state_dict['state'] has entries {unknown[:3]!r} of no parameter")
         for opt, part in zip(self.optimizers, parts, strict=True):
             load_checked(opt, part)
@@ -328,7 +314,6 @@ class OptimizerChain(OptimizerShell):
 
 def _renumbered(groups: list[Any], start: int = 0) -> tuple[dict[Any, int], list[dict[str, Any]]]:
     """Saved groups with their parameters numbered from ``start``; the map from the old."""
-    index = {
-        old: new for new, old in enumerate(itertools.chain(*(g["params"] for g in groups)), start)
-    }
+    ids = itertools.chain(*(g["params"] for g in groups))
+    index = {old: new for new, old in enumerate(ids, start)}
     return index, [{**g, "params": [index[k] for k in g["params"]]} for g in groups]

@@ -53,17 +53,12 @@ class ClippedOptimizerState:
         key = self._key()
         if not isinstance(state_dict, Mapping) or key not in state_dict:
             shown = sorted(state_dict) if isinstance(state_dict, Mapping) else state_dict
-            raise ValueError(
-                f"ClippedOptimizerState's state dict has no {key!r} (this rank's pipeline "
-                f"stage), got {shown!r}; nothing was loaded"
-            )
+            raise ValueError(f"ClippedOptimizerState's state dict has no {key!r}, got {shown!r}")
         blob = state_dict[key]
         if blob is self._template:
             warnings.warn(
-                f"the checkpoint has no {key!r} ClippedOptimizerState entry (a partial "
-                "dcp.load got back the template's own bytes): the clip state is kept as it "
-                "is; save ClippedOptimizerState(optimizer) beside the model and optimizer",
-                UserWarning,
+                f"the checkpoint has no {key!r} ClippedOptimizerState entry: the clip state is "
+                "kept as it is; save ClippedOptimizerState(optimizer) beside the model",
                 stacklevel=2,
             )
             return
@@ -72,7 +67,7 @@ class ClippedOptimizerState:
             entry = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         if not isinstance(blob, bytes) or not isinstance(entry, dict):
             raise TypeError(
-                f"ClippedOptimizerState's {key!r} must be the bytes of a dict its state_dict "
-                f"wrote, got {type(entry).__name__}; nothing was loaded"
+                f"ClippedOptimizerState's {key!r} must be the bytes of a dict, got "
+                f"{type(entry).__name__}"
             )
         self.optimizer._load({"clip": entry}, inner=False)

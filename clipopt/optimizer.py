@@ -1,5 +1,4 @@
-"""``ClippedOptimizer``: its settings, read-outs and state dict. The step, top to bottom,
-is :mod:`clipopt._step._clip_step`; the saved ``"clip"`` entry :mod:`clipopt._step._saved`."""
+"""``ClippedOptimizer``: settings, read-outs, state dict; the step is in ``_step/_clip_step``."""
 
 from __future__ import annotations
 
@@ -38,14 +37,10 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ClippedOptimizer"]
-
 
 def _read_only(name: str, get: Any, how: str, doc: str | None = None) -> Any:
     def refuse(o: object, value: object) -> NoReturn:
-        raise AttributeError(
-            f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): {how}"
-        )
+        raise AttributeError(f"{name} cannot be assigned ({name}={value!r}): {how}")
 
     return property(get, refuse, doc=doc)
 
@@ -79,37 +74,31 @@ def _inner(name: str) -> Any:
 class ClippedOptimizer(OptimizerShell):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
-    :meth:`step` is :func:`clipopt.clip_grad_norm_` (grads scaled in place by
-    ``min(1, max_norm / (norm + 1e-6))``, no host sync) then the inner step, whose result
-    it returns; ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's. A
-    group's ``"clip_group"`` (a str or an int) names its clip group, which has one norm
-    and one threshold; without one it is in ``"default"``, with None it is not clipped.
+    :meth:`step` is :func:`clipopt.clip_grad_norm_` (no host sync) then the inner step,
+    whose result it returns; ``param_groups``, ``state`` and ``defaults`` are the inner
+    optimizer's. A group's ``"clip_group"`` (str or int; default ``"default"``, None: not
+    clipped) names its clip group, which has one norm and one threshold.
 
     Args:
-      optimizer: the optimizer to wrap, or a list of them made into a
-        :class:`clipopt.OptimizerChain` (Muon for the 2-D weights, AdamW for the rest).
+      optimizer: the optimizer to wrap, or a list made into a :class:`clipopt.OptimizerChain`.
       max_norm: the default largest norm, > 0 (``inf``: measure only), or a group's own
-        ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a :class:`clipopt.ClipRule`
-        that sets the threshold each step (one clip group; see ``docs/adaptive.md``).
+        ``"clip_max_norm"`` (a number or a 0-dim tensor); or a :class:`clipopt.ClipRule`
+        setting it each step (one clip group; see ``docs/adaptive.md``).
       norm_type: the order of the norm, > 0 or ``inf``, or a group's ``"clip_norm_type"``.
       per_group: clip each param group by its own norm; not with ``"clip_group"`` names.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest (None).
       nonfinite: on a NaN/inf norm, ``"propagate"`` scales by NaN and steps (torch's);
-        ``"skip"`` skips the step and ``"raise"`` raises :class:`clipopt.NonFiniteNormError`,
-        touching nothing (one host read a step); ``"assert"``: ``torch._assert_async``
-        (on CUDA it surfaces after the step and leaves the CUDA context unusable).
+        ``"skip"`` skips the step; ``"raise"`` raises :class:`clipopt.NonFiniteNormError`
+        (one host read a step); ``"assert"``: ``torch._assert_async`` (on CUDA, fatal).
       max_consecutive_skips: with ``"skip"``, raise after this many skips in a row (None: never).
-      process_group: the group plain parameters are split across (model parallelism),
-        reduced over in one ``all_reduce``; DTensor grads and DDP need none.
+      process_group: the group plain parameters are split across; DTensors and DDP need none.
       replicated_params: parameters identical on every rank of ``process_group``.
       skip_spikes: a :class:`clipopt.SpikeSkip` that skips a step whose norm is a spike.
       track_tensor_norms: keep each grad's norm in :attr:`last_tensor_norms`.
-      pp_mesh: under pipeline parallelism, the 1-D ``DeviceMesh`` or ``ProcessGroup``
-        joining the stages: every stage clips by the whole model's norm.
+      pp_mesh: the 1-D ``DeviceMesh`` or ``ProcessGroup`` joining pipeline stages.
 
     Raises:
-      TypeError, ValueError: a bad ``optimizer`` (no optimizer, a ClippedOptimizer, no
-        parameters, one twice in a list) or setting, or clip settings that disagree.
+      TypeError, ValueError: a bad ``optimizer`` or setting, or clip settings that disagree.
 
     Example:
       >>> import torch, clipopt
@@ -148,24 +137,20 @@ class ClippedOptimizer(OptimizerShell):
         if not isinstance(groups, list) or not any(g.get("params") for g in groups):
             raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
         rule = max_norm if isinstance(max_norm, ClipRule) else None
-        threshold = math.inf if rule is not None else max_norm
-        settings = validated_settings(
-            threshold, norm_type, per_group, nonfinite, max_consecutive_skips
-        )
+        modes = (per_group, nonfinite, max_consecutive_skips)
+        settings = validated_settings(max_norm if rule is None else math.inf, norm_type, *modes)
         if rule is not None and per_group:
             raise ValueError(f"per_group=True cannot take a rule ({rule!r}): it keeps one norm")
-        local = isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
-        if local and process_group is not None:
-            raise ValueError(
-                f"{rule!r} measures each grad, which a process_group splits across ranks: "
-                "per-tensor and unit-wise rules need unsplit parameters (or DTensor grads)"
-            )
         if isinstance(rule, UnitWiseRule):
             rule.check_norm_type(settings.norm_type)
         if not isinstance(track_tensor_norms, bool):
             raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
-        if track_tensor_norms and process_group is not None:
-            raise ValueError("track_tensor_norms=True needs unsplit tensors: no process_group")
+        local = isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
+        if (local or track_tensor_norms) and process_group is not None:
+            raise ValueError(
+                "track_tensor_norms=True and per-tensor or unit-wise rules need unsplit "
+                "parameters, not a process_group"
+            )
         if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
             raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
@@ -177,9 +162,8 @@ class ClippedOptimizer(OptimizerShell):
         self._init_hooks()
         self.optimizer, self._parts = optimizer, (optimizer,)
         self._extra_saved_apart = False  # a ClippedOptimizerState carries the "clip" entry
-        modes, watch = (per_group, settings.nonfinite, max_consecutive_skips), Watch(params)
         self._clip = ClipConfig(
-            rule, skip_spikes, *modes, foreach, scope, track_tensor_norms, watch
+            rule, skip_spikes, *modes, foreach, scope, track_tensor_norms, Watch(params)
         )
         self._apply_settings(settings)
         self._record = StepRecord()
@@ -270,16 +254,14 @@ class ClippedOptimizer(OptimizerShell):
     """The groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
 
     last_norm: Tensor | None = _recorded("last_norm")
-    """The last step's pre-clip total norm (with ``per_group``, of the group norms), 0-dim
-    on the grads' device (float32, float64 for double grads); None before the first."""
+    """The last step's pre-clip total norm, 0-dim on the grads' device; None before one."""
 
     last_group_norms: Tensor | None = _recorded("last_group_norms")
     """Each clip group's pre-clip norm (1-D, as :attr:`clip_groups`), else None."""
 
     @property
     def clip_groups(self) -> tuple[str | int, ...]:
-        """The clip groups' names in order of first appearance (not None): ``("default",)``
-        where no group names one, the group indices with ``per_group=True``."""
+        """The clip groups' names (the group indices with ``per_group=True``)."""
         layout = clip_layout(self.param_groups)
         if layout is not None:
             return tuple(layout[1])
@@ -287,13 +269,11 @@ class ClippedOptimizer(OptimizerShell):
 
     last_clipped_norm: Tensor | None = _recorded("last_clipped_norm")
     """The last step's post-clip norm, shaped as :attr:`last_group_norms` or
-    :attr:`last_norm` (float64 for a per-tensor or unit-wise rule; a skipped step's is
-    :attr:`last_norm`). None before the first step, after loading a format-1 checkpoint,
-    and where groups with different ``clip_max_norm`` share one norm."""
+    :attr:`last_norm`; None before a step, after a format-1 load, and where groups with
+    different ``clip_max_norm`` share one norm."""
 
     last_clipped: Tensor | None = _recorded("last_clipped")
-    """Whether the last step's clip scaled (some of) the grads, a bool tensor shaped as
-    :attr:`last_clipped_norm`; False for a skipped step, None before the first."""
+    """Whether the last step's clip scaled (some of) the grads, shaped as the norm."""
 
     clipped_count: Tensor = _recorded("clipped_count")
     """Steps whose clip scaled the grads, an int64 tensor shaped as :attr:`last_clipped`."""
@@ -308,13 +288,11 @@ class ClippedOptimizer(OptimizerShell):
         return dict(zip(record.tensor_names, record.tensor_norms.unbind(), strict=True))
 
     step_count: Tensor = _recorded("step_count")
-    """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
-
+    """Inner steps taken, a 0-dim int64 tensor."""
     skip_count: Tensor = _recorded("skip_count")
     """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
-
     consecutive_skips: Tensor = _recorded("consecutive_skips")
-    """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
+    """Steps skipped in a row, a 0-dim int64 tensor."""
 
     def _state_dict(self) -> dict[str, Any]:
         return {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
@@ -327,9 +305,8 @@ class ClippedOptimizer(OptimizerShell):
         """Check the ``"clip"`` entry, load the inner optimizer (if ``inner``), the entry."""
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
-                f"load_state_dict got a state dict without a {CLIP_KEY!r} entry (as DCP's): the "
-                "clip state stays; save clipopt.distributed.ClippedOptimizerState(optimizer) too",
-                UserWarning,
+                f"a state dict without a {CLIP_KEY!r} entry: the clip state stays; save "
+                "clipopt.distributed.ClippedOptimizerState(optimizer) too",
                 stacklevel=3,
             )
         extra, c = loaded.pop(CLIP_KEY, None), self._clip

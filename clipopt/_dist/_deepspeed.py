@@ -73,8 +73,7 @@ class Watch:
         if first and [t.shape for t in tensors] == [p.shape for p in self.params]:
             return None, False  # DeepSpeed's start-up step on zero grads
         raise ValueError(
-            f"ClippedOptimizer's param groups hold {len(foreign)} tensor(s) that are not its "
-            f"parameters (first of shape {tuple(foreign[0].shape)}), whose norm it cannot know: "
+            f"a tensor of shape {tuple(foreign[0].shape)} is not a ClippedOptimizer parameter: "
             "under DeepSpeed call opt.attach_deepspeed(engine) after deepspeed.initialize"
         )
 
@@ -86,20 +85,14 @@ def bind(engine: Any, optimizer: Optimizer) -> Binding:
 
     basic: object = getattr(engine, "basic_optimizer", None)
     if basic is not optimizer:
-        raise ValueError(
-            f"the engine steps {type(basic).__name__}: pass deepspeed.initialize(optimizer=opt)"
-        )
+        raise ValueError(f"the engine steps {type(basic).__name__}, not this wrapper")
     caller = f"DeepSpeed ZeRO-{int(engine.zero_optimization_stage())}"
     clipping = float(engine.gradient_clipping() or 0.0)
     if clipping > 0:
-        raise ValueError(
-            f"{caller} clips the grads itself (gradient_clipping={clipping}), twice with "
-            "clipopt: set 'gradient_clipping': 0 in the DeepSpeed config"
-        )
+        raise ValueError(f"{caller} clips too: set 'gradient_clipping': 0, not {clipping}")
     if engine.fp16_enabled() and engine.dynamic_loss_scale():
         raise ValueError(
-            f"{caller}'s fp16 dynamic loss scale changes before the grads are unscaled: set "
-            "a static 'fp16': {'loss_scale': <a power of 2>}, or use bf16"
+            f"{caller}: set a static 'fp16': {{'loss_scale': 2**k}}, not a dynamic one"
         )
     owner = engine.optimizer
     if owner is optimizer or isinstance(owner, unfused.FP16_UnfusedOptimizer):
@@ -133,22 +126,15 @@ def zero_source(
     dp_ranks = _ranks(call.dp_group)
     if scope.process_group is not None and _ranks(scope.process_group) != dp_ranks:
         raise ValueError(
-            f"process_group spans ranks {_ranks(scope.process_group)}, but {call.caller} "
-            f"partitions param group {call.group_index} over ranks {dp_ranks}: remove it"
+            f"process_group spans ranks {_ranks(scope.process_group)}, ZeRO's ranks {dp_ranks}"
         )
     if call.group_count == 1:
         return NormScope(call.dp_group), None
     if per_group or any(p != 2.0 for p in norm_types):
-        raise ValueError(
-            f"{call.caller} steps each of {call.group_count} param groups apart, so the norm "
-            "is DeepSpeed's L2 one: use norm_type=2 and per_group=False, or one group"
-        )
+        raise ValueError(f"{call.caller}'s norm needs norm_type=2 and per_group=False")
     norm = getattr(call.owner, "_global_grad_norm", None)
     if isinstance(norm, Tensor):
         return scope, norm.detach().reshape(())
     if isinstance(norm, float) and not math.isnan(norm) and norm >= 0:
         return scope, torch.tensor(norm, dtype=torch.float32)
-    raise ValueError(
-        f"{call.caller} computed no grad norm this step (got {norm!r}): set "
-        "'zero_optimization': {'compute_grad_norm': true}, or use one param group"
-    )
+    raise ValueError(f"{call.caller} computed no grad norm ({norm!r}): set compute_grad_norm")

@@ -37,9 +37,8 @@ def all_reduce(
     count: int | None = None,
     ranks: int = 1,
 ) -> Tensor:
-    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group;
-    with ``count``, one value more: 0, or NaN where the ``ranks`` ranks' counts differ (all
-    values NaN then)."""
+    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group; with
+    ``count``, one value more: 0, or NaN (all NaN) where the ``ranks`` ranks' counts differ."""
     values = torch.cat([p.to(device) for p in parts])
     if count is not None:  # counts equal iff ranks * sum(n**2) == sum(n)**2, or max(n) == min(n)
         pair = (count, count * count if summed else -count)
@@ -105,8 +104,7 @@ def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
 def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str = "grads") -> None:
     if len(found) != len(tensors):
         raise ValueError(
-            f"{len(found)} of {len(tensors)} {what} are DTensors: DTensor and plain {what} "
-            "cannot be reduced together; shard every parameter or none"
+            f"{len(found)} of {len(tensors)} {what} are DTensors: DTensor and plain mix"
         )
 
 
@@ -116,13 +114,11 @@ def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
     count, rest = divmod(reduction_mesh.size(), mesh.size())
     if rest or any(p.is_partial() for p in grad.placements):
         raise ValueError(
-            f"a gradient of shape {tuple(grad.shape)} with placements {grad.placements} "
-            f"on {mesh} cannot be reduced over {reduction_mesh}: a Partial one has no "
-            "norm until redistributed to Shard or Replicate, and the mesh sizes must divide"
+            f"a gradient of shape {tuple(grad.shape)} with placements {grad.placements} on "
+            f"{mesh} cannot be reduced over {reduction_mesh} (a Partial one has no norm)"
         )
-    return count * math.prod(
-        mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate()
-    )
+    replicas = [mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate()]
+    return count * math.prod(replicas)
 
 
 def by_replicas(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[int]]:
@@ -167,8 +163,8 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
         names = mesh.mesh_dim_names
         if root is None or _root_mesh(mesh) != root or not set(names or [None]) <= set(root_names):
             raise ValueError(
-                f"DTensor grads on {meshes} reduce together only where one mesh holds "
-                "the ranks of all the others, or all are named sub-meshes of one root"
+                f"DTensor grads on {meshes}: no mesh holds the ranks of all the others, "
+                "nor are all named sub-meshes of one root"
             )
     assert root is not None
     used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
@@ -200,7 +196,7 @@ def reduction_for(
     ranks = list(group_ranks(process_group))
     if ranks != list(mesh_ranks(mesh)):
         raise ValueError(
-            f"process_group spans ranks {ranks}, the grads' mesh {list(mesh_ranks(mesh))}: "
-            "pass one over the same ranks, or None (pipeline stages go in pp_mesh)"
+            f"process_group spans ranks {ranks}, the grads' mesh {list(mesh_ranks(mesh))} "
+            "(pipeline stages go in pp_mesh)"
         )
     return mesh, [process_group]

@@ -16,15 +16,10 @@ from clipopt._dist._mesh import REDUCE_DTYPE
 from clipopt._kernels import _norms
 
 
-def check_members(
-    name: str, members: Iterable[Tensor], pool: Iterable[Tensor], pool_name: str
-) -> None:
+def check_members(name: str, members: Iterable[Tensor], pool: Iterable[Tensor], among: str) -> None:
     known = {id(t) for t in pool}
-    for t in members:
-        if id(t) not in known:
-            raise ValueError(
-                f"{name} holds a tensor of shape {tuple(t.shape)} that is not among {pool_name}"
-            )
+    for t in (t for t in members if id(t) not in known):
+        raise ValueError(f"{name} holds a tensor of shape {tuple(t.shape)} not among {among}")
 
 
 def check_process_group(process_group: object) -> None:
@@ -82,10 +77,7 @@ def global_norms(
     classes: list[list[tuple[float, list[Tensor]]]] = []
     if reduction is not None:
         if replicated:
-            raise ValueError(
-                "replicated applies to plain tensors; a DTensor's replicas follow from its "
-                "Replicate placements"
-            )
+            raise ValueError("replicated is for plain tensors, not DTensors' Replicate placements")
         mesh, groups = reduction
         for bucket in buckets:
             held = _mesh.dtensors(list(bucket))
@@ -149,9 +141,8 @@ class NormScope:
             raise ValueError("replicated_params need a process_group to be replicated across")
         if params is not None:
             check_members("replicated_params", replicated, params, "the optimizer's parameters")
-        self.process_group = process_group
+        self.process_group, self.pp_group = process_group, pp_group
         self.replicated_params = replicated
-        self.pp_group = pp_group
         self.stages_checked: tuple[bool, int, tuple[str | int, ...]] | None = None
 
     def global_norms(
@@ -162,16 +153,11 @@ class NormScope:
         params: Sequence[Tensor] = (),
     ) -> list[Tensor]:
         present = {id(t) for bucket in buckets for t in bucket} if self.replicated_params else ()
-        shared = [q.grad for q in self.replicated_params if id(q.grad) in present]
-        return global_norms(
-            buckets,
-            norm_types,
-            foreach,
-            process_group=self.process_group,
-            replicated=[g for g in shared if g is not None],
-            params=params,
-            pp_group=self.pp_group,
-        )
+        shared = [
+            g for q in self.replicated_params if (g := q.grad) is not None and id(g) in present
+        ]
+        kw = {"process_group": self.process_group, "pp_group": self.pp_group}
+        return global_norms(buckets, norm_types, foreach, replicated=shared, params=params, **kw)
 
     def check_stages(
         self,
@@ -182,10 +168,9 @@ class NormScope:
     ) -> None:
         """Under stages, :func:`~clipopt._dist._stages.check_layout` once per layout."""
         key = (per_group, len(norm_types) if per_group else 0, tuple(names))
-        if self.pp_group is None or self.stages_checked == key:
-            return
-        _stages.check_layout(self.pp_group, per_group, norm_types, thresholds, names)
-        self.stages_checked = key
+        if self.pp_group is not None and self.stages_checked != key:
+            _stages.check_layout(self.pp_group, per_group, norm_types, thresholds, names)
+            self.stages_checked = key
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NormScope:
         twin = NormScope.__new__(NormScope)
@@ -196,8 +181,5 @@ class NormScope:
     def __getstate__(self) -> dict[str, Any]:
         for name in ("process_group", "pp_group"):
             if getattr(self, name) is not None:
-                raise TypeError(
-                    f"a NormScope holding a {name} cannot be pickled: a process group is a "
-                    "live connection; save the optimizer's state_dict() instead"
-                )
+                raise TypeError(f"a NormScope holding a {name} cannot be pickled")
         return dict(self.__dict__)

@@ -27,10 +27,7 @@ def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
     elif dist.is_available() and isinstance(pp_mesh, dist.ProcessGroup):
         group = pp_mesh
     else:
-        raise TypeError(
-            "pp_mesh must be a 1-D torch.distributed.DeviceMesh, a ProcessGroup or None, "
-            f"got {pp_mesh!r}"
-        )
+        raise TypeError(f"pp_mesh must be a 1-D DeviceMesh, a ProcessGroup or None: {pp_mesh!r}")
     return None if dist.get_world_size(group) == 1 else group
 
 
@@ -45,10 +42,8 @@ def check_layout(
     """Raise on every rank unless every stage has this clip layout: one ``all_reduce(MAX)``
     of ``per_group``, the group count and the layout's CRC-32, each beside its negation."""
     if per_group:  # a tensor threshold by kind, not value
-        pairs = [
-            (p, "a tensor" if isinstance(t, Tensor) else t)
-            for p, t in zip(norm_types, thresholds, strict=True)
-        ]
+        kinds = ["a tensor" if isinstance(t, Tensor) else t for t in thresholds]
+        pairs = list(zip(norm_types, kinds, strict=True))
         layout = f"per_group=True, (clip_norm_type, clip_max_norm) of each group {pairs}"
     else:
         layout = f"per_group=False, clip_norm_type {norm_types[0]}"
@@ -66,14 +61,10 @@ def check_layout(
     if per_group and counts_differ:
         raise ValueError(
             f"pp_mesh with per_group=True: the stages hold {int(-bounds[3])} and "
-            f"{int(bounds[2])} param groups (this one {len(norm_types)}); give each as "
-            "many, with the same clip settings in the same order, or pass per_group=False"
+            f"{int(bounds[2])} param groups (this one {len(norm_types)})"
         )
     if layouts_differ:
-        raise ValueError(
-            f"pp_mesh: the stages' clip settings differ (this stage: {layout}); the norms "
-            "combine by position, so every stage needs the same ones in the same order"
-        )
+        raise ValueError(f"pp_mesh: the stages' clip settings differ (this stage: {layout})")
 
 
 def combine_stages(
