@@ -31,9 +31,7 @@ class ClippedOptimizerState:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, ClippedOptimizer):
-            raise TypeError(
-                f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}"
-            )
+            raise TypeError(f"optimizer must be a ClippedOptimizer, got {type(optimizer).__name__}")
         optimizer._extra_saved_apart = True  # a load without the entry is expected
         self.optimizer = optimizer
         self._template: bytes | None = None

@@ -214,7 +214,7 @@ def clip_grad_norm(
     """:func:`clip_grad_norm_` out of place, same arguments: no ``.grad`` changes.
 
     Returns:
-      A new clipped grad per parameter (None where it has none), and the pre-clip norm.
+      A clipped copy of each grad (None where none), and the pre-clip norm.
 
     Example:
       >>> import torch, clipopt

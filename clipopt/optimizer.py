@@ -102,9 +102,8 @@ class ClippedOptimizer(OptimizerShell):
 
     Example:
       >>> import torch, clipopt
-      >>> w = torch.nn.Parameter(torch.zeros(2))
+      >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([30.0, 40.0])
       >>> opt = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=1.0), max_norm=1.0)
-      >>> w.grad = torch.tensor([30.0, 40.0])
       >>> opt.step()
       >>> opt.last_norm, w.grad, w.data
       (tensor(50.), tensor([0.6000, 0.8000]), tensor([-0.6000, -0.8000]))

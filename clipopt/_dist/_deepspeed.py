@@ -56,9 +56,7 @@ class Watch:
             held = param_groups[0]["params"] if len(param_groups) == 1 else []
             at = [i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]]
             if not at:
-                raise ValueError(
-                    f"{self.binding.caller} steps one param group: step the engine, not the wrapper"
-                )
+                raise ValueError(f"{self.binding.caller}: step the engine, not the wrapper")
             group = owner.real_dp_process_group[at[0]]
             call = ZeroStep(self.binding.caller, at[0], len(partitions), group, owner)
             return call, at[0] == len(partitions) - 1

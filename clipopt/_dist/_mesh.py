@@ -173,9 +173,8 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
 
 
 def mesh_groups(mesh: DeviceMesh) -> list[Any]:
-    if mesh.size() == dist.get_world_size():
-        return [None]
-    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    whole = mesh.size() == dist.get_world_size()
+    return [None] if whole else [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
 def reduction_for(

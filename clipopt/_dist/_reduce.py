@@ -23,12 +23,9 @@ def check_members(name: str, members: Iterable[Tensor], pool: Iterable[Tensor], 
 
 
 def check_process_group(process_group: object) -> None:
-    if process_group is not None and (
-        not dist.is_available() or not isinstance(process_group, dist.ProcessGroup)
-    ):
-        raise TypeError(
-            f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
-        )
+    kind = dist.ProcessGroup if dist.is_available() else ()
+    if process_group is not None and not isinstance(process_group, kind):
+        raise TypeError(f"process_group must be a ProcessGroup or None, got {process_group!r}")
 
 
 def _local_contribution(
