@@ -164,8 +164,7 @@ class OptimizerChain(OptimizerShell):
       optimizers: the optimizers, stepped in this order; no parameter in two of them.
 
     Raises:
-      TypeError: not a list of optimizers, or one is a ``ClippedOptimizer``.
-      ValueError: no optimizers, one given twice, or a parameter in two of them.
+      TypeError, ValueError: not a list of optimizers, or one twice, a parameter in two.
 
     Example:
       >>> import torch, clipopt

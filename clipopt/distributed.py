@@ -19,11 +19,9 @@ __all__ = ["ClippedOptimizerState"]
 class ClippedOptimizerState:
     """The clip state of a :class:`clipopt.ClippedOptimizer` as a DCP ``Stateful``.
 
-    Save it beside the model and the optimizer under its own name (``dcp.save``,
-    torchtitan's ``CheckpointManager(states=...)``): DCP drops the wrapper's ``"clip"``
-    entry. Its state dict is ``{"stage<i>": bytes}`` (``i``: this rank's stage in
-    ``pp_mesh``, else 0), loaded with ``weights_only=True`` and validated first; a partial
-    ``dcp.load`` without it warns and keeps the clip state.
+    Save it beside the model and the optimizer (DCP drops the wrapper's ``"clip"`` entry).
+    Its state dict is ``{"stage<i>": bytes}`` (``i``: this rank's ``pp_mesh`` stage, else
+    0), loaded with ``weights_only=True``; a partial ``dcp.load`` without it warns.
 
     Raises:
       TypeError: ``optimizer`` is not a ``ClippedOptimizer``.

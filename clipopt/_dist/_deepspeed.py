@@ -1,5 +1,4 @@
-"""DeepSpeed stepping the wrapper. ZeRO-1/2 step it once per param group on this rank's
-flat partition: with one group, reduced over the data-parallel group; else DeepSpeed's norm."""
+"""DeepSpeed stepping the wrapper: ZeRO-1/2 step it once per param group, on flat partitions."""
 
 from __future__ import annotations
 
