@@ -1,7 +1,7 @@
 """clipopt: gradient-norm clipping for PyTorch, exact, fast and drop-in."""
 
 from clipopt import distributed
-from clipopt._chain import OptimizerChain
+from clipopt._wrapper import OptimizerChain
 from clipopt.functional import (
     NonFiniteNormError,
     clip_grad_norm,

@@ -1,9 +1,8 @@
-"""``NonFiniteNormError``, at the bottom layer so that every module can raise it."""
+"""``NonFiniteNormError``, at the bottom layer for every module to raise."""
 
 
 class NonFiniteNormError(RuntimeError, FloatingPointError):
-    """The total gradient norm is NaN or infinite and the caller asked to raise (a
-    ``RuntimeError`` like torch's, and a ``FloatingPointError``)."""
+    """The total gradient norm is NaN or infinite and the caller asked to raise."""
 
 
 NonFiniteNormError.__module__ = "clipopt"

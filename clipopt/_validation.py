@@ -1,4 +1,4 @@
-"""Settings and their checks, run when set: each names the argument and the value."""
+"""Settings and their checks, run when set, each naming the argument and the value."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias, cast, get_args
 
 import torch
 from torch import Tensor
@@ -15,10 +15,8 @@ NormType: TypeAlias = float | int | str
 MaxNorm: TypeAlias = float | int | Tensor
 NonFinite: TypeAlias = Literal["propagate", "skip", "raise", "assert"]
 Threshold: TypeAlias = float | Tensor
-# Each param group's clip group (an index into the names, or None), and the names.
-Layout: TypeAlias = tuple[list[int | None], list[str | int]]
+Layout: TypeAlias = tuple[list[int | None], list[str | int]]  # each group's clip group; names
 
-NONFINITE_MODES: tuple[str, ...] = ("propagate", "skip", "raise", "assert")
 CLIP_KEY = "clip"  # ClippedOptimizer.state_dict()'s entry of the clip state
 # Param group (and defaults) keys no optimizer uses: saved, loaded and edited like ``lr``.
 MAX_NORM_KEY, NORM_TYPE_KEY, CLIP_GROUP_KEY = "clip_max_norm", "clip_norm_type", "clip_group"
@@ -27,8 +25,6 @@ DEFAULT_CLIP_GROUP = "default"
 
 @dataclass(frozen=True)
 class Settings:
-    """Validated wrapper-wide settings; ``max_norm``/``norm_type`` are group defaults."""
-
     max_norm: float
     norm_type: float
     per_group: bool
@@ -43,7 +39,6 @@ SETTINGS_KEYS = tuple(Settings.__dataclass_fields__)
 
 
 def check_norm_type(norm_type: NormType) -> float:
-    """Validate a norm order and return it as a float (``math.inf`` for ``'inf'``)."""
     if isinstance(norm_type, str):
         if norm_type.lower() in ("inf", "+inf", "infinity"):
             return math.inf
@@ -56,7 +51,6 @@ def check_norm_type(norm_type: NormType) -> float:
 
 
 def check_positive(name: str, value: MaxNorm, allow_tensor: bool = True) -> None:
-    """Refuse all but a real number > 0 (``inf`` allowed) or a 0-dim real tensor."""
     if isinstance(value, Tensor) and allow_tensor:
         if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} tensor must be a 0-dim real tensor, got {value!r}")
@@ -75,13 +69,12 @@ def check_foreach(foreach: object) -> None:
 def validated_settings(
     max_norm: Any, norm_type: Any, per_group: Any, nonfinite: Any, max_consecutive_skips: Any
 ) -> Settings:
-    """Check every wrapper-wide setting; raise naming the first bad one."""
     check_positive("max_norm", max_norm, allow_tensor=False)
     p = check_norm_type(norm_type)
     if not isinstance(per_group, bool):
         raise TypeError(f"per_group must be a bool, got {per_group!r}")
-    if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    if not isinstance(nonfinite, str) or nonfinite not in get_args(NonFinite):
+        raise ValueError(f"nonfinite must be one of {get_args(NonFinite)}, got {nonfinite!r}")
     limit = max_consecutive_skips
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
         raise TypeError(f"max_consecutive_skips must be a positive int or None, got {limit!r}")
@@ -91,7 +84,6 @@ def validated_settings(
 
 
 def same_threshold(a: Threshold, b: Threshold) -> bool:
-    """Equal numbers, or one tensor (whose value is not read)."""
     return a is b or (isinstance(a, float) and isinstance(b, float) and a == b)
 
 
@@ -104,10 +96,8 @@ def clip_layout(groups: Sequence[Mapping[str, Any]]) -> Layout | None:
     for index, group in enumerate(groups):
         name = group.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP)
         if name is not None and (isinstance(name, bool) or not isinstance(name, (str, int))):
-            raise TypeError(
-                f"param_groups[{index}][{CLIP_GROUP_KEY!r}] must be a str, an int or None, "
-                f"got {name!r}"
-            )
+            where = f"param_groups[{index}][{CLIP_GROUP_KEY!r}]"
+            raise TypeError(f"{where} must be a str, an int or None, got {name!r}")
         if name is not None and name not in names:
             names.append(name)
         layout.append(None if name is None else names.index(name))
@@ -119,9 +109,7 @@ def clip_layout(groups: Sequence[Mapping[str, Any]]) -> Layout | None:
 def check_groups(
     groups: Sequence[Mapping[str, Any]], max_norm: Any, norm_type: Any, per_group: bool
 ) -> tuple[list[Threshold], list[float], Layout | None]:
-    """Each param group's (or, where named, clip group's) threshold and norm order
-    (``max_norm``, ``norm_type`` where it has none), validated, and the :func:`clip_layout`.
-    Refuses two orders for one norm, and ``per_group`` with clip group names."""
+    """Each param (or clip) group's threshold and norm order, validated, and the layout."""
     thresholds: list[Threshold] = []
     norm_types = []
     for index, group in enumerate(groups):
@@ -135,25 +123,19 @@ def check_groups(
     layout = clip_layout(groups)
     if layout is None:
         if not per_group and len(set(norm_types)) > 1:
-            raise ValueError(
-                f"param groups use different norm_type values {norm_types} for one norm: "
-                f"pass per_group=True, or name clip groups with {CLIP_GROUP_KEY!r}"
-            )
+            raise ValueError(f"one norm of norm_type values {norm_types}: pass per_group=True")
         return thresholds, norm_types, None
     at, names = layout
     if per_group:
         index = next(i for i, group in enumerate(groups) if CLIP_GROUP_KEY in group)
-        raise ValueError(
-            f"per_group=True gives each group its own clip group, but "
-            f"param_groups[{index}][{CLIP_GROUP_KEY!r}] is {groups[index][CLIP_GROUP_KEY]!r}"
-        )
+        name = f"param_groups[{index}][{CLIP_GROUP_KEY!r}]"
+        raise ValueError(f"per_group=True but {name} is {groups[index][CLIP_GROUP_KEY]!r}")
     first = [at.index(k) for k in range(len(names))]
     for index, k in enumerate(at):
         for key, values in ((MAX_NORM_KEY, thresholds), (NORM_TYPE_KEY, norm_types)):
             if k is not None and not same_threshold(values[first[k]], values[index]):
                 raise ValueError(
                     f"param_groups[{first[k]}] and param_groups[{index}] are in clip group "
-                    f"{names[k]!r} but have {key!r} {values[first[k]]!r} and "
-                    f"{values[index]!r}: a clip group has one threshold and one order"
+                    f"{names[k]!r} but have {key!r} {values[first[k]]!r} and {values[index]!r}"
                 )
     return [thresholds[i] for i in first], [norm_types[i] for i in first], layout

@@ -1,5 +1,5 @@
-"""The true global gradient norm under ``torch.distributed`` (docs/distributed.md says
-how every layout is reduced), and :class:`ClippedOptimizerState` for DCP checkpoints."""
+"""The global gradient norm under ``torch.distributed`` (docs/distributed.md), and
+:class:`ClippedOptimizerState` for DCP checkpoints."""
 
 from __future__ import annotations
 
@@ -19,12 +19,9 @@ __all__ = ["ClippedOptimizerState"]
 class ClippedOptimizerState:
     """The clip state of a :class:`clipopt.ClippedOptimizer` as a DCP ``Stateful``.
 
-    Save it beside the model and the optimizer under a name of its own (``dcp.save`` /
-    ``dcp.load``, torchtitan's ``CheckpointManager(states=...)``): torch's DCP functions
-    drop the wrapper's ``"clip"`` entry. Its state dict is ``{"stage<i>": bytes}``, the
-    entry ``torch.save``-d, ``i`` this rank's stage in ``pp_mesh`` (0 without one); it
-    loads with ``weights_only=True``, validated first. A partial ``dcp.load`` without it
-    warns and keeps the clip state.
+    Save it beside the model and the optimizer (DCP drops the wrapper's ``"clip"`` entry).
+    Its state dict is ``{"stage<i>": bytes}`` (``i``: this rank's ``pp_mesh`` stage, else
+    0), loaded with ``weights_only=True``; a partial ``dcp.load`` without it warns.
 
     Raises:
       TypeError: ``optimizer`` is not a ``ClippedOptimizer``.
@@ -32,9 +29,7 @@ class ClippedOptimizerState:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, ClippedOptimizer):
-            raise TypeError(
-                f"optimizer must be a clipopt.ClippedOptimizer, got {type(optimizer).__name__}"
-            )
+            raise TypeError(f"optimizer must be a ClippedOptimizer, got {type(optimizer).__name__}")
         optimizer._extra_saved_apart = True  # a load without the entry is expected
         self.optimizer = optimizer
         self._template: bytes | None = None
@@ -54,17 +49,12 @@ class ClippedOptimizerState:
         key = self._key()
         if not isinstance(state_dict, Mapping) or key not in state_dict:
             shown = sorted(state_dict) if isinstance(state_dict, Mapping) else state_dict
-            raise ValueError(
-                f"ClippedOptimizerState's state dict has no {key!r} (this rank's pipeline "
-                f"stage), got {shown!r}; nothing was loaded"
-            )
+            raise ValueError(f"ClippedOptimizerState's state dict has no {key!r}, got {shown!r}")
         blob = state_dict[key]
         if blob is self._template:
             warnings.warn(
-                f"the checkpoint has no {key!r} ClippedOptimizerState entry (a partial "
-                "dcp.load got back the template's own bytes): the clip state is kept as it "
-                "is; save ClippedOptimizerState(optimizer) beside the model and optimizer",
-                UserWarning,
+                f"the checkpoint has no {key!r} ClippedOptimizerState entry: the clip state is "
+                "kept as it is; save ClippedOptimizerState(optimizer) beside the model",
                 stacklevel=2,
             )
             return
@@ -73,7 +63,7 @@ class ClippedOptimizerState:
             entry = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         if not isinstance(blob, bytes) or not isinstance(entry, dict):
             raise TypeError(
-                f"ClippedOptimizerState's {key!r} must be the bytes of a dict its state_dict "
-                f"wrote, got {type(entry).__name__}; nothing was loaded"
+                f"ClippedOptimizerState's {key!r} must be the bytes of a dict, got "
+                f"{type(entry).__name__}"
             )
         self.optimizer._load({"clip": entry}, inner=False)

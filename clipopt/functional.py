@@ -1,5 +1,4 @@
-"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions, and an
-out-of-place :func:`clip_grad_norm`; docs/functional.md says what differs from torch."""
+"""Drop-in replacements for ``torch.nn.utils``' gradient clipping functions (docs/functional.md)."""
 
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ def _grads(parameters: list[Tensor]) -> list[Tensor]:
 
 
 def _scales(grads: list[Tensor], max_norm: MaxNorm) -> bool:
-    """False where nothing can change: no grads, or a float ``max_norm`` of inf."""
     return len(grads) > 0 and (isinstance(max_norm, Tensor) or max_norm != math.inf)
 
 
@@ -67,16 +65,16 @@ def get_total_norm(
     replicated: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
-    """The norm of all ``tensors`` together, as if concatenated into one vector; DTensors
-    across their mesh, the same on every rank (see :mod:`clipopt.distributed`).
+    """The norm of all ``tensors`` as one vector; of DTensors across their mesh, the same
+    on every rank (see :mod:`clipopt.distributed`).
 
     Args:
-      tensors: a tensor or tensors, read once, None skipped; devices, dtypes, sparse mix.
+      tensors: a tensor or tensors, read once, None skipped; any devices, dtypes, sparse.
       norm_type: the order p: any number > 0, ``inf`` or ``'inf'``.
       error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN or inf norm.
       foreach: multi-tensor kernels (True or None) or per-tensor ops (False).
-      process_group: the group plain ``tensors`` are split across.
-      replicated: those of ``tensors`` that are the same on every rank of it.
+      process_group: the group plain ``tensors`` are split across; ``replicated``: those
+        of them the same on all its ranks.
       pp_mesh: the 1-D mesh or group of the pipeline stages (torchtitan's ``pp_mesh``).
 
     Returns:
@@ -86,17 +84,13 @@ def get_total_norm(
       >>> import torch, clipopt
       >>> clipopt.get_total_norm([torch.tensor([3.0]), torch.tensor([4.0])])
       tensor(5.)
-      >>> clipopt.get_total_norm([torch.full((1000,), 3000.0, dtype=torch.float16)]).dtype
-      torch.float32
     """
     check_foreach(foreach)
-    p = check_norm_type(norm_type)
-    pp_group = _stages.stage_group(pp_mesh)
+    p, pp_group = check_norm_type(norm_type), _stages.stage_group(pp_mesh)
     present = [t for t in _as_list(tensors) if t is not None]
     shared = [] if replicated is None else [t for t in _as_list(replicated) if t is not None]
-    norm = _reduce.global_norm(
-        present, p, foreach, process_group=process_group, replicated=shared, pp_group=pp_group
-    )
+    scope = {"process_group": process_group, "replicated": shared, "pp_group": pp_group}
+    norm = _reduce.global_norm(present, p, foreach, **scope)
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
     return norm
@@ -116,8 +110,7 @@ def clip_grads_with_norm_(
     Example:
       >>> import torch, clipopt
       >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
-      >>> clipopt.clip_grads_with_norm_([w], 1.0, torch.tensor(5.0))
-      >>> w.grad
+      >>> clipopt.clip_grads_with_norm_([w], 1.0, torch.tensor(5.0)); w.grad
       tensor([0.6000, 0.8000])
     """
     check_positive("max_norm", max_norm)
@@ -139,7 +132,6 @@ def _clip(
     pp_mesh: DeviceMesh | ProcessGroup | None,
     in_place: bool,
 ) -> tuple[list[Tensor | None], Tensor]:
-    """The clipped copies (none ``in_place``) and the pre-clip norm."""
     check_positive("max_norm", max_norm)
     check_foreach(foreach)
     params = _as_list(parameters)
@@ -153,9 +145,7 @@ def _clip(
         shared = _as_list(replicated_params)
         _reduce.check_members("replicated_params", shared, params, "parameters")
         replicated = _grads(shared)
-    grads = _grads(params)
-    copies: list[Tensor | None] = []
-    # With no grad here, the parameters say whether other ranks reduce over a mesh.
+    grads, copies = _grads(params), []
     local = process_group is None and replicated_params is None and pp_group is None
     if in_place and local and _mesh.all_plain(grads or params):
         norm, groups = _norms.grouped_total_norm(grads, p, foreach)  # one grouping for both
@@ -170,11 +160,7 @@ def _clip(
     if _scales(grads, max_norm):
         coef = _scale.clip_coefficient(max_norm, norm)
         if error_if_nonfinite and not torch.isfinite(coef).item():  # the caller asked
-            raise NonFiniteNormError(
-                f"the clip coefficient for max_norm={max_norm!r} and a total norm of "
-                f"{norm.item()} is NaN: a tensor max_norm must be > 0, and norm / max_norm "
-                "within the dtype's range. To clip anyway, pass error_if_nonfinite=False."
-            )
+            raise NonFiniteNormError(f"the clip coefficient for max_norm={max_norm!r} is NaN")
         _scale.scale_groups_(groups or _norms.group(_mesh.local_tensors(grads)), coef, foreach)
     return copies, norm
 
@@ -197,9 +183,8 @@ def clip_grad_norm_(
     Args:
       parameters: a tensor or tensors (read once); grads that are None are skipped.
       max_norm: the largest allowed total norm, > 0 (``inf``: measure only), or a tensor.
-      norm_type: as in :func:`get_total_norm`, as are ``error_if_nonfinite``,
-        ``foreach``, ``process_group``, ``pp_mesh``, and its ``replicated``
-        (``replicated_params`` here).
+      norm_type: and the rest as in :func:`get_total_norm` (``replicated_params``: its
+        ``replicated``).
 
     Returns:
       The total norm before clipping, as :func:`get_total_norm` returns it.
@@ -207,10 +192,8 @@ def clip_grad_norm_(
     Example:
       >>> import torch, clipopt
       >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([30.0, 40.0])
-      >>> clipopt.clip_grad_norm_(w, max_norm=1.0)
-      tensor(50.)
-      >>> w.grad
-      tensor([0.6000, 0.8000])
+      >>> clipopt.clip_grad_norm_(w, max_norm=1.0), w.grad
+      (tensor(50.), tensor([0.6000, 0.8000]))
     """
     args = (parameters, max_norm, norm_type, error_if_nonfinite, foreach, process_group)
     return _clip(*args, replicated_params, pp_mesh, in_place=True)[1]
@@ -231,7 +214,7 @@ def clip_grad_norm(
     """:func:`clip_grad_norm_` out of place, same arguments: no ``.grad`` changes.
 
     Returns:
-      A new clipped grad per parameter (None where it has none), and the pre-clip norm.
+      A clipped copy of each grad (None where none), and the pre-clip norm.
 
     Example:
       >>> import torch, clipopt
@@ -248,24 +231,21 @@ def clip_grad_norm(
 def clip_grad_value_(
     parameters: TensorOrTensors, clip_value: float, foreach: bool | None = None
 ) -> None:
-    """Clamp every grad element into ``[-clip_value, clip_value]`` in place, as
-    :func:`torch.nn.utils.clip_grad_value_`.
+    """Clamp the grads into ``[-clip_value, clip_value]`` in place, as torch's.
 
     Args:
       parameters: a tensor or tensors (read once). foreach: as in :func:`get_total_norm`.
-      clip_value: the largest allowed magnitude, > 0 (``inf``: nothing changes).
+      clip_value: the largest magnitude, > 0 (``inf``: nothing changes).
 
     Example:
       >>> import torch, clipopt
       >>> w = torch.nn.Parameter(torch.zeros(3)); w.grad = torch.tensor([-5.0, 0.5, 5.0])
-      >>> clipopt.clip_grad_value_(w, 1.0)
-      >>> w.grad
+      >>> clipopt.clip_grad_value_(w, 1.0); w.grad
       tensor([-1.0000,  0.5000,  1.0000])
     """
     check_positive("clip_value", clip_value, allow_tensor=False)
     check_foreach(foreach)
-    value = float(clip_value)
-    params = _as_list(parameters)
+    value, params = float(clip_value), _as_list(parameters)
     if any(g.is_complex() for g in _grads(params)):
         raise TypeError("clip_grad_value_ needs real grads; a complex grad has no order")
     for q in params:

@@ -1,5 +1,4 @@
-"""``ClippedOptimizer``: its settings, read-outs and state dict. The step, top to bottom,
-is :mod:`clipopt._step._clip_step`; the saved ``"clip"`` entry :mod:`clipopt._step._saved`."""
+"""``ClippedOptimizer``: settings, read-outs, state dict; the step is in ``_step/_clip_step``."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from clipopt._chain import OptimizerChain
 from clipopt._dist._deepspeed import Watch, bind
 from clipopt._dist._reduce import NormScope
 from clipopt._kernels._norms import result_dtype
@@ -32,30 +30,27 @@ from clipopt._validation import (
     clip_layout,
     validated_settings,
 )
-from clipopt._wrapper import OptimizerShell, check_inner, check_state_shapes
+from clipopt._wrapper import OptimizerChain, OptimizerShell, check_inner, load_checked
 from clipopt.rules import ClipRule, SpikeSkip, UnitWiseRule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ClippedOptimizer"]
 
+def _read_only(name: str, get: Any, how: str, doc: str | None = None) -> Any:
+    def refuse(o: object, value: object) -> NoReturn:
+        raise AttributeError(f"{name} cannot be assigned ({name}={value!r}): {how}")
 
-def _refuse(name: str, value: object, how: str) -> NoReturn:
-    raise AttributeError(f"ClippedOptimizer.{name} cannot be assigned ({name}={value!r}): {how}")
+    return property(get, refuse, doc=doc)
 
 
 def _fixed(name: str, doc: str) -> Any:
-    """A read-only property of the wrapper's ``ClipConfig``."""
     how = "it is fixed when the wrapper is made; make a new ClippedOptimizer"
-    return property(lambda o: getattr(o._clip, name), lambda o, v: _refuse(name, v, how), doc=doc)
+    return _read_only(name, lambda o: getattr(o._clip, name), how, doc)
 
 
 def _group_setting(name: str, key: str) -> Any:
-    """A read-only property of the groups' ``key``, one number where all are equal (a rule
-    is the ``max_norm``)."""
-
     def get(o: Any) -> Any:
         if name == "max_norm" and o._clip.rule is not None:
             return o._clip.rule
@@ -63,16 +58,14 @@ def _group_setting(name: str, key: str) -> Any:
         return values[0] if len(set(values)) == 1 else values
 
     how = f"set opt.param_groups[i][{key!r}] (and opt.defaults[{key!r}] for groups added later)"
-    return property(get, lambda o, v: _refuse(name, v, how))
+    return _read_only(name, get, how)
 
 
 def _recorded(name: str) -> Any:
-    """A read-only view of the wrapper's ``StepRecord``'s ``name``, called if a method."""
     return property(lambda o: value() if callable(value := getattr(o._record, name)) else value)
 
 
 def _inner(name: str) -> Any:
-    """The inner optimizer's attribute ``name``, the very object."""
     return property(
         lambda o: getattr(o.optimizer, name), lambda o, v: setattr(o.optimizer, name, v)
     )
@@ -81,50 +74,42 @@ def _inner(name: str) -> Any:
 class ClippedOptimizer(OptimizerShell):
     """Wrap any :class:`torch.optim.Optimizer` and clip the grad norm before every step.
 
-    :meth:`step` is :func:`clipopt.clip_grad_norm_` (grads scaled in place by
-    ``min(1, max_norm / (norm + 1e-6))``, no host sync) then the inner step, whose result
-    it returns; ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's. A
-    group's ``"clip_group"`` (a str or an int) names its clip group, which has one norm
-    and one threshold; without one it is in ``"default"``, with None it is not clipped.
+    :meth:`step` is :func:`clipopt.clip_grad_norm_` (no host sync) then the inner step,
+    whose result it returns; ``param_groups``, ``state`` and ``defaults`` are the inner
+    optimizer's. A group's ``"clip_group"`` (str or int; default ``"default"``, None: not
+    clipped) names its clip group, which has one norm and one threshold.
 
     Args:
-      optimizer: the optimizer to wrap, or a list of them made into a
-        :class:`clipopt.OptimizerChain` (Muon for the 2-D weights, AdamW for the rest).
+      optimizer: the optimizer to wrap, or a list made into a :class:`clipopt.OptimizerChain`.
       max_norm: the default largest norm, > 0 (``inf``: measure only), or a group's own
-        ``"clip_max_norm"`` (a number or a 0-dim tensor). Or a :class:`clipopt.ClipRule`
-        that sets the threshold each step (one clip group; see ``docs/adaptive.md``).
+        ``"clip_max_norm"`` (a number or a 0-dim tensor); or a :class:`clipopt.ClipRule`
+        setting it each step (one clip group; see ``docs/adaptive.md``).
       norm_type: the order of the norm, > 0 or ``inf``, or a group's ``"clip_norm_type"``.
       per_group: clip each param group by its own norm; not with ``"clip_group"`` names.
       foreach: multi-tensor kernels (True), per-tensor ops (False) or the fastest (None).
       nonfinite: on a NaN/inf norm, ``"propagate"`` scales by NaN and steps (torch's);
-        ``"skip"`` skips the step and ``"raise"`` raises :class:`clipopt.NonFiniteNormError`,
-        touching nothing (one host read a step); ``"assert"``: ``torch._assert_async``
-        (on CUDA it surfaces after the step and leaves the CUDA context unusable).
+        ``"skip"`` skips the step; ``"raise"`` raises :class:`clipopt.NonFiniteNormError`
+        (one host read a step); ``"assert"``: ``torch._assert_async`` (on CUDA, fatal).
       max_consecutive_skips: with ``"skip"``, raise after this many skips in a row (None: never).
-      process_group: the group plain parameters are split across (model parallelism),
-        reduced over in one ``all_reduce``; DTensor grads and DDP need none.
+      process_group: the group plain parameters are split across; DTensors and DDP need none.
       replicated_params: parameters identical on every rank of ``process_group``.
       skip_spikes: a :class:`clipopt.SpikeSkip` that skips a step whose norm is a spike.
       track_tensor_norms: keep each grad's norm in :attr:`last_tensor_norms`.
-      pp_mesh: under pipeline parallelism, the 1-D ``DeviceMesh`` or ``ProcessGroup``
-        joining the stages: every stage clips by the whole model's norm.
+      pp_mesh: the 1-D ``DeviceMesh`` or ``ProcessGroup`` joining pipeline stages.
 
     Raises:
-      TypeError, ValueError: a bad ``optimizer`` (no optimizer, a ClippedOptimizer, no
-        parameters, one twice in a list) or setting, or clip settings that disagree.
+      TypeError, ValueError: a bad ``optimizer`` or setting, or clip settings that disagree.
 
     Example:
       >>> import torch, clipopt
-      >>> w = torch.nn.Parameter(torch.zeros(2))
+      >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([30.0, 40.0])
       >>> opt = clipopt.ClippedOptimizer(torch.optim.SGD([w], lr=1.0), max_norm=1.0)
-      >>> w.grad = torch.tensor([30.0, 40.0])
       >>> opt.step()
       >>> opt.last_norm, w.grad, w.data
       (tensor(50.), tensor([0.6000, 0.8000]), tensor([-0.6000, -0.8000]))
     """
 
-    # GradScaler unscales the grads before step() measures them, even for a fused inner
-    # optimizer that could take the scale itself: last_norm is the true norm.
+    # GradScaler unscales the grads before step() measures them: last_norm is the true norm.
     _step_supports_amp_scaling = False
     clips = True
 
@@ -151,24 +136,20 @@ class ClippedOptimizer(OptimizerShell):
         if not isinstance(groups, list) or not any(g.get("params") for g in groups):
             raise ValueError(f"optimizer {type(optimizer).__name__} has no parameters to clip")
         rule = max_norm if isinstance(max_norm, ClipRule) else None
-        threshold = math.inf if rule is not None else max_norm
-        settings = validated_settings(
-            threshold, norm_type, per_group, nonfinite, max_consecutive_skips
-        )
+        modes = (per_group, nonfinite, max_consecutive_skips)
+        settings = validated_settings(max_norm if rule is None else math.inf, norm_type, *modes)
         if rule is not None and per_group:
             raise ValueError(f"per_group=True cannot take a rule ({rule!r}): it keeps one norm")
-        local = isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
-        if local and process_group is not None:
-            raise ValueError(
-                f"{rule!r} measures each grad, which a process_group splits across ranks: "
-                "per-tensor and unit-wise rules need unsplit parameters (or DTensor grads)"
-            )
         if isinstance(rule, UnitWiseRule):
             rule.check_norm_type(settings.norm_type)
         if not isinstance(track_tensor_norms, bool):
             raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
-        if track_tensor_norms and process_group is not None:
-            raise ValueError("track_tensor_norms=True needs unsplit tensors: no process_group")
+        local = isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
+        if (local or track_tensor_norms) and process_group is not None:
+            raise ValueError(
+                "track_tensor_norms=True and per-tensor or unit-wise rules need unsplit "
+                "parameters, not a process_group"
+            )
         if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
             raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
@@ -180,16 +161,14 @@ class ClippedOptimizer(OptimizerShell):
         self._init_hooks()
         self.optimizer, self._parts = optimizer, (optimizer,)
         self._extra_saved_apart = False  # a ClippedOptimizerState carries the "clip" entry
-        modes, watch = (per_group, settings.nonfinite, max_consecutive_skips), Watch(params)
         self._clip = ClipConfig(
-            rule, skip_spikes, *modes, foreach, scope, track_tensor_norms, watch
+            rule, skip_spikes, *modes, foreach, scope, track_tensor_norms, Watch(params)
         )
         self._apply_settings(settings)
         self._record = StepRecord()
         if len(self.clip_groups) > 1 or per_group:  # shaped from the start
             self._record.clipped_count = torch.zeros(len(self.clip_groups), dtype=torch.int64)
-        # The rules' state for the norms the step will give them, so that a compiled step
-        # compiles once (a wrong guess, grads on another device, costs one recompile).
+        # The rules' state shaped for the step's norms, so that a compiled step compiles once.
         clipped = [g for g in groups if g.get(CLIP_GROUP_KEY, DEFAULT_CLIP_GROUP) is not None]
         trained = [p for g in clipped for p in g["params"] if p.requires_grad]
         if trained:
@@ -210,7 +189,6 @@ class ClippedOptimizer(OptimizerShell):
         self.optimizer.zero_grad(set_to_none)
 
     def _apply_settings(self, settings: Settings) -> None:
-        """Make ``settings`` the wrapper's; groups without their own take the defaults."""
         self.defaults[MAX_NORM_KEY] = settings.max_norm
         self.defaults[NORM_TYPE_KEY] = settings.norm_type
         for group in self.param_groups:
@@ -227,7 +205,7 @@ class ClippedOptimizer(OptimizerShell):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the inner optimizer; a missing ``clip_max_norm`` or
-        ``clip_norm_type`` is filled from :attr:`defaults`, like every hyperparameter.
+        ``clip_norm_type`` comes from :attr:`defaults`.
 
         Raises:
           TypeError, ValueError: bad clip settings (as in the constructor); nothing is added.
@@ -241,11 +219,11 @@ class ClippedOptimizer(OptimizerShell):
 
     def attach_deepspeed(self, engine: Any) -> None:
         """Say that DeepSpeed's ``engine`` steps this wrapper: call it once, right after
-        ``deepspeed.initialize(optimizer=this wrapper, ...)``, at any ZeRO stage.
+        ``deepspeed.initialize(optimizer=this wrapper, ...)``.
 
         Raises:
-          ValueError: the engine does not step this wrapper, or uses a setting under which
-            the norm cannot be right (named: an OptimizerChain is one); nothing changes.
+          ValueError: the engine does not step this wrapper, or a setting (named) makes
+            the norm wrong; nothing changes.
         """
         if isinstance(self.optimizer, OptimizerChain):
             raise ValueError("DeepSpeed steps one optimizer, not an OptimizerChain")
@@ -268,66 +246,52 @@ class ClippedOptimizer(OptimizerShell):
     track_tensor_norms = _fixed("track_tensor_norms", "Whether a step keeps its tensors' norms.")
 
     max_norm: float | list[float] | ClipRule = _group_setting("max_norm", MAX_NORM_KEY)
-    """The rule, else the groups' ``clip_max_norm`` (one number where all are equal).
-    Read-only: set ``opt.param_groups[i]["clip_max_norm"]`` (and ``opt.defaults``'s for
-    groups added later), as a scheduler sets ``lr``."""
+    """The rule, else the groups' ``clip_max_norm`` (one number where all are equal);
+    read-only: set ``opt.param_groups[i]["clip_max_norm"]``, as a scheduler sets ``lr``."""
 
     norm_type: float | list[float] = _group_setting("norm_type", NORM_TYPE_KEY)
     """The groups' ``clip_norm_type``, read-only as :attr:`max_norm`."""
 
     last_norm: Tensor | None = _recorded("last_norm")
-    """The pre-clip total norm of the last step (None before the first), a 0-dim
-    tensor on the grads' device (float32, float64 for double grads); with
-    ``per_group=True``, the norm of the group norms."""
+    """The last step's pre-clip total norm, 0-dim on the grads' device; None before one."""
 
     last_group_norms: Tensor | None = _recorded("last_group_norms")
-    """With ``per_group=True`` or clip groups, each one's pre-clip norm (1-D, in the
-    order of :attr:`clip_groups`); else None."""
+    """Each clip group's pre-clip norm (1-D, as :attr:`clip_groups`), else None."""
 
     @property
     def clip_groups(self) -> tuple[str | int, ...]:
-        """The clip groups' names in order of first appearance (not None): ``("default",)``
-        where no group names one, the group indices with ``per_group=True``."""
+        """The clip groups' names (the group indices with ``per_group=True``)."""
         layout = clip_layout(self.param_groups)
         if layout is not None:
             return tuple(layout[1])
         return tuple(range(len(self.param_groups))) if self.per_group else (DEFAULT_CLIP_GROUP,)
 
     last_clipped_norm: Tensor | None = _recorded("last_clipped_norm")
-    """The post-clip norm of the last step (of the grads its inner step used), shaped
-    as :attr:`last_group_norms` or :attr:`last_norm`, derived when read. For a
-    per-tensor or unit-wise rule, the float64 norm of its scaled tensors or units. A
-    skipped step's is :attr:`last_norm`. None before the first step, after loading a
-    format-1 checkpoint, and where groups with different ``clip_max_norm`` share one
-    norm."""
+    """The last step's post-clip norm, shaped as :attr:`last_group_norms` or
+    :attr:`last_norm`; None before a step, after a format-1 load, and where groups with
+    different ``clip_max_norm`` share one norm."""
 
     last_clipped: Tensor | None = _recorded("last_clipped")
-    """Whether the last step's clip scaled the grads (some, for a per-tensor or
-    unit-wise rule), a bool tensor shaped as :attr:`last_clipped_norm`; False for a
-    skipped step, None before the first."""
+    """Whether the last step's clip scaled (some of) the grads, shaped as the norm."""
 
     clipped_count: Tensor = _recorded("clipped_count")
-    """Steps whose clip scaled the grads, an int64 tensor shaped as
-    :attr:`last_clipped`, counted on the device and saved in :meth:`state_dict`."""
+    """Steps whose clip scaled the grads, an int64 tensor shaped as :attr:`last_clipped`."""
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
-        """With ``track_tensor_norms=True``, ``{name: pre-clip norm}`` of each grad in the
-        last step, in the groups' order; a name is the group's ``param_names`` entry, else
-        the parameter's index as a string. None before the first step and after a load."""
+        """With ``track_tensor_norms``, ``{name: pre-clip norm}`` of the last step's grads (a
+        name: the ``param_names`` entry, else the index as a str); None before a step."""
         record = self._record
         if record.tensor_norms is None:
             return None
         return dict(zip(record.tensor_names, record.tensor_norms.unbind(), strict=True))
 
     step_count: Tensor = _recorded("step_count")
-    """Inner steps taken (skipped ones not counted), a 0-dim int64 tensor."""
-
+    """Inner steps taken, a 0-dim int64 tensor."""
     skip_count: Tensor = _recorded("skip_count")
     """Steps skipped for a non-finite norm, a 0-dim int64 tensor."""
-
     consecutive_skips: Tensor = _recorded("consecutive_skips")
-    """Steps skipped in a row since the last step taken, a 0-dim int64 tensor."""
+    """Steps skipped in a row, a 0-dim int64 tensor."""
 
     def _state_dict(self) -> dict[str, Any]:
         return {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
@@ -337,14 +301,12 @@ class ClippedOptimizer(OptimizerShell):
         return _saved.clip_entry(self._settings(), self._record.state(), c.rule, c.skip_spikes)
 
     def _load(self, loaded: dict[str, Any], inner: bool = True) -> None:
-        """Check the ``"clip"`` entry and the groups' clip settings, load the inner
-        optimizer (unless not ``inner``: ClippedOptimizerState's load), then the entry."""
+        """Check the ``"clip"`` entry, load the inner optimizer (if ``inner``), the entry."""
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
-                f"load_state_dict got a state dict without a {CLIP_KEY!r} entry (as DCP's): the "
-                "clip state stays; save clipopt.distributed.ClippedOptimizerState(optimizer) too",
-                UserWarning,
-                stacklevel=3,  # load_state_dict -> here
+                f"a state dict without a {CLIP_KEY!r} entry: the clip state stays; save "
+                "clipopt.distributed.ClippedOptimizerState(optimizer) too",
+                stacklevel=3,
             )
         extra, c = loaded.pop(CLIP_KEY, None), self._clip
         # The entry has a norm per saved clip group (the inner optimizer judges odd groups).
@@ -356,8 +318,7 @@ class ClippedOptimizer(OptimizerShell):
         count = len(groups) if layout is None else len(layout[1])
         prepared = _saved.check_load(extra, loaded, count, self._settings(), c.rule, c.skip_spikes)
         if inner:
-            self.optimizer.load_state_dict(loaded)
-            check_state_shapes(self.optimizer)
+            load_checked(self.optimizer, loaded)
         # An inner optimizer with a layout of its own loads groups that only now can be read.
         s = self._settings() if prepared is None else prepared.settings
         check_groups(self.param_groups, s.max_norm, s.norm_type, s.per_group)

@@ -25,7 +25,7 @@ UNIT_LAYERS: list[set[str]] = [
     {"_kernels"},  # one rank's norms and scales
     {"_dist", "_wrapper"},  # norms across ranks; the wrapper's plumbing and step hooks
     # the clip rules; torch.nn.utils' names; several optimizers stepped as one
-    {"rules", "functional", "_chain"},
+    {"rules", "functional"},
     {"_step"},  # one clipped step: measure, decide, apply, and its saved entry
     {"optimizer"},  # ClippedOptimizer
     {"distributed"},  # the distributed names and DCP checkpoints

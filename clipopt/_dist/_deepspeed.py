@@ -1,6 +1,4 @@
-"""DeepSpeed stepping the wrapper, as the user attached it. ZeRO-1 and -2 step the client
-once per param group, on this rank's flat fp32 partition: with one group its ``norm**p``
-summed over the data-parallel group is the global norm; with several, only DeepSpeed's is."""
+"""DeepSpeed stepping the wrapper: ZeRO-1/2 step it once per param group, on flat partitions."""
 
 from __future__ import annotations
 
@@ -20,16 +18,12 @@ from clipopt._dist._reduce import NormScope
 
 @dataclass(frozen=True)
 class Binding:
-    """``caller`` for messages; ``owner``: DeepSpeed's ZeRO optimizer, or None (whole grads)."""
-
     caller: str
     owner: Any = None
 
 
 @dataclass(frozen=True)
 class ZeroStep:
-    """One client call of DeepSpeed's ZeRO optimizer: the group it steps, of how many."""
-
     caller: str
     group_index: int
     group_count: int
@@ -38,8 +32,7 @@ class ZeroStep:
 
 
 class Watch:
-    """The wrapper's parameters, whether it has stepped, and the engine it was attached to
-    (a copy or a pickle is not attached)."""
+    """The wrapper's parameters, whether it stepped, and its engine (not pickled)."""
 
     def __init__(self, params: Iterable[Tensor]) -> None:
         self.params = list(params)
@@ -53,8 +46,7 @@ class Watch:
         return {"params": self.params, "binding": None, "stepped": self.stepped}
 
     def call(self, param_groups: Sequence[dict[str, Any]]) -> tuple[ZeroStep | None, bool]:
-        """This step's ZeRO call (None on whole parameters) and whether it is recorded:
-        not DeepSpeed's start-up step, nor a ZeRO call but its step's last."""
+        """This step's ZeRO call (None on whole parameters) and whether it is recorded."""
         if self.binding is not None:
             self.stepped, owner = True, self.binding.owner
             if owner is None:
@@ -63,9 +55,7 @@ class Watch:
             held = param_groups[0]["params"] if len(param_groups) == 1 else []
             at = [i for i, t in enumerate(partitions) if len(held) == 1 and t is held[0]]
             if not at:
-                raise ValueError(
-                    f"{self.binding.caller} steps one param group: step the engine, not the wrapper"
-                )
+                raise ValueError(f"{self.binding.caller}: step the engine, not the wrapper")
             group = owner.real_dp_process_group[at[0]]
             call = ZeroStep(self.binding.caller, at[0], len(partitions), group, owner)
             return call, at[0] == len(partitions) - 1
@@ -80,34 +70,26 @@ class Watch:
         if first and [t.shape for t in tensors] == [p.shape for p in self.params]:
             return None, False  # DeepSpeed's start-up step on zero grads
         raise ValueError(
-            f"ClippedOptimizer's param groups hold {len(foreign)} tensor(s) that are not its "
-            f"parameters (first of shape {tuple(foreign[0].shape)}), whose norm it cannot know: "
+            f"a tensor of shape {tuple(foreign[0].shape)} is not a ClippedOptimizer parameter: "
             "under DeepSpeed call opt.attach_deepspeed(engine) after deepspeed.initialize"
         )
 
 
 def bind(engine: Any, optimizer: Optimizer) -> Binding:
-    """How ``engine`` steps ``optimizer``; a ValueError naming the setting to change where
-    it cannot give the true norm."""
+    """How ``engine`` steps ``optimizer``; a ValueError names a setting giving a wrong norm."""
     import deepspeed.runtime.fp16.unfused_optimizer as unfused  # type: ignore[import-untyped]
     import deepspeed.runtime.zero.stage_1_and_2 as zero12  # type: ignore[import-untyped]
 
     basic: object = getattr(engine, "basic_optimizer", None)
     if basic is not optimizer:
-        raise ValueError(
-            f"the engine steps {type(basic).__name__}: pass deepspeed.initialize(optimizer=opt)"
-        )
+        raise ValueError(f"the engine steps {type(basic).__name__}, not this wrapper")
     caller = f"DeepSpeed ZeRO-{int(engine.zero_optimization_stage())}"
     clipping = float(engine.gradient_clipping() or 0.0)
     if clipping > 0:
-        raise ValueError(
-            f"{caller} clips the grads itself (gradient_clipping={clipping}), twice with "
-            "clipopt: set 'gradient_clipping': 0 in the DeepSpeed config"
-        )
+        raise ValueError(f"{caller} clips too: set 'gradient_clipping': 0, not {clipping}")
     if engine.fp16_enabled() and engine.dynamic_loss_scale():
         raise ValueError(
-            f"{caller}'s fp16 dynamic loss scale changes before the grads are unscaled: set "
-            "a static 'fp16': {'loss_scale': <a power of 2>}, or use bf16"
+            f"{caller}: set a static 'fp16': {{'loss_scale': 2**k}}, not a dynamic one"
         )
     owner = engine.optimizer
     if owner is optimizer or isinstance(owner, unfused.FP16_UnfusedOptimizer):
@@ -130,10 +112,8 @@ def _ranks(group: Any) -> list[int]:
 def zero_source(
     call: ZeroStep, scope: NormScope, norm_types: list[float], per_group: bool, each: bool
 ) -> tuple[NormScope, Tensor | None]:
-    """Where the norm of a step under ``call`` comes from: (DeepSpeed's data-parallel
-    group, None) with one param group, (``scope``, DeepSpeed's norm) with several; a
-    ValueError naming the setting to use where neither is right (``each``: a norm of each
-    grad or unit is asked, which a flat partition cannot give)."""
+    """(the scope, DeepSpeed's norm or None) of a step under ``call``; ``each``: a norm of
+    each grad or unit is asked, which a flat partition cannot give."""
     flat = f"{call.caller} steps flat partitions of one data-parallel group"
     if each:
         raise ValueError(f"{flat}: track_tensor_norms, per-tensor and unit-wise rules cannot run")
@@ -143,22 +123,15 @@ def zero_source(
     dp_ranks = _ranks(call.dp_group)
     if scope.process_group is not None and _ranks(scope.process_group) != dp_ranks:
         raise ValueError(
-            f"process_group spans ranks {_ranks(scope.process_group)}, but {call.caller} "
-            f"partitions param group {call.group_index} over ranks {dp_ranks}: remove it"
+            f"process_group spans ranks {_ranks(scope.process_group)}, ZeRO's ranks {dp_ranks}"
         )
     if call.group_count == 1:
         return NormScope(call.dp_group), None
     if per_group or any(p != 2.0 for p in norm_types):
-        raise ValueError(
-            f"{call.caller} steps each of {call.group_count} param groups apart, so the norm "
-            "is DeepSpeed's L2 one: use norm_type=2 and per_group=False, or one group"
-        )
+        raise ValueError(f"{call.caller}'s norm needs norm_type=2 and per_group=False")
     norm = getattr(call.owner, "_global_grad_norm", None)
     if isinstance(norm, Tensor):
         return scope, norm.detach().reshape(())
     if isinstance(norm, float) and not math.isnan(norm) and norm >= 0:
         return scope, torch.tensor(norm, dtype=torch.float32)
-    raise ValueError(
-        f"{call.caller} computed no grad norm this step (got {norm!r}): set "
-        "'zero_optimization': {'compute_grad_norm': true}, or use one param group"
-    )
+    raise ValueError(f"{call.caller} computed no grad norm ({norm!r}): set compute_grad_norm")

@@ -1,5 +1,4 @@
-"""DTensor shards and meshes, and the float64 all_reduce every norm across ranks takes.
-Nothing here imports ``torch.distributed.tensor``: no grad is a DTensor before the user has."""
+"""DTensor meshes and the float64 all_reduce of norms (no DTensor import at run time)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ REDUCE_DTYPE = torch.float64  # one dtype on every rank (gloo aborts otherwise),
 
 
 def collective_device(tensors: Sequence[Tensor], groups: Sequence[Any]) -> torch.device:
-    """The grads' device, or the group's when this rank has none."""
     if tensors:
         return tensors[0].device
     device_types = getattr(groups[0] or dist.group.WORLD, "_device_types", [])
@@ -39,9 +37,8 @@ def all_reduce(
     count: int | None = None,
     ranks: int = 1,
 ) -> Tensor:
-    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group in
-    turn. With ``count`` (this rank's tensors) one value more ends it: 0, or NaN where the
-    ``ranks`` ranks' counts differ (every value is NaN then)."""
+    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group; with
+    ``count``, one value more: 0, or NaN (all NaN) where the ``ranks`` ranks' counts differ."""
     values = torch.cat([p.to(device) for p in parts])
     if count is not None:  # counts equal iff ranks * sum(n**2) == sum(n)**2, or max(n) == min(n)
         pair = (count, count * count if summed else -count)
@@ -71,8 +68,7 @@ def reduce_by_order(
     count: int | None = None,
     ranks: int = 1,
 ) -> list[Tensor]:
-    """Each of ``parts`` reduced: finite orders' summed in one :func:`all_reduce`, the
-    inf-norm's maxed in another."""
+    """Each of ``parts`` reduced: finite orders' summed in one :func:`all_reduce`, inf's maxed."""
     out: dict[int, Tensor] = {}
     for summed in (True, False):
         at = [i for i, p in enumerate(norm_types) if (p != math.inf) == summed]
@@ -84,7 +80,6 @@ def reduce_by_order(
 
 
 def all_plain(tensors: Sequence[Tensor]) -> bool:
-    """True if no tensor is a DTensor (by type, each distinct one once)."""
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
         return True
@@ -101,7 +96,6 @@ def dtensors(tensors: Sequence[Tensor]) -> list[DTensor]:
 
 
 def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``tensors`` with every DTensor replaced by its local shard (the same storage)."""
     return (
         list(tensors) if all_plain(tensors) else [getattr(t, "_local_tensor", t) for t in tensors]
     )
@@ -110,8 +104,7 @@ def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
 def check_unmixed(tensors: Sequence[Tensor], found: Sequence[DTensor], what: str = "grads") -> None:
     if len(found) != len(tensors):
         raise ValueError(
-            f"{len(found)} of {len(tensors)} {what} are DTensors: DTensor and plain {what} "
-            "cannot be reduced together; shard every parameter or none"
+            f"{len(found)} of {len(tensors)} {what} are DTensors: DTensor and plain mix"
         )
 
 
@@ -121,17 +114,14 @@ def replica_count(grad: DTensor, reduction_mesh: DeviceMesh) -> int:
     count, rest = divmod(reduction_mesh.size(), mesh.size())
     if rest or any(p.is_partial() for p in grad.placements):
         raise ValueError(
-            f"a gradient of shape {tuple(grad.shape)} with placements {grad.placements} "
-            f"on {mesh} cannot be reduced over {reduction_mesh}: a Partial one has no "
-            "norm until redistributed to Shard or Replicate, and the mesh sizes must divide"
+            f"a gradient of shape {tuple(grad.shape)} with placements {grad.placements} on "
+            f"{mesh} cannot be reduced over {reduction_mesh} (a Partial one has no norm)"
         )
-    return count * math.prod(
-        mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate()
-    )
+    replicas = [mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate()]
+    return count * math.prod(replicas)
 
 
 def by_replicas(grads: Sequence[DTensor], mesh: DeviceMesh) -> dict[int, list[int]]:
-    """The indices of ``grads`` grouped by :func:`replica_count`."""
     found: dict[int, list[int]] = {}
     for index, grad in enumerate(grads):
         found.setdefault(replica_count(grad, mesh), []).append(index)
@@ -158,8 +148,7 @@ def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 
 def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
-    """The grads' mesh holding all their meshes' ranks (by ranks, not names: torchtitan
-    unflattens its meshes from a 1-D root), else their root's named dims they use."""
+    """The grads' mesh holding all their meshes' ranks, else the root's dims they use."""
     meshes: list[DeviceMesh] = []
     for g in grads:
         if not any(g.device_mesh is known or g.device_mesh == known for known in meshes):
@@ -174,8 +163,8 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
         names = mesh.mesh_dim_names
         if root is None or _root_mesh(mesh) != root or not set(names or [None]) <= set(root_names):
             raise ValueError(
-                f"DTensor grads on {meshes} reduce together only where one mesh holds "
-                "the ranks of all the others, or all are named sub-meshes of one root"
+                f"DTensor grads on {meshes}: no mesh holds the ranks of all the others, "
+                "nor are all named sub-meshes of one root"
             )
     assert root is not None
     used = {name for mesh in meshes for name in mesh.mesh_dim_names or ()}
@@ -184,18 +173,15 @@ def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
 
 
 def mesh_groups(mesh: DeviceMesh) -> list[Any]:
-    """The groups to all_reduce over in turn to sum every rank of ``mesh``."""
-    if mesh.size() == dist.get_world_size():
-        return [None]
-    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    whole = mesh.size() == dist.get_world_size()
+    return [None] if whole else [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
 def reduction_for(
     tensors: Sequence[Tensor], params: Sequence[Tensor] = (), process_group: Any = None
 ) -> tuple[DeviceMesh, list[Any]] | None:
-    """The mesh and groups to reduce DTensor ``tensors`` over (None for plain ones),
-    decided with the DTensor ``params`` that require grad, so a rank without grads joins;
-    ``process_group``, if given, must span the mesh's ranks."""
+    """The mesh and groups to reduce DTensor ``tensors`` over (None for plain ones), also
+    from the ``params`` that require grad, so that a rank without grads joins."""
     found = dtensors(tensors)
     if tensors and not found:
         return None
@@ -209,7 +195,7 @@ def reduction_for(
     ranks = list(group_ranks(process_group))
     if ranks != list(mesh_ranks(mesh)):
         raise ValueError(
-            f"process_group spans ranks {ranks}, the grads' mesh {list(mesh_ranks(mesh))}: "
-            "pass one over the same ranks, or None (pipeline stages go in pp_mesh)"
+            f"process_group spans ranks {ranks}, the grads' mesh {list(mesh_ranks(mesh))} "
+            "(pipeline stages go in pp_mesh)"
         )
     return mesh, [process_group]

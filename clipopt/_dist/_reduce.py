@@ -1,5 +1,4 @@
-"""Global norms across ranks (:mod:`clipopt.distributed` says how), in one collective.
-Wrong settings raise before any collective starts, so no peer is left waiting."""
+"""Global norms across ranks in one collective; bad settings raise before it starts."""
 
 from __future__ import annotations
 
@@ -17,25 +16,16 @@ from clipopt._dist._mesh import REDUCE_DTYPE
 from clipopt._kernels import _norms
 
 
-def check_members(
-    name: str, members: Iterable[Tensor], pool: Iterable[Tensor], pool_name: str
-) -> None:
-    """Raise a ValueError unless every one of ``members`` is (by identity) in ``pool``."""
+def check_members(name: str, members: Iterable[Tensor], pool: Iterable[Tensor], among: str) -> None:
     known = {id(t) for t in pool}
-    for t in members:
-        if id(t) not in known:
-            raise ValueError(
-                f"{name} holds a tensor of shape {tuple(t.shape)} that is not among {pool_name}"
-            )
+    for t in (t for t in members if id(t) not in known):
+        raise ValueError(f"{name} holds a tensor of shape {tuple(t.shape)} not among {among}")
 
 
 def check_process_group(process_group: object) -> None:
-    if process_group is not None and (
-        not dist.is_available() or not isinstance(process_group, dist.ProcessGroup)
-    ):
-        raise TypeError(
-            f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
-        )
+    kind = dist.ProcessGroup if dist.is_available() else ()
+    if process_group is not None and not isinstance(process_group, kind):
+        raise TypeError(f"process_group must be a ProcessGroup or None, got {process_group!r}")
 
 
 def _local_contribution(
@@ -44,8 +34,8 @@ def _local_contribution(
     foreach: bool | None,
     device: torch.device,
 ) -> Tensor:
-    """``sum weight * norm**p`` (``max norm`` for inf) over the (weight, tensors) classes,
-    float64 of shape (1,); with no tensor, a zero made on ``device`` (never copied there)."""
+    """``sum weight * norm**p`` (max for inf) over the (weight, tensors) classes, float64
+    of shape (1,); with no tensor, a zero made on ``device``."""
     parts: list[Tensor] = []
     for weight, tensors in classes:
         if tensors:
@@ -68,16 +58,9 @@ def global_norms(
     pp_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
     """The global p-norm of each bucket, 0-dim, the same on every rank, in torch's dtype:
-    finite orders in one ``all_reduce(SUM)``, the inf-norm's in one ``MAX``; nothing sent
-    without DTensors, groups or stages.
-
-    Args:
-      process_group: the group plain tensors are split across; for DTensors, optionally
-        a group of exactly their mesh's ranks (one all_reduce instead of one per dim).
-      replicated: plain tensors (by identity) the same on every rank of the group.
-      params: the parameters, as in :func:`clipopt._dist._mesh.reduction_for`.
-      pp_group: the pipeline stages' group, sharing no other rank with the stage's.
-    """
+    finite orders in one ``all_reduce(SUM)``, inf in one ``MAX``. ``process_group``: what
+    plain tensors are split across (for DTensors, optionally their mesh's ranks in one
+    group); ``replicated``: plain tensors the same on all its ranks."""
     check_process_group(process_group)
     flat = [t for bucket in buckets for t in bucket]
     if replicated:
@@ -91,10 +74,7 @@ def global_norms(
     classes: list[list[tuple[float, list[Tensor]]]] = []
     if reduction is not None:
         if replicated:
-            raise ValueError(
-                "replicated applies to plain tensors; a DTensor's replicas follow from its "
-                "Replicate placements"
-            )
+            raise ValueError("replicated is for plain tensors, not DTensors' Replicate placements")
         mesh, groups = reduction
         for bucket in buckets:
             held = _mesh.dtensors(list(bucket))
@@ -125,7 +105,6 @@ def global_norms(
     results = []
     for value, p, bucket in zip(reduced, norm_types, buckets, strict=True):
         norm = value[0] if p == math.inf else value[0].pow(1.0 / p)
-        # An empty bucket's norm takes the parameters' dtype, as the ranks with grads do.
         dtype = _norms.result_dtype([t.dtype for t in bucket or params])
         results.append(norm.to(device=bucket[0].device if bucket else device, dtype=dtype))
     return results
@@ -139,8 +118,7 @@ def global_norm(
 
 class NormScope:
     """Where a clipping norm is reduced: a process group, the parameters replicated on it
-    (counted once) and the pipeline stages' group. A copy shares the groups; pickling a
-    scope that holds one raises a TypeError."""
+    and the pipeline stages' group (a copy shares the groups; a pickle refuses them)."""
 
     def __init__(
         self,
@@ -160,9 +138,8 @@ class NormScope:
             raise ValueError("replicated_params need a process_group to be replicated across")
         if params is not None:
             check_members("replicated_params", replicated, params, "the optimizer's parameters")
-        self.process_group = process_group
+        self.process_group, self.pp_group = process_group, pp_group
         self.replicated_params = replicated
-        self.pp_group = pp_group
         self.stages_checked: tuple[bool, int, tuple[str | int, ...]] | None = None
 
     def global_norms(
@@ -172,18 +149,12 @@ class NormScope:
         foreach: bool | None = None,
         params: Sequence[Tensor] = (),
     ) -> list[Tensor]:
-        """:func:`global_norms` of the buckets, with the replicated parameters' grads."""
         present = {id(t) for bucket in buckets for t in bucket} if self.replicated_params else ()
-        shared = [q.grad for q in self.replicated_params if id(q.grad) in present]
-        return global_norms(
-            buckets,
-            norm_types,
-            foreach,
-            process_group=self.process_group,
-            replicated=[g for g in shared if g is not None],
-            params=params,
-            pp_group=self.pp_group,
-        )
+        shared = [
+            g for q in self.replicated_params if (g := q.grad) is not None and id(g) in present
+        ]
+        kw = {"process_group": self.process_group, "pp_group": self.pp_group}
+        return global_norms(buckets, norm_types, foreach, replicated=shared, params=params, **kw)
 
     def check_stages(
         self,
@@ -192,13 +163,11 @@ class NormScope:
         thresholds: Sequence[object],
         names: Sequence[str | int] = (),
     ) -> None:
-        """Under pipeline stages, :func:`clipopt._dist._stages.check_layout` the first
-        time, and again where ``per_group``, the group count or the group ``names`` changed."""
+        """Under stages, :func:`~clipopt._dist._stages.check_layout` once per layout."""
         key = (per_group, len(norm_types) if per_group else 0, tuple(names))
-        if self.pp_group is None or self.stages_checked == key:
-            return
-        _stages.check_layout(self.pp_group, per_group, norm_types, thresholds, names)
-        self.stages_checked = key
+        if self.pp_group is not None and self.stages_checked != key:
+            _stages.check_layout(self.pp_group, per_group, norm_types, thresholds, names)
+            self.stages_checked = key
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NormScope:
         twin = NormScope.__new__(NormScope)
@@ -209,8 +178,5 @@ class NormScope:
     def __getstate__(self) -> dict[str, Any]:
         for name in ("process_group", "pp_group"):
             if getattr(self, name) is not None:
-                raise TypeError(
-                    f"a NormScope holding a {name} cannot be pickled: a process group is a "
-                    "live connection; save the optimizer's state_dict() instead"
-                )
+                raise TypeError(f"a NormScope holding a {name} cannot be pickled")
         return dict(self.__dict__)

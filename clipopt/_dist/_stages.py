@@ -1,5 +1,4 @@
-"""Pipeline stages: the model's norm is the p-norm of the stages' norms, one all_reduce
-more over ``pp_mesh`` (one rank of every stage); :func:`check_layout` lines the stages up."""
+"""Pipeline stages: the model's norm is the p-norm of the stages' norms over ``pp_mesh``."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from clipopt._dist._mesh import REDUCE_DTYPE, collective_device, reduce_by_order
 
 
 def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
-    """The group of ``pp_mesh`` (None, a 1-D ``DeviceMesh`` or a ``ProcessGroup``), None
-    where it holds only this rank."""
+    """The group of ``pp_mesh``, None where it holds only this rank."""
     mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", ())
     if pp_mesh is None:
         return None
@@ -29,10 +27,7 @@ def stage_group(pp_mesh: object) -> dist.ProcessGroup | None:
     elif dist.is_available() and isinstance(pp_mesh, dist.ProcessGroup):
         group = pp_mesh
     else:
-        raise TypeError(
-            "pp_mesh must be a 1-D torch.distributed.DeviceMesh, a ProcessGroup or None, "
-            f"got {pp_mesh!r}"
-        )
+        raise TypeError(f"pp_mesh must be a 1-D DeviceMesh, a ProcessGroup or None: {pp_mesh!r}")
     return None if dist.get_world_size(group) == 1 else group
 
 
@@ -44,14 +39,11 @@ def check_layout(
     thresholds: Sequence[object],
     names: Sequence[str | int] = (),
 ) -> None:
-    """Raise a ValueError on every rank unless every stage has this stage's clip layout:
-    one ``all_reduce(MAX)`` of ``per_group``, the group count and the layout's CRC-32,
-    each beside its negation (so the maximum gives the least too)."""
+    """Raise on every rank unless every stage has this clip layout: one ``all_reduce(MAX)``
+    of ``per_group``, the group count and the layout's CRC-32, each beside its negation."""
     if per_group:  # a tensor threshold by kind, not value
-        pairs = [
-            (p, "a tensor" if isinstance(t, Tensor) else t)
-            for p, t in zip(norm_types, thresholds, strict=True)
-        ]
+        kinds = ["a tensor" if isinstance(t, Tensor) else t for t in thresholds]
+        pairs = list(zip(norm_types, kinds, strict=True))
         layout = f"per_group=True, (clip_norm_type, clip_max_norm) of each group {pairs}"
     else:
         layout = f"per_group=False, clip_norm_type {norm_types[0]}"
@@ -69,21 +61,16 @@ def check_layout(
     if per_group and counts_differ:
         raise ValueError(
             f"pp_mesh with per_group=True: the stages hold {int(-bounds[3])} and "
-            f"{int(bounds[2])} param groups (this one {len(norm_types)}); give each as "
-            "many, with the same clip settings in the same order, or pass per_group=False"
+            f"{int(bounds[2])} param groups (this one {len(norm_types)})"
         )
     if layouts_differ:
-        raise ValueError(
-            f"pp_mesh: the stages' clip settings differ (this stage: {layout}); the norms "
-            "combine by position, so every stage needs the same ones in the same order"
-        )
+        raise ValueError(f"pp_mesh: the stages' clip settings differ (this stage: {layout})")
 
 
 def combine_stages(
     norms: Sequence[Tensor], norm_types: Sequence[float], pp_group: Any
 ) -> list[Tensor]:
-    """Each of a stage's 0-dim ``norms`` combined with the other stages' (powers in
-    float64), in its dtype and device."""
+    """Each of a stage's 0-dim ``norms`` combined with the other stages'."""
     if pp_group is None or not norms:
         return list(norms)
     device = norms[0].device
