@@ -88,9 +88,9 @@ class OptimizerShell(Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a dict from :meth:`state_dict`; a bad one raises and changes nothing. Without
-        a ``"clip"`` entry (DCP's), the clip state stays (a warning, unless a
-        ``ClippedOptimizerState`` carries it); loaded clip settings replace the constructor's.
+        """Load a dict from :meth:`state_dict`; a bad one raises and changes nothing. Loaded
+        clip settings replace the constructor's; without a ``"clip"`` entry the state stays
+        (a warning, unless a ``ClippedOptimizerState`` carries it).
 
         Raises:
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.

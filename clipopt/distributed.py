@@ -1,5 +1,4 @@
-"""The global gradient norm under ``torch.distributed`` (docs/distributed.md), and
-:class:`ClippedOptimizerState` for DCP checkpoints."""
+"""Clipping under ``torch.distributed`` (docs/distributed.md): the DCP clip state."""
 
 from __future__ import annotations
 

@@ -276,8 +276,8 @@ class ClippedOptimizer(OptimizerShell):
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
-        """With ``track_tensor_norms``, ``{name: pre-clip norm}`` of the last step's grads (a
-        name: the ``param_names`` entry, else the index as a str); None before a step."""
+        """With ``track_tensor_norms``, ``{param_names entry or str index: pre-clip norm}``
+        of the last step's grads; None before a step."""
         norms, names = self._record.tensor_norms, self._record.tensor_names
         return None if norms is None else dict(zip(names, norms.unbind(), strict=True))
 
