@@ -18,8 +18,7 @@ Closure: TypeAlias = Callable[[], Any]
 def pre_hooks(
     opt: Any, closure: Closure | None, own_only: bool = False
 ) -> tuple[tuple[Any, ...], dict[str, Any], Closure | None]:
-    """Fire the global step pre-hooks (not with ``own_only``), then ``opt``'s own; return
-    the ``(args, kwargs)`` a hook may have replaced, and the closure they hold."""
+    """Fire the global (unless ``own_only``) then ``opt``'s step pre-hooks, as torch."""
     globals_ = {} if own_only else getattr(optimizer, "_global_optimizer_pre_hooks", {})
     args: tuple[Any, ...] = () if closure is None else (closure,)
     kwargs: dict[str, Any] = {}
@@ -34,15 +33,13 @@ def pre_hooks(
 def post_hooks(
     opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any], own_only: bool = False
 ) -> None:
-    """Fire ``opt``'s own step post-hooks, then the global ones (not with ``own_only``)."""
     globals_ = {} if own_only else getattr(optimizer, "_global_optimizer_post_hooks", {})
     for hook in [*opt._optimizer_step_post_hooks.values(), *globals_.values()]:
         hook(opt, args, kwargs)
 
 
 def inner_step(opt: Optimizer, closure: Closure | None) -> Any:
-    """``opt.step(closure)`` with its own hooks but not the global ones (the wrapper fires
-    those around its whole step); a step torch did not wrap is called as it is."""
+    """``opt.step(closure)`` without the global hooks (the wrapper fires those)."""
     step = type(opt).step
     unwrapped = getattr(step, "__wrapped__", None)
     if unwrapped is None or not getattr(step, "hooked", False) or "step" in opt.__dict__:
@@ -91,9 +88,9 @@ class OptimizerShell(Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a dict from :meth:`state_dict`; a bad one raises and changes nothing. Without
-        a ``"clip"`` entry (DCP's), the clip state stays (a warning, unless a
-        ``ClippedOptimizerState`` carries it); loaded clip settings replace the constructor's.
+        """Load a dict from :meth:`state_dict`; a bad one raises and changes nothing. Loaded
+        clip settings replace the constructor's; without a ``"clip"`` entry the state stays
+        (a warning, unless a ``ClippedOptimizerState`` carries it).
 
         Raises:
           TypeError: ``state_dict`` is not a dict, or a value has the wrong type.
@@ -106,10 +103,9 @@ class OptimizerShell(Optimizer):
             result = pre_hook(self, loaded)
             loaded = loaded if result is None else dict(result)
         tree: list[Optimizer] = [self]
-        saved = []
         for opt in tree:  # grows as it goes: every optimizer a load may change
             tree += opt._parts if isinstance(opt, OptimizerShell) else ()
-            saved.append((opt, dict(opt.__dict__)))
+        saved = [(opt, dict(opt.__dict__)) for opt in tree]
         try:
             self._load(loaded)
         except BaseException:
@@ -122,8 +118,7 @@ class OptimizerShell(Optimizer):
 
 
 def check_inner(opt: object, name: str) -> Optimizer:
-    """``opt``, unless it is no optimizer, a ClippedOptimizer, or OLMo-core's
-    ``SkipStepOptimizer`` (which skips only as OLMo-core's own optimizer, never wrapped)."""
+    """``opt``, unless no optimizer, a ClippedOptimizer, or OLMo-core's SkipStepOptimizer."""
     if isinstance(opt, OptimizerShell) and opt.clips:
         raise TypeError(
             f"{name} is a {type(opt).__name__}, already a ClippedOptimizer: pass the one it wraps"
@@ -138,8 +133,7 @@ def check_inner(opt: object, name: str) -> Optimizer:
 
 
 def load_checked(opt: Optimizer, state_dict: dict[str, Any]) -> None:
-    """``opt.load_state_dict``, then refuse a loaded state tensor of a torch optimizer (not
-    LBFGS) shaped unlike its parameter: the next step would fail half-way."""
+    """``opt.load_state_dict``; a torch optimizer's state shaped unlike its param raises."""
     opt.load_state_dict(state_dict)
     kind = type(opt)
     if not kind.__module__.startswith("torch.optim.") or kind is torch.optim.LBFGS:
@@ -197,19 +191,16 @@ class OptimizerChain(OptimizerShell):
         self.optimizers = self._parts = tuple(optimizers)
         self._init_hooks()
         self.defaults: dict[str, Any] = {}
-        self._lists: list[list[dict[str, Any]]] = []
-        self._sizes: list[int] = []
         self._groups: list[dict[str, Any]] = []
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizers' param groups in one list, made again when one changed."""
-        lists = [opt.param_groups for opt in self.optimizers]
-        sizes = [len(groups) for groups in lists]
-        if sizes != self._sizes or any(a is not b for a, b in zip(lists, self._lists, strict=True)):
-            self._lists, self._sizes = lists, sizes
-            self._groups = [group for groups in lists for group in groups]
-        return self._groups
+        groups = [group for opt in self.optimizers for group in opt.param_groups]
+        mine = self._groups
+        if len(groups) != len(mine) or any(a is not b for a, b in zip(groups, mine, strict=True)):
+            self._groups = mine = groups
+        return mine
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
@@ -226,10 +217,8 @@ class OptimizerChain(OptimizerShell):
 
     def _step(self, closure: Closure | None = None) -> Any:
         """Evaluate ``closure`` once if given, step each optimizer, return the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
         for opt in self.optimizers:
             inner_step(opt, None)
         return loss
@@ -252,8 +241,7 @@ class OptimizerChain(OptimizerShell):
         )
 
     def _state_dict(self) -> dict[str, Any]:
-        """One torch optimizer's state dict of all the groups, parameters numbered across
-        the optimizers; an inner dict's other keys go under ``"chain"`` (if any)."""
+        """One torch optimizer's state dict; inner dicts' other keys go under ``"chain"``."""
         state: dict[Any, Any] = {}
         groups: list[dict[str, Any]] = []
         extras: list[dict[str, Any]] = []
@@ -268,7 +256,6 @@ class OptimizerChain(OptimizerShell):
         return {**merged, "chain": extras} if any(extras) else merged
 
     def _load(self, loaded: dict[str, Any]) -> None:
-        """Split a dict from :meth:`state_dict`, check each part, load each optimizer's."""
         state, groups = loaded.get("state"), loaded.get("param_groups")
         if not isinstance(state, Mapping) or not isinstance(groups, list):
             raise TypeError("state_dict must have a 'state' dict and a 'param_groups' list")
@@ -312,7 +299,6 @@ class OptimizerChain(OptimizerShell):
 
 
 def _renumbered(groups: list[Any], start: int = 0) -> tuple[dict[Any, int], list[dict[str, Any]]]:
-    """Saved groups with their parameters numbered from ``start``; the map from the old."""
     ids = itertools.chain(*(g["params"] for g in groups))
     index = {old: new for new, old in enumerate(ids, start)}
     return index, [{**g, "params": [index[k] for k in g["params"]]} for g in groups]

@@ -1,5 +1,4 @@
-"""The global gradient norm under ``torch.distributed`` (docs/distributed.md), and
-:class:`ClippedOptimizerState` for DCP checkpoints."""
+"""Clipping under ``torch.distributed`` (docs/distributed.md): the DCP clip state."""
 
 from __future__ import annotations
 
@@ -62,8 +61,5 @@ class ClippedOptimizerState:
         if isinstance(blob, bytes):
             entry = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         if not isinstance(blob, bytes) or not isinstance(entry, dict):
-            raise TypeError(
-                f"ClippedOptimizerState's {key!r} must be the bytes of a dict, got "
-                f"{type(entry).__name__}"
-            )
+            raise TypeError(f"{key!r} must be the bytes of a dict, got {type(entry).__name__}")
         self.optimizer._load({"clip": entry}, inner=False)

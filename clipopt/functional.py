@@ -65,8 +65,7 @@ def get_total_norm(
     replicated: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
-    """The norm of all ``tensors`` as one vector; of DTensors across their mesh, the same
-    on every rank (see :mod:`clipopt.distributed`).
+    """The norm of all ``tensors`` as one vector (of DTensors across their mesh).
 
     Args:
       tensors: a tensor or tensors, read once, None skipped; any devices, dtypes, sparse.
@@ -74,8 +73,7 @@ def get_total_norm(
       error_if_nonfinite: raise :class:`NonFiniteNormError` on a NaN or inf norm.
       foreach: multi-tensor kernels (True or None) or per-tensor ops (False).
       process_group: the group plain ``tensors`` are split across; ``replicated``: those
-        of them the same on all its ranks.
-      pp_mesh: the 1-D mesh or group of the pipeline stages (torchtitan's ``pp_mesh``).
+        the same on all its ranks; ``pp_mesh``: the pipeline stages' 1-D mesh or group.
 
     Returns:
       A 0-dim float32 tensor (float64 if any input is) on the first tensor's device.
@@ -177,8 +175,8 @@ def clip_grad_norm_(
     replicated_params: TensorOrTensors | None = None,
     pp_mesh: DeviceMesh | ProcessGroup | None = None,
 ) -> Tensor:
-    """Clip the grads' total norm to ``max_norm`` in place, as
-    :func:`torch.nn.utils.clip_grad_norm_`; raise before any grad is written.
+    """Clip the grads' total norm to ``max_norm`` in place, as torch's; raises before any
+    grad is written.
 
     Args:
       parameters: a tensor or tensors (read once); grads that are None are skipped.
@@ -252,12 +250,9 @@ def clip_grad_value_(
         if q.grad is not None and q.grad.is_sparse:
             q.grad = q.grad.coalesce()  # clamping duplicates separately would be wrong
     groups = _norms.group(_grads(params))
-    for dense in groups.dense.values():
-        if foreach is False:
-            for g in dense:
-                g.clamp_(-value, value)
-        else:
-            torch._foreach_clamp_min_(dense, -value)
-            torch._foreach_clamp_max_(dense, value)
-    for g in (g for sparse in groups.sparse.values() for g in sparse):
-        g.values().clamp_(-value, value)
+    for dense in groups.dense.values() if foreach is not False else ():
+        torch._foreach_clamp_min_(dense, -value)
+        torch._foreach_clamp_max_(dense, value)
+    for g in _grads(params):
+        if g.is_sparse or foreach is False:
+            (g.values() if g.is_sparse else g).clamp_(-value, value)

@@ -38,16 +38,13 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def _read_only(name: str, get: Any, how: str, doc: str | None = None) -> Any:
+def _read_only(name: str, get: Any = None, doc: str | None = None, how: str = "") -> Any:
+    how = how or "it is fixed when the wrapper is made; make a new ClippedOptimizer"
+
     def refuse(o: object, value: object) -> NoReturn:
         raise AttributeError(f"{name} cannot be assigned ({name}={value!r}): {how}")
 
-    return property(get, refuse, doc=doc)
-
-
-def _fixed(name: str, doc: str) -> Any:
-    how = "it is fixed when the wrapper is made; make a new ClippedOptimizer"
-    return _read_only(name, lambda o: getattr(o._clip, name), how, doc)
+    return property(get or (lambda o: getattr(o._clip, name)), refuse, doc=doc)
 
 
 def _group_setting(name: str, key: str) -> Any:
@@ -58,7 +55,7 @@ def _group_setting(name: str, key: str) -> Any:
         return values[0] if len(set(values)) == 1 else values
 
     how = f"set opt.param_groups[i][{key!r}] (and opt.defaults[{key!r}] for groups added later)"
-    return _read_only(name, get, how)
+    return _read_only(name, get, how=how)
 
 
 def _recorded(name: str) -> Any:
@@ -146,10 +143,8 @@ class ClippedOptimizer(OptimizerShell):
             raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
         local = isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
         if (local or track_tensor_norms) and process_group is not None:
-            raise ValueError(
-                "track_tensor_norms=True and per-tensor or unit-wise rules need unsplit "
-                "parameters, not a process_group"
-            )
+            why = "track_tensor_norms=True and per-tensor or unit-wise rules need unsplit params"
+            raise ValueError(f"{why}, not a process_group")
         if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
             raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
@@ -188,13 +183,12 @@ class ClippedOptimizer(OptimizerShell):
         """The inner optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none)
 
-    def _apply_settings(self, settings: Settings) -> None:
-        self.defaults[MAX_NORM_KEY] = settings.max_norm
-        self.defaults[NORM_TYPE_KEY] = settings.norm_type
+    def _apply_settings(self, s: Settings) -> None:
+        keys = {MAX_NORM_KEY: s.max_norm, NORM_TYPE_KEY: s.norm_type}
+        self.defaults.update(keys)
         for group in self.param_groups:
-            group.setdefault(MAX_NORM_KEY, settings.max_norm)
-            group.setdefault(NORM_TYPE_KEY, settings.norm_type)
-        modes = settings.as_dict()
+            group.update({**keys, **group})
+        modes = s.as_dict()
         del modes["max_norm"], modes["norm_type"]  # the groups and defaults hold these
         self._clip = dataclasses.replace(self._clip, **modes, view=GroupView())
 
@@ -237,13 +231,17 @@ class ClippedOptimizer(OptimizerShell):
         settings = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return f"{type(self).__name__}({settings}) wrapping\n{self.optimizer!r}"
 
-    per_group = _fixed("per_group", "Whether each param group is clipped by its own norm.")
-    foreach = _fixed("foreach", "The ``foreach`` choice of the norm and scale kernels.")
-    nonfinite = _fixed("nonfinite", "What a non-finite norm does (see the constructor).")
-    max_consecutive_skips = _fixed("max_consecutive_skips", "Skips in a row before a raise.")
-    rule = _fixed("rule", "The clip rule passed as ``max_norm``, None for a number.")
-    skip_spikes = _fixed("skip_spikes", "The :class:`clipopt.SpikeSkip`, or None.")
-    track_tensor_norms = _fixed("track_tensor_norms", "Whether a step keeps its tensors' norms.")
+    per_group = _read_only("per_group", doc="Whether each param group is clipped by its own norm.")
+    foreach = _read_only("foreach", doc="The ``foreach`` choice of the norm and scale kernels.")
+    nonfinite = _read_only("nonfinite", doc="What a non-finite norm does (see the constructor).")
+    max_consecutive_skips = _read_only(
+        "max_consecutive_skips", doc="Skips in a row before a raise."
+    )
+    rule = _read_only("rule", doc="The clip rule passed as ``max_norm``, None for a number.")
+    skip_spikes = _read_only("skip_spikes", doc="The :class:`clipopt.SpikeSkip`, or None.")
+    track_tensor_norms = _read_only(
+        "track_tensor_norms", doc="Whether a step keeps its tensors' norms."
+    )
 
     max_norm: float | list[float] | ClipRule = _group_setting("max_norm", MAX_NORM_KEY)
     """The rule, else the groups' ``clip_max_norm`` (one number where all are equal);
@@ -267,9 +265,8 @@ class ClippedOptimizer(OptimizerShell):
         return tuple(range(len(self.param_groups))) if self.per_group else (DEFAULT_CLIP_GROUP,)
 
     last_clipped_norm: Tensor | None = _recorded("last_clipped_norm")
-    """The last step's post-clip norm, shaped as :attr:`last_group_norms` or
-    :attr:`last_norm`; None before a step, after a format-1 load, and where groups with
-    different ``clip_max_norm`` share one norm."""
+    """The post-clip norm, shaped as the norm; None before a step, after a format-1 load, and
+    where groups with different ``clip_max_norm`` share one norm."""
 
     last_clipped: Tensor | None = _recorded("last_clipped")
     """Whether the last step's clip scaled (some of) the grads, shaped as the norm."""
@@ -279,12 +276,10 @@ class ClippedOptimizer(OptimizerShell):
 
     @property
     def last_tensor_norms(self) -> dict[str, Tensor] | None:
-        """With ``track_tensor_norms``, ``{name: pre-clip norm}`` of the last step's grads (a
-        name: the ``param_names`` entry, else the index as a str); None before a step."""
-        record = self._record
-        if record.tensor_norms is None:
-            return None
-        return dict(zip(record.tensor_names, record.tensor_norms.unbind(), strict=True))
+        """With ``track_tensor_norms``, ``{param_names entry or str index: pre-clip norm}``
+        of the last step's grads; None before a step."""
+        norms, names = self._record.tensor_norms, self._record.tensor_names
+        return None if norms is None else dict(zip(names, norms.unbind(), strict=True))
 
     step_count: Tensor = _recorded("step_count")
     """Inner steps taken, a 0-dim int64 tensor."""
@@ -297,11 +292,10 @@ class ClippedOptimizer(OptimizerShell):
         return {**self.optimizer.state_dict(), CLIP_KEY: self._extra_state()}
 
     def _extra_state(self) -> dict[str, Any]:
-        c = self._clip
-        return _saved.clip_entry(self._settings(), self._record.state(), c.rule, c.skip_spikes)
+        c, record = self._clip, self._record.state()
+        return _saved.clip_entry(self._settings(), record, c.rule, c.skip_spikes)
 
     def _load(self, loaded: dict[str, Any], inner: bool = True) -> None:
-        """Check the ``"clip"`` entry, load the inner optimizer (if ``inner``), the entry."""
         if CLIP_KEY not in loaded and not self._extra_saved_apart:
             warnings.warn(
                 f"a state dict without a {CLIP_KEY!r} entry: the clip state stays; save "
@@ -319,7 +313,7 @@ class ClippedOptimizer(OptimizerShell):
         prepared = _saved.check_load(extra, loaded, count, self._settings(), c.rule, c.skip_spikes)
         if inner:
             load_checked(self.optimizer, loaded)
-        # An inner optimizer with a layout of its own loads groups that only now can be read.
+        # An inner optimizer's own layout loads groups that only now can be read.
         s = self._settings() if prepared is None else prepared.settings
         check_groups(self.param_groups, s.max_norm, s.norm_type, s.per_group)
         if prepared is not None:
@@ -328,11 +322,11 @@ class ClippedOptimizer(OptimizerShell):
                 if mine is not None and saved is not None:
                     mine.load_state_dict(saved)
                     mine.to(device)
-            counters = {k: v.to(device=device, copy=True) for k, v in prepared.counters.items()}
-            last = prepared.last.items()
-            self._record.load(
-                counters, {k: None if t is None else t.to(device, copy=True) for k, t in last}
-            )
+            counters = {k: v.to(device, copy=True) for k, v in prepared.counters.items()}
+            last = {
+                k: t if t is None else t.to(device, copy=True) for k, t in prepared.last.items()
+            }
+            self._record.load(counters, last)
         self._apply_settings(s)
 
 
