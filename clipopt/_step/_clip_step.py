@@ -1,5 +1,4 @@
-"""One ``ClippedOptimizer.step()``, top to bottom: decide (nothing changes) -> scale the grads
-or fold the scale into a fused kernel -> the inner step -> commit the record and rules' state."""
+"""One ``ClippedOptimizer.step()``: decide (changes nothing), scale or fold, step, commit."""
 
 from __future__ import annotations
 
@@ -467,9 +466,8 @@ def _measure_and_rule(
     optimizer: Optimizer, config: ClipConfig, grads: list[list[Tensor]], zero: Any
 ) -> tuple[Measurement, list[Coefficient], Outcome | None]:
     rule, track, groups = config.rule, config.track_tensor_norms, optimizer.param_groups
-    view, scope, given = config.view, config.norm_scope, None
-    orders, layout = view.orders, view.layout
-    norm_types, per_group = orders.types, orders.per_group
+    scope, given, orders, layout = config.norm_scope, None, config.view.orders, config.view.layout
+    norm_types = orders.types
     params = [group["params"] for group in groups]
     names = _measure.grad_names(groups) if track else None
     if layout is not None:
@@ -479,7 +477,7 @@ def _measure_and_rule(
     per_rule = rule is not None and rule.per_tensor
     if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
         each = track or unit is not None or per_rule
-        scope, given = _deepspeed.zero_source(zero, scope, norm_types, per_group, each)
+        scope, given = _deepspeed.zero_source(zero, scope, norm_types, orders.per_group, each)
     coefficients: list[Coefficient] = []
     outcome = squares = check = None
     if unit is not None:
