@@ -1,5 +1,4 @@
-"""One ``ClippedOptimizer.step()``, top to bottom: decide (nothing changes) -> scale the grads
-or fold the scale into a fused kernel -> the inner step -> commit the record and rules' state."""
+"""One ``ClippedOptimizer.step()``: decide (changes nothing), scale or fold, step, commit."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class ClipConfig:
 
 @dataclass(frozen=True)
 class ClipDecision:
-    """What a step applies and records; a skip decided on the host (``skip``) or the device
-    (``found_inf``; ``skip_flag`` compiled); ``final``: the call ends the step (not ZeRO's)."""
+    """A skip decided on the host (``skip``) or device (``found_inf``; compiled: ``skip_flag``)."""
 
     grads: list[list[Tensor]]
     measurement: Measurement
@@ -213,7 +211,6 @@ _skipped: Any = _compiler.disable(lambda loss: loss)
 
 @torch.no_grad()  # grads made with create_graph=True must not record the scale
 def scale(decision: ClipDecision, foreach: bool | None) -> None:
-    """Multiply each group's grads by its coefficient in place."""
     grads, coefficients = decision.grads, decision.coefficients
     grouped = decision.measurement.groups
     shared = _shared(coefficients, grads)
@@ -239,9 +236,8 @@ def scale(decision: ClipDecision, foreach: bool | None) -> None:
                 buckets.append((coefficient, list(group_grads)))
     for coefficient, tensors in buckets:
         _scale.scale_(_local(tensors), coefficient, foreach)
-    if not each:
-        return
-    _scale.scale_each_(_local([g for g, _ in each]), [c for _, c in each], foreach)
+    if each:
+        _scale.scale_each_(_local([g for g, _ in each]), [c for _, c in each], foreach)
 
 
 def commit(
@@ -276,9 +272,9 @@ class Applied:
     saved: Tensor | None = None
 
     def post_clip(self, pre: Tensor) -> Tensor | None:
-        post = pre
         if self.fixed:
             return self.saved
+        post = pre
         if self.factor is not None:
             post = pre / self.factor if self.divides else pre * self.factor
         elif self.units is not None:
@@ -347,7 +343,6 @@ class StepRecord:
         track: bool,
         applied: Applied | None,
     ) -> None:
-        """``skipped`` on the host (``streak``: the skips in a row before) or the device."""
         norm, flag = measured.norm, None if applied is None else applied.clipped
         self.last_norm, self.last_group_norms = norm, measured.stacked
         if track and measured.tensor_norms is not None:
@@ -445,18 +440,16 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
         check_rule_groups(groups, config.rule)
         names = [] if layout is None else layout[1]
         per_group = config.per_group or len(names) > 1
-        if config.norm_scope.pp_group is not None:
-            config.norm_scope.check_stages(per_group, norm_types, thresholds, names)
+        scope = config.norm_scope
+        if scope.pp_group is not None:
+            scope.check_stages(per_group, norm_types, thresholds, names)
         view.thresholds, view.layout, first = thresholds, layout, thresholds[0]
         view.orders = Orders(norm_types, float(norm_type), per_group)
         view.one = first if all(same_threshold(t, first) for t in thresholds) else None
         # a fused kernel's grad_scale scales every grad: not with a group left unclipped
         view.fusable = _fold.takes_scale(optimizer) and (layout is None or None not in layout[0])
-        scope = config.norm_scope
         local = scope.process_group is None and scope.pp_group is None
-        view.plain = (
-            config.rule is None and not per_group and not config.track_tensor_norms and local
-        )
+        view.plain = config.rule is None and not (per_group or config.track_tensor_norms) and local
         view.seen = now
     zero, final = watch.call(groups)
     if zero is not None and view.layout is not None:
@@ -472,11 +465,9 @@ def _check_groups(optimizer: Optimizer, config: ClipConfig) -> tuple[Any, bool]:
 def _measure_and_rule(
     optimizer: Optimizer, config: ClipConfig, grads: list[list[Tensor]], zero: Any
 ) -> tuple[Measurement, list[Coefficient], Outcome | None]:
-    """The step's norms and a rule's coefficients and outcome (a unit-wise rule's first)."""
     rule, track, groups = config.rule, config.track_tensor_norms, optimizer.param_groups
-    view, scope, given = config.view, config.norm_scope, None
-    orders, layout = view.orders, view.layout
-    norm_types, per_group = orders.types, orders.per_group
+    scope, given, orders, layout = config.norm_scope, None, config.view.orders, config.view.layout
+    norm_types = orders.types
     params = [group["params"] for group in groups]
     names = _measure.grad_names(groups) if track else None
     if layout is not None:
@@ -486,7 +477,7 @@ def _measure_and_rule(
     per_rule = rule is not None and rule.per_tensor
     if zero is not None:  # DeepSpeed's ZeRO optimizer: its group, or its norm of them all
         each = track or unit is not None or per_rule
-        scope, given = _deepspeed.zero_source(zero, scope, norm_types, per_group, each)
+        scope, given = _deepspeed.zero_source(zero, scope, norm_types, orders.per_group, each)
     coefficients: list[Coefficient] = []
     outcome = squares = check = None
     if unit is not None:
@@ -514,8 +505,7 @@ def _measure_and_rule(
     if not any(grads):
         return measured, [None] * len(grads), None
     norms = measured.tensor_norms
-    if norms is None:
-        raise ValueError(f"{rule!r} is per tensor, but the step measured no per-tensor norms")
+    assert norms is not None  # measure_per_tensor's: the constructor rules out a process_group
     # under pipeline stages the norms are this stage's, the total the whole model's
     total = measured.norm if scope.pp_group is not None else None
     coefficients_1d, thresholds = rule.decide(norms, norm_type=norm_types[0], total_norm=total)
@@ -526,17 +516,15 @@ def _measure_and_rule(
 def _unit_coefficients(
     rule: UnitWiseRule, params: list[list[Tensor]], grads: list[list[Tensor]], norm_type: float
 ) -> tuple[list[Coefficient], Outcome | None, tuple[Tensor, ...] | None, Tensor | None]:
-    """A unit-wise rule's coefficients per group, outcome, squares and check (DTensors: all)."""
     every = [p for group in params for p in group]
     sharded = {id(q) for q in _mesh.dtensors(every)}
     slotted = [p for p in every if id(p) in sharded or p.grad is not None]
     flat = [g for group in grads for g in group]
-    if not slotted:
-        return [None] * len(grads), None, None, None
-    rule.check_norm_type(norm_type)
+    if slotted:
+        rule.check_norm_type(norm_type)
     decision = rule.decide_slots(slotted, [p.grad for p in slotted], norm_type) if sharded else None
     what = "parameters"
-    if decision is None and not flat:
+    if not slotted or (decision is None and not flat):
         return [None] * len(grads), None, None, None
     if decision is None:
         slotted, what = [p for p in every if p.grad is not None], "grads"
@@ -558,7 +546,6 @@ def _unit_coefficients(
 
 
 def _by_group(per_grad: Sequence[Tensor | None], grads: list[list[Tensor]]) -> list[Coefficient]:
-    """``per_grad`` (one per grad, in order) split into each group's tuple (None: no grads)."""
     split: list[Coefficient] = []
     start = 0
     for group in grads:  # a loop, as torch 2.6's dynamo traces it
@@ -568,7 +555,6 @@ def _by_group(per_grad: Sequence[Tensor | None], grads: list[list[Tensor]]) -> l
 
 
 def _regrouped(items: list[list[Any]], layout: Layout) -> list[list[Any]]:
-    """Each param group's ``items`` joined by clip group, unclipped groups' left out."""
     joined: list[list[Any]] = [[] for _ in layout[1]]
     for own, at in zip(items, layout[0], strict=True):
         if at is not None:
@@ -579,7 +565,6 @@ def _regrouped(items: list[list[Any]], layout: Layout) -> list[list[Any]]:
 def _threshold_coefficients(
     group_norms: list[Tensor], thresholds: list[float | Tensor]
 ) -> list[Coefficient]:
-    """Each group's coefficient (None: inf); a norm and equal threshold share one."""
     coefficients: list[Coefficient] = []
     made: list[tuple[Tensor, float | Tensor, Tensor]] = []  # by identity: dynamo 2.6 has no id()
     for norm, threshold in zip(group_norms, thresholds, strict=True):

@@ -58,7 +58,7 @@ def grad_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]]:
 
 
 def _combined(norms: Tensor, p: float, dtype: torch.dtype) -> Tensor:
-    """The p-norm of ``norms`` in ``dtype``; 0 for none (an inf-norm of nothing raises)."""
+    # 0 for none: an inf-norm of nothing raises
     if norms.numel() == 0:
         return norms.new_zeros((), dtype=dtype)
     combined: Tensor = torch.linalg.vector_norm(norms.to(_norms.combine_dtype(norms.device)), p)
@@ -100,11 +100,8 @@ def measure(
         norm = scope.global_norms([flat], norm_types[:1], foreach, params())[0]
         return Measurement(norm, [norm] * len(grads), None)
     own = scope.global_norms(grads, norm_types, foreach, params())
-    device = own[0].device
-    for g in grads:  # not next(..., default): torch 2.6's dynamo cannot trace it
-        if g:
-            device = g[0].device
-            break
+    devices = [g[0].device for g in grads if len(g) > 0]  # not next(): torch 2.6's dynamo
+    device = devices[0] if len(devices) > 0 else own[0].device
     dtype = _norms.result_dtype([n.dtype for n in own])
     # A group without grads here gets its zero made here (moving a CPU zero would block)
     group_norms = [
@@ -178,9 +175,8 @@ def measure_from_squares(
     dtype = _norms.result_dtype([g.dtype for group in grads for g in group])
     sizes = [len(group) for group in grads] if per_group else [len(squares)]
     ends = [0, *itertools.accumulate(sizes)]
-    like = squares[0] if squares else torch.zeros((), dtype=torch.float64)
-    if check is not None and not squares:
-        like = check.new_zeros(())
+    like = check if check is not None else torch.zeros((), dtype=torch.float64)
+    like = squares[0] if squares else like
     totals = []
     for start, end in itertools.pairwise(ends):
         part = squares[start:end]

@@ -147,10 +147,11 @@ def _tensor(name: str, value: Any, dims: int, kind: str) -> Tensor | None:
     """None, or a tensor of ``dims`` dimensions and a ``kind`` (float, int64, bool) dtype."""
     if value is None:
         return None
-    good = isinstance(value, Tensor) and value.dim() == dims
-    if good:
-        good = value.is_floating_point() if kind == "float" else str(value.dtype) == f"torch.{kind}"
-    if not isinstance(value, Tensor) or not good:
+    if not (
+        isinstance(value, Tensor)
+        and value.dim() == dims
+        and (value.is_floating_point() if kind == "float" else str(value.dtype) == f"torch.{kind}")
+    ):
         wanted = "a floating-point" if kind == "float" else f"a {kind}"
         raise TypeError(
             f"state_dict['clip'][{name!r}] must be None or {wanted} tensor with {dims} "
