@@ -37,8 +37,8 @@ def all_reduce(
     count: int | None = None,
     ranks: int = 1,
 ) -> Tensor:
-    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group; with
-    ``count``, one value more: 0, or NaN (all NaN) where the ``ranks`` ranks' counts differ."""
+    """The 1-D ``parts`` summed (or maxed, keeping NaN) over each group; with ``count``,
+    all NaN where the ``ranks`` ranks' counts differ, and one value more (0 or NaN)."""
     values = torch.cat([p.to(device) for p in parts])
     if count is not None:  # counts equal iff ranks * sum(n**2) == sum(n)**2, or max(n) == min(n)
         pair = (count, count * count if summed else -count)
@@ -180,8 +180,7 @@ def mesh_groups(mesh: DeviceMesh) -> list[Any]:
 def reduction_for(
     tensors: Sequence[Tensor], params: Sequence[Tensor] = (), process_group: Any = None
 ) -> tuple[DeviceMesh, list[Any]] | None:
-    """The mesh and groups to reduce DTensor ``tensors`` over (None for plain ones), also
-    from the ``params`` that require grad, so that a rank without grads joins."""
+    """The mesh and groups to reduce DTensor ``tensors`` (or ``params``) over; None if plain."""
     found = dtensors(tensors)
     if tensors and not found:
         return None

@@ -1,5 +1,4 @@
-"""Each grad's whole-tensor norm across ranks, what a per-tensor rule sees: every DTensor
-shard's ``norm**p / replicas`` (max for inf) in ONE float64 all_reduce, powers kept."""
+"""Each grad's whole-tensor norm across ranks in ONE float64 all_reduce."""
 
 from __future__ import annotations
 
@@ -30,10 +29,8 @@ def global_tensor_powers(
     params: Sequence[Tensor] = (),
     strict: bool = False,
 ) -> list[Tensor]:
-    """Each slot's whole-tensor ``norm**p`` across ranks (max ``|x|`` for inf), one 1-D
-    float64 tensor per bucket, alike on every rank. ``buckets`` hold one slot per parameter
-    (its DTensor grad, or None where this rank has none), the same on every rank; with
-    ``strict`` every value is NaN where the ranks hold different numbers of grads."""
+    """Each slot's (a DTensor grad or None) whole ``norm**p`` (inf: max) across ranks, per
+    bucket; with ``strict``, all NaN where the ranks' counts of grads differ."""
     flat = [t for bucket in buckets for t in bucket if t is not None]
     reduction = _mesh.reduction_for(flat, params)
     if reduction is None:
@@ -71,7 +68,7 @@ def root(powers: Tensor, p: float) -> Tensor:
 
 
 def total_root(powers: Tensor, p: float) -> Tensor:
-    """The p-norm of all the tensors ``powers`` measured (0 for none), from the powers."""
+    """The p-norm of all that ``powers`` measured (0 for none)."""
     if p != math.inf:
         return powers.sum().pow(1.0 / p)
     return powers.amax() if powers.numel() else powers.new_zeros(())

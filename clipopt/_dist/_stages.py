@@ -39,8 +39,7 @@ def check_layout(
     thresholds: Sequence[object],
     names: Sequence[str | int] = (),
 ) -> None:
-    """Raise on every rank unless every stage has this clip layout: one ``all_reduce(MAX)``
-    of ``per_group``, the group count and the layout's CRC-32, each beside its negation."""
+    """Raise on every rank unless every stage has this clip layout (one ``all_reduce(MAX)``)."""
     if per_group:  # a tensor threshold by kind, not value
         kinds = ["a tensor" if isinstance(t, Tensor) else t for t in thresholds]
         pairs = list(zip(norm_types, kinds, strict=True))

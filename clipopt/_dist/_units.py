@@ -1,5 +1,4 @@
-"""AGC's units (rows along dim 0 of a tensor of 2 dims or more, else the whole tensor):
-where each lies on this rank, and their L2 norms across ranks in one float64 all_reduce."""
+"""AGC's units (dim-0 rows of a tensor of 2+ dims, else the whole) and their norms across ranks."""
 
 from __future__ import annotations
 
@@ -75,9 +74,7 @@ def rows_at(
     coordinate: tuple[int, ...],
     placements: tuple[Placement, ...],
 ) -> Rows | None:
-    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` holds;
-    None when some rank's rows are not one range. Shards cut as ``torch.chunk``; with a
-    strided shard, by torch's rule (which reads the host), where all ranks' ranges tile."""
+    """The rows the rank at ``coordinate`` holds; None when some rank's are not one range."""
     from torch.distributed.tensor import _utils
     from torch.distributed.tensor import placement_types as kinds
 
@@ -120,10 +117,8 @@ def unit_norms(
     dtype: torch.dtype,
     whole: Sequence[Tensor] = (),
 ) -> Tensor:
-    """The L2 norm of every unit of every tensor, then of each of ``whole`` (one unit
-    each), 1-D in order; half types accumulate in float32, as timm's ``unitwise_norm``.
-    Where :func:`~clipopt._kernels._scale.batched`, the squares of a device's and
-    dtype's contiguous tensors are concatenated and summed by unit in one segment_reduce."""
+    """The L2 norm of every unit of every tensor, then of each of ``whole``, 1-D in order
+    (half types accumulate in float32, as timm's ``unitwise_norm``)."""
     every = [*tensors, *whole]
     parts: dict[int, Tensor] = {}
     grouped: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
@@ -160,7 +155,6 @@ def unit_norms(
 
 
 def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
-    """This rank's shares of a tensor's units, at their positions among all its units."""
     share = share.div(replicas) if replicas > 1 else share
     if rows.count == rows.units:
         return share
@@ -169,9 +163,7 @@ def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
 
 @dataclass(frozen=True)
 class UnitNorms:
-    """Each unit's norm of the ``grads`` and ``weights``, each grad's :class:`Rows`, the
-    ``grad_squares`` and ``whole_squares``, and ``check`` (``strict`` only: NaN where the
-    ranks held different numbers of grads, else 0), alike on every rank."""
+    """``check`` (``strict`` only): NaN where the ranks' counts of grads differ, else 0."""
 
     grads: Tensor
     weights: Tensor
@@ -188,10 +180,8 @@ def whole_unit_norms(
     whole: Sequence[Tensor | None] = (),
     strict: bool = False,
 ) -> UnitNorms:
-    """Every unit's norm of every grad and its weight, whole across ranks, and each of
-    ``whole``'s squared norm (one unit each): DTensors in ONE float64 ``all_reduce``, a
-    None being no grad on this rank; with ``strict`` the ranks' counts of grads travel
-    along. What it cannot measure raises on every rank alike, before anything is sent."""
+    """Every unit's norm of every grad (None: none on this rank) and its weight, and each of
+    ``whole``'s squared norm, across ranks in ONE float64 ``all_reduce``."""
     present = [g for g in grads if g is not None]
     tensors = [*present, *(w.detach() for w in weights), *(t for t in whole if t is not None)]
     measured = len(present) + len(weights)
