@@ -149,10 +149,7 @@ def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
     """The grads' mesh holding all their meshes' ranks, else the root's dims they use."""
-    meshes: list[DeviceMesh] = []
-    for g in grads:
-        if not any(g.device_mesh is known or g.device_mesh == known for known in meshes):
-            meshes.append(g.device_mesh)
+    meshes = list(dict.fromkeys(g.device_mesh for g in grads))
     ranks = [set(mesh_ranks(mesh)) for mesh in meshes]
     widest = max(range(len(meshes)), key=lambda i: len(ranks[i]))
     if all(r <= ranks[widest] for r in ranks):

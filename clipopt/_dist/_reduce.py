@@ -127,9 +127,8 @@ class NormScope:
         check_process_group(process_group)
         pp_group = _stages.stage_group(pp_mesh)
         replicated = [] if replicated_params is None else list(replicated_params)
-        for t in replicated:
-            if not isinstance(t, Tensor):
-                raise TypeError(f"replicated_params must hold tensors, got {t!r}")
+        if bad := [t for t in replicated if not isinstance(t, Tensor)]:
+            raise TypeError(f"replicated_params must hold tensors, got {bad[0]!r}")
         if replicated and process_group is None:
             raise ValueError("replicated_params need a process_group to be replicated across")
         if params is not None:

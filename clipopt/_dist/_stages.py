@@ -72,9 +72,8 @@ def combine_stages(
     """Each of a stage's 0-dim ``norms`` combined with the other stages'."""
     if pp_group is None or not norms:
         return list(norms)
-    device = norms[0].device
-    if device.type == "cpu":  # a stage without grads has a CPU zero; NCCL needs its device
-        device = collective_device([], [pp_group])
+    device = norms[0].device  # a stage without grads has a CPU zero; NCCL needs its device
+    device = collective_device([], [pp_group]) if device.type == "cpu" else device
     sent = [
         n.detach().to(device, REDUCE_DTYPE).reshape(1).pow(1.0 if p == math.inf else p)
         for n, p in zip(norms, norm_types, strict=True)

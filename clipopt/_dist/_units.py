@@ -160,10 +160,8 @@ def rows_at(
         return Rows(shape[0], start, count)
     ranges = []
     for indices in itertools.product(*(range(mesh_shape[m]) for m in splitting)):
-        other = list(coordinate)
-        for m, index in zip(splitting, indices, strict=True):
-            other[m] = index
-        start, count = span(other)
+        moved = dict(zip(splitting, indices, strict=True))
+        start, count = span([moved.get(m, at) for m, at in enumerate(coordinate)])
         ranges += [(start, start + count)] if count else []
     edges = [edge for pair in sorted(ranges) for edge in pair]
     if edges[1:-1:2] != edges[2::2] or edges[:1] + edges[-1:] not in ([], [0, shape[0]]):
@@ -268,9 +266,8 @@ def whole_unit_norms(
     mesh, device = _mesh.reduction_mesh(found), found[0].device
     shards = [t._local_tensor for t in found]
     squares = unit_norms(shards[:measured], device, REDUCE_DTYPE, shards[measured:]).square()
-    slots = list(
-        zip([*grads, *weights, *whole], [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)], strict=True)
-    )
+    every = [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)]
+    slots = list(zip([*grads, *weights, *whole], every, strict=True))
     parts = iter(torch.split(squares, [r.count for t, r in slots if t is not None]))
     shares = [
         _placed(next(parts), r, _mesh.replica_count(cast("DTensor", t), mesh))
@@ -282,12 +279,6 @@ def whole_unit_norms(
     reduced = _mesh.all_reduce(shares, True, _mesh.mesh_groups(mesh), device, count, mesh.size())
     units = [sum(r.units for r in rows)] * 2 + [len(whole)]
     own, theirs, rest = torch.split(reduced[:-1] if strict else reduced, units)
-    wide = combine_dtype(device)
-    return UnitNorms(
-        own.sqrt().to(device=device, dtype=dtype),
-        theirs.sqrt().to(device=device, dtype=dtype),
-        rows,
-        own.to(device=device, dtype=wide),
-        rest.to(device=device, dtype=wide),
-        reduced[-1].to(device=device, dtype=wide) if strict else None,
-    )
+    roots, wide = (own.sqrt().to(dtype), theirs.sqrt().to(dtype)), combine_dtype(device)
+    check = reduced[-1].to(wide) if strict else None  # all_reduce put them on ``device``
+    return UnitNorms(*roots, rows, own.to(wide), rest.to(wide), check)
