@@ -253,14 +253,14 @@ def whole_unit_norms(
         own, theirs, rest = torch.split(norms, [sum(r.units for r in rows)] * 2 + [len(whole)])
         return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     _mesh.check_unmixed(tensors, found, "grads and weights")
-    for g, w in zip(grads, cast("list[DTensor]", weights), strict=True):
-        grad = cast("DTensor", g)
-        if g is not None and (grad.placements, grad.device_mesh) != (w.placements, w.device_mesh):
+    pairs = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
+    for grad, w in cast("list[tuple[DTensor, DTensor]]", pairs):
+        if (grad.placements, grad.device_mesh) != (w.placements, w.device_mesh):
             raise _layout_error(
                 w, f"its grad has placements {grad.placements} on {grad.device_mesh}"
             )
-        mine, its = tuple(getattr(g, "_local_tensor", w).shape), tuple(w._local_tensor.shape)
-        if g is not None and mine != its:
+        mine, its = tuple(grad._local_tensor.shape), tuple(w._local_tensor.shape)
+        if mine != its:
             raise _layout_error(w, f"its grad's shard is {mine}, not {its}")
     rows = [local_rows(w) for w in weights]
     mesh, device = _mesh.reduction_mesh(found), found[0].device
