@@ -52,7 +52,7 @@ from test_distributed import (
 from torch import Tensor, nn
 
 import clipopt
-from clipopt._dist import _mesh, _per_tensor, _units
+from clipopt._dist import _mesh, _units
 from clipopt._kernels import _norms
 
 pytestmark = pytest.mark.skipif(
@@ -70,10 +70,10 @@ def global_per_tensor_norms(tensors: list[Tensor], p: float) -> Tensor:
     local for plain tensors, one collective for DTensors; float32 (float64 if any is)."""
     if not _mesh.dtensors(tensors):
         return _norms.per_tensor_norms(tensors, p, None)
-    powers = _per_tensor.global_tensor_powers([tensors], [p])[0]
+    powers = _units.global_tensor_powers([tensors], [p])[0]
     device = _mesh.local_tensors(tensors[:1])[0].device
     dtype = _norms.result_dtype([t.dtype for t in tensors])
-    return _per_tensor.root(powers, p).to(device=device, dtype=dtype)
+    return _units.root(powers, p).to(device=device, dtype=dtype)
 
 
 def spike_skip() -> dict[str, Any]:

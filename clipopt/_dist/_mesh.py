@@ -37,8 +37,8 @@ def all_reduce(
     count: int | None = None,
     ranks: int = 1,
 ) -> Tensor:
-    """The 1-D ``parts`` concatenated, summed (or maxed, keeping NaN) over each group; with
-    ``count``, one value more: 0, or NaN (all NaN) where the ``ranks`` ranks' counts differ."""
+    """The 1-D ``parts`` summed (or maxed, keeping NaN) over each group; with ``count``,
+    all NaN where the ``ranks`` ranks' counts differ, and one value more (0 or NaN)."""
     values = torch.cat([p.to(device) for p in parts])
     if count is not None:  # counts equal iff ranks * sum(n**2) == sum(n)**2, or max(n) == min(n)
         pair = (count, count * count if summed else -count)
@@ -149,10 +149,7 @@ def _root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 def reduction_mesh(grads: Sequence[DTensor]) -> DeviceMesh:
     """The grads' mesh holding all their meshes' ranks, else the root's dims they use."""
-    meshes: list[DeviceMesh] = []
-    for g in grads:
-        if not any(g.device_mesh is known or g.device_mesh == known for known in meshes):
-            meshes.append(g.device_mesh)
+    meshes = list(dict.fromkeys(g.device_mesh for g in grads))
     ranks = [set(mesh_ranks(mesh)) for mesh in meshes]
     widest = max(range(len(meshes)), key=lambda i: len(ranks[i]))
     if all(r <= ranks[widest] for r in ranks):
@@ -180,8 +177,7 @@ def mesh_groups(mesh: DeviceMesh) -> list[Any]:
 def reduction_for(
     tensors: Sequence[Tensor], params: Sequence[Tensor] = (), process_group: Any = None
 ) -> tuple[DeviceMesh, list[Any]] | None:
-    """The mesh and groups to reduce DTensor ``tensors`` over (None for plain ones), also
-    from the ``params`` that require grad, so that a rank without grads joins."""
+    """The mesh and groups to reduce DTensor ``tensors`` (or ``params``) over; None if plain."""
     found = dtensors(tensors)
     if tensors and not found:
         return None

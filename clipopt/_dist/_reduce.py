@@ -34,8 +34,7 @@ def _local_contribution(
     foreach: bool | None,
     device: torch.device,
 ) -> Tensor:
-    """``sum weight * norm**p`` (max for inf) over the (weight, tensors) classes, float64
-    of shape (1,); with no tensor, a zero made on ``device``."""
+    """``sum weight * norm**p`` (inf: max) over the (weight, tensors) classes, shape (1,)."""
     parts: list[Tensor] = []
     for weight, tensors in classes:
         if tensors:
@@ -57,10 +56,8 @@ def global_norms(
     params: Sequence[Tensor] = (),
     pp_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
-    """The global p-norm of each bucket, 0-dim, the same on every rank, in torch's dtype:
-    finite orders in one ``all_reduce(SUM)``, inf in one ``MAX``. ``process_group``: what
-    plain tensors are split across (for DTensors, optionally their mesh's ranks in one
-    group); ``replicated``: plain tensors the same on all its ranks."""
+    """The global p-norm of each bucket, 0-dim, alike on every rank; ``replicated``: plain
+    tensors the same on all ranks of ``process_group``."""
     check_process_group(process_group)
     flat = [t for bucket in buckets for t in bucket]
     if replicated:
@@ -117,8 +114,7 @@ def global_norm(
 
 
 class NormScope:
-    """Where a clipping norm is reduced: a process group, the parameters replicated on it
-    and the pipeline stages' group (a copy shares the groups; a pickle refuses them)."""
+    """Where a clipping norm is reduced (a copy shares the groups; a pickle refuses them)."""
 
     def __init__(
         self,
@@ -131,9 +127,8 @@ class NormScope:
         check_process_group(process_group)
         pp_group = _stages.stage_group(pp_mesh)
         replicated = [] if replicated_params is None else list(replicated_params)
-        for t in replicated:
-            if not isinstance(t, Tensor):
-                raise TypeError(f"replicated_params must hold tensors, got {t!r}")
+        if bad := [t for t in replicated if not isinstance(t, Tensor)]:
+            raise TypeError(f"replicated_params must hold tensors, got {bad[0]!r}")
         if replicated and process_group is None:
             raise ValueError("replicated_params need a process_group to be replicated across")
         if params is not None:
@@ -163,7 +158,6 @@ class NormScope:
         thresholds: Sequence[object],
         names: Sequence[str | int] = (),
     ) -> None:
-        """Under stages, :func:`~clipopt._dist._stages.check_layout` once per layout."""
         key = (per_group, len(norm_types) if per_group else 0, tuple(names))
         if self.pp_group is not None and self.stages_checked != key:
             _stages.check_layout(self.pp_group, per_group, norm_types, thresholds, names)

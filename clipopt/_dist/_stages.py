@@ -39,8 +39,7 @@ def check_layout(
     thresholds: Sequence[object],
     names: Sequence[str | int] = (),
 ) -> None:
-    """Raise on every rank unless every stage has this clip layout: one ``all_reduce(MAX)``
-    of ``per_group``, the group count and the layout's CRC-32, each beside its negation."""
+    """Raise on every rank unless every stage has this clip layout (one ``all_reduce(MAX)``)."""
     if per_group:  # a tensor threshold by kind, not value
         kinds = ["a tensor" if isinstance(t, Tensor) else t for t in thresholds]
         pairs = list(zip(norm_types, kinds, strict=True))
@@ -73,9 +72,8 @@ def combine_stages(
     """Each of a stage's 0-dim ``norms`` combined with the other stages'."""
     if pp_group is None or not norms:
         return list(norms)
-    device = norms[0].device
-    if device.type == "cpu":  # a stage without grads has a CPU zero; NCCL needs its device
-        device = collective_device([], [pp_group])
+    device = norms[0].device  # a stage without grads has a CPU zero; NCCL needs its device
+    device = collective_device([], [pp_group]) if device.type == "cpu" else device
     sent = [
         n.detach().to(device, REDUCE_DTYPE).reshape(1).pow(1.0 if p == math.inf else p)
         for n, p in zip(norms, norm_types, strict=True)

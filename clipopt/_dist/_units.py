@@ -1,10 +1,11 @@
-"""AGC's units (rows along dim 0 of a tensor of 2 dims or more, else the whole tensor):
-where each lies on this rank, and their L2 norms across ranks in one float64 all_reduce."""
+"""Each grad's whole norm across ranks, and AGC's units' (dim-0 rows of a tensor of 2+ dims,
+else the whole), each in ONE float64 all_reduce."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,67 @@ from clipopt._kernels._norms import accumulate_dtype, combine_dtype, per_tensor_
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
+
+
+def held(values: Tensor, slots: Sequence[Tensor | None]) -> Tensor:
+    """The entries of ``values`` (one per slot) whose slot holds a tensor, in order."""
+    if all(t is not None for t in slots):
+        return values
+    parts = [v for v, t in zip(values.unbind(), slots, strict=True) if t is not None]
+    return torch.stack(parts) if parts else values.new_zeros(0)
+
+
+def global_tensor_powers(
+    buckets: Sequence[Sequence[Tensor | None]],
+    norm_types: Sequence[float],
+    foreach: bool | None = None,
+    *,
+    params: Sequence[Tensor] = (),
+    strict: bool = False,
+) -> list[Tensor]:
+    """Each slot's (a DTensor grad or None) whole ``norm**p`` (inf: max) across ranks, per
+    bucket; with ``strict``, all NaN where the ranks' counts of grads differ."""
+    flat = [t for bucket in buckets for t in bucket if t is not None]
+    reduction = _mesh.reduction_for(flat, params)
+    if reduction is None:
+        raise ValueError("global_tensor_powers needs DTensor grads or parameters")
+    mesh, groups = reduction
+    device = _mesh.collective_device(flat, groups)
+    shares = []
+    for slots, p in zip(buckets, norm_types, strict=True):
+        positions = [slot for slot, t in enumerate(slots) if t is not None]
+        grads = _mesh.dtensors([t for t in slots if t is not None])
+        order: list[int] = []
+        values: list[Tensor] = []
+        for replicas, indices in _mesh.by_replicas(grads, mesh).items():  # one norm call each
+            shards = [grads[i]._local_tensor for i in indices]
+            norms = per_tensor_norms(shards, p, foreach).to(REDUCE_DTYPE)
+            if p != math.inf:
+                norms = norms.pow(p).div(replicas) if replicas > 1 else norms.pow(p)
+            values.append(norms.to(device))
+            order.extend(positions[i] for i in indices)
+        if not values:
+            shares.append(torch.zeros(len(slots), dtype=REDUCE_DTYPE, device=device))
+        elif order == list(range(len(slots))):
+            shares.append(torch.cat(values))
+        else:  # zeros where this rank has no grad; no index tensor (a host-to-device copy)
+            zero = torch.zeros((), dtype=REDUCE_DTYPE, device=device)
+            found = dict(zip(order, torch.cat(values).unbind(), strict=True))
+            shares.append(torch.stack([found.get(slot, zero) for slot in range(len(slots))]))
+    count = len(flat) if strict else None
+    return _mesh.reduce_by_order(shares, norm_types, groups, device, count, mesh.size())
+
+
+def root(powers: Tensor, p: float) -> Tensor:
+    """Each norm from its ``norm**p`` (the inf-norm's values are norms already)."""
+    return powers if p == math.inf else powers.pow(1.0 / p)
+
+
+def total_root(powers: Tensor, p: float) -> Tensor:
+    """The p-norm of all that ``powers`` measured (0 for none)."""
+    if p != math.inf:
+        return powers.sum().pow(1.0 / p)
+    return powers.amax() if powers.numel() else powers.new_zeros(())
 
 
 @dataclass(frozen=True)
@@ -46,26 +108,23 @@ def local_rows(t: Tensor) -> Rows:
         units = t.shape[0] if t.dim() >= 2 else 1
         return Rows(units, 0, units)
     grad, mesh = cast("DTensor", t), cast("DTensor", t).device_mesh
-    for placement in grad.placements:
-        if placement.is_partial():
-            why = "a Partial tensor has no norm until it is reduced; redistribute it first"
-            raise _layout_error(grad, why)
-        if not placement.is_replicate() and not hasattr(placement, "dim"):
-            raise _layout_error(grad, "only Shard and Replicate say where its units are")
-    if grad.dim() <= 1:
+    if any(p.is_partial() for p in grad.placements):
+        why = "a Partial tensor has no norm until it is reduced; redistribute it first"
+    elif not all(p.is_replicate() or hasattr(p, "dim") for p in grad.placements):
+        why = "only Shard and Replicate say where its units are"
+    elif grad.dim() <= 1:
         return Rows(1, 0, 1)
-    at = tuple(mesh.get_coordinate() or ())
-    rows = rows_at(tuple(grad.shape), tuple(mesh.shape), at, tuple(grad.placements))
-    if rows is None:
+    else:
+        at = tuple(mesh.get_coordinate() or ())
+        rows = rows_at(tuple(grad.shape), tuple(mesh.shape), at, tuple(grad.placements))
+        local = grad._local_tensor.shape[0]
+        if rows is not None and local == rows.count:
+            return rows
         why = (
             "its rows are strided across ranks; exclude it (AGC(exclude=...)) or shard it otherwise"
         )
-        raise _layout_error(grad, why)
-    if grad._local_tensor.shape[0] != rows.count:
-        raise _layout_error(
-            grad, f"its shard holds {grad._local_tensor.shape[0]} rows, not {rows.count}"
-        )
-    return rows
+        why = why if rows is None else f"its shard holds {local} rows, not {rows.count}"
+    raise _layout_error(grad, why)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,13 +134,11 @@ def rows_at(
     coordinate: tuple[int, ...],
     placements: tuple[Placement, ...],
 ) -> Rows | None:
-    """The rows of a tensor of ``shape`` (2 dims or more) the rank at ``coordinate`` holds;
-    None when some rank's rows are not one range. Shards cut as ``torch.chunk``; with a
-    strided shard, by torch's rule (which reads the host), where all ranks' ranges tile."""
+    """The rows the rank at ``coordinate`` holds; None when some rank's are not one range."""
     from torch.distributed.tensor import _utils
     from torch.distributed.tensor import placement_types as kinds
 
-    def held(at: Sequence[int]) -> tuple[int, int]:
+    def span(at: Sequence[int]) -> tuple[int, int]:
         compute = getattr(_utils, "_compute_local_shape_and_global_offset", None)  # 2.7 on
         if compute is not None:
             local, offset = compute(shape, mesh_shape, list(at), placements)
@@ -103,15 +160,13 @@ def rows_at(
         return Rows(shape[0], start, count)
     ranges = []
     for indices in itertools.product(*(range(mesh_shape[m]) for m in splitting)):
-        other = list(coordinate)
-        for m, index in zip(splitting, indices, strict=True):
-            other[m] = index
-        start, count = held(other)
+        moved = dict(zip(splitting, indices, strict=True))
+        start, count = span([moved.get(m, at) for m, at in enumerate(coordinate)])
         ranges += [(start, start + count)] if count else []
     edges = [edge for pair in sorted(ranges) for edge in pair]
     if edges[1:-1:2] != edges[2::2] or edges[:1] + edges[-1:] not in ([], [0, shape[0]]):
         return None
-    return Rows(shape[0], *held(coordinate))
+    return Rows(shape[0], *span(coordinate))
 
 
 def unit_norms(
@@ -120,10 +175,8 @@ def unit_norms(
     dtype: torch.dtype,
     whole: Sequence[Tensor] = (),
 ) -> Tensor:
-    """The L2 norm of every unit of every tensor, then of each of ``whole`` (one unit
-    each), 1-D in order; half types accumulate in float32, as timm's ``unitwise_norm``.
-    Where :func:`~clipopt._kernels._scale.batched`, the squares of a device's and
-    dtype's contiguous tensors are concatenated and summed by unit in one segment_reduce."""
+    """The L2 norm of every unit of every tensor, then of each of ``whole``, 1-D in order
+    (half types accumulate in float32, as timm's ``unitwise_norm``)."""
     every = [*tensors, *whole]
     parts: dict[int, Tensor] = {}
     grouped: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
@@ -160,7 +213,6 @@ def unit_norms(
 
 
 def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
-    """This rank's shares of a tensor's units, at their positions among all its units."""
     share = share.div(replicas) if replicas > 1 else share
     if rows.count == rows.units:
         return share
@@ -169,9 +221,7 @@ def _placed(share: Tensor, rows: Rows, replicas: int) -> Tensor:
 
 @dataclass(frozen=True)
 class UnitNorms:
-    """Each unit's norm of the ``grads`` and ``weights``, each grad's :class:`Rows`, the
-    ``grad_squares`` and ``whole_squares``, and ``check`` (``strict`` only: NaN where the
-    ranks held different numbers of grads, else 0), alike on every rank."""
+    """``check`` (``strict`` only): NaN where the ranks' counts of grads differ, else 0."""
 
     grads: Tensor
     weights: Tensor
@@ -188,10 +238,8 @@ def whole_unit_norms(
     whole: Sequence[Tensor | None] = (),
     strict: bool = False,
 ) -> UnitNorms:
-    """Every unit's norm of every grad and its weight, whole across ranks, and each of
-    ``whole``'s squared norm (one unit each): DTensors in ONE float64 ``all_reduce``, a
-    None being no grad on this rank; with ``strict`` the ranks' counts of grads travel
-    along. What it cannot measure raises on every rank alike, before anything is sent."""
+    """Every unit's norm of every grad (None: none on this rank) and its weight, and each of
+    ``whole``'s squared norm, across ranks in ONE float64 ``all_reduce``."""
     present = [g for g in grads if g is not None]
     tensors = [*present, *(w.detach() for w in weights), *(t for t in whole if t is not None)]
     measured = len(present) + len(weights)
@@ -205,10 +253,8 @@ def whole_unit_norms(
         own, theirs, rest = torch.split(norms, [sum(r.units for r in rows)] * 2 + [len(whole)])
         return UnitNorms(own.to(dtype), theirs.to(dtype), rows, own.square(), rest.square())
     _mesh.check_unmixed(tensors, found, "grads and weights")
-    for g, w in zip(grads, cast("list[DTensor]", weights), strict=True):
-        grad = cast("DTensor | None", g)
-        if grad is None:
-            continue
+    pairs = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
+    for grad, w in cast("list[tuple[DTensor, DTensor]]", pairs):
         if (grad.placements, grad.device_mesh) != (w.placements, w.device_mesh):
             raise _layout_error(
                 w, f"its grad has placements {grad.placements} on {grad.device_mesh}"
@@ -220,9 +266,8 @@ def whole_unit_norms(
     mesh, device = _mesh.reduction_mesh(found), found[0].device
     shards = [t._local_tensor for t in found]
     squares = unit_norms(shards[:measured], device, REDUCE_DTYPE, shards[measured:]).square()
-    slots = list(
-        zip([*grads, *weights, *whole], [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)], strict=True)
-    )
+    every = [*rows, *rows, *[Rows(1, 0, 1)] * len(whole)]
+    slots = list(zip([*grads, *weights, *whole], every, strict=True))
     parts = iter(torch.split(squares, [r.count for t, r in slots if t is not None]))
     shares = [
         _placed(next(parts), r, _mesh.replica_count(cast("DTensor", t), mesh))
@@ -234,12 +279,6 @@ def whole_unit_norms(
     reduced = _mesh.all_reduce(shares, True, _mesh.mesh_groups(mesh), device, count, mesh.size())
     units = [sum(r.units for r in rows)] * 2 + [len(whole)]
     own, theirs, rest = torch.split(reduced[:-1] if strict else reduced, units)
-    wide = combine_dtype(device)
-    return UnitNorms(
-        own.sqrt().to(device=device, dtype=dtype),
-        theirs.sqrt().to(device=device, dtype=dtype),
-        rows,
-        own.to(device=device, dtype=wide),
-        rest.to(device=device, dtype=wide),
-        reduced[-1].to(device=device, dtype=wide) if strict else None,
-    )
+    roots, wide = (own.sqrt().to(dtype), theirs.sqrt().to(dtype)), combine_dtype(device)
+    check = reduced[-1].to(wide) if strict else None  # all_reduce put them on ``device``
+    return UnitNorms(*roots, rows, own.to(wide), rest.to(wide), check)

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar
 import torch
 from torch import Tensor
 
-from clipopt._dist import _mesh, _per_tensor, _reduce, _stages
+from clipopt._dist import _mesh, _reduce, _stages, _units
 from clipopt._kernels import _norms
 
 _T = TypeVar("_T")
@@ -134,12 +134,12 @@ def measure_per_tensor(
         held: list[list[Tensor | None]] = [[q.grad for q in group] for group in slots]
         if not per_group:
             held = [flatten(held)]
-        powers = _per_tensor.global_tensor_powers(
+        powers = _units.global_tensor_powers(
             held, types, foreach, params=flatten(slots), strict=strict
         )
         triples = list(zip(powers, held, types, strict=True))
-        norms = torch.cat([_per_tensor.root(_per_tensor.held(w, h), p) for w, h, p in triples])
-        totals = [_per_tensor.total_root(w, p).to(dtype) for w, _, p in triples]
+        norms = torch.cat([_units.root(_units.held(w, h), p) for w, h, p in triples])
+        totals = [_units.total_root(w, p).to(dtype) for w, _, p in triples]
         norms = norms.to(dtype)
     elif flat:
         if len(set(norm_types)) == 1:
@@ -180,11 +180,11 @@ def measure_from_squares(
     totals = []
     for start, end in itertools.pairwise(ends):
         part = squares[start:end]
-        total = _per_tensor.total_root(torch.cat(list(part)) if part else like.new_zeros(0), 2.0)
+        total = _units.total_root(torch.cat(list(part)) if part else like.new_zeros(0), 2.0)
         totals.append((total if check is None else total + check).to(dtype))
     norms = None
     if tensor_norms and squares:  # their 1-norm is their sum
-        norms = _per_tensor.root(torch.stack(torch._foreach_norm(list(squares), 1.0)), 2.0)
+        norms = _units.root(torch.stack(torch._foreach_norm(list(squares), 1.0)), 2.0)
         norms = norms.to(dtype)
     elif tensor_norms:
         norms = like.new_zeros(0, dtype=dtype)
