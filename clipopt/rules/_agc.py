@@ -8,20 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt._dist._units import Rows, whole_unit_norms
+from clipopt._dist._units import whole_unit_norms
 from clipopt._kernels._norms import result_dtype
 from clipopt._kernels._scale import EPS
 from clipopt.rules._base import number
 from clipopt.rules._unit import UnitDecision, UnitWiseRule
-
-
-def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -> Tensor:
-    """The entries of ``values`` (every tensor's units, in order) of the tensors present."""
-    if all(present):
-        return values
-    parts = torch.split(values, [r.units for r in rows])
-    kept = [part for part, here in zip(parts, present, strict=True) if here]
-    return torch.cat(kept) if kept else values.new_zeros(0)
 
 
 class AGC(UnitWiseRule):
@@ -82,15 +73,14 @@ class AGC(UnitWiseRule):
     def decide_units(
         self, params: Sequence[Tensor], grads: Sequence[Tensor], norm_type: float
     ) -> UnitDecision:
-        return self._decision(params, grads, slotted=False)
+        return self.decide_slots(params, grads, norm_type, slotted=False)
 
     def decide_slots(
-        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], norm_type: float
-    ) -> UnitDecision:
-        return self._decision(params, grads, slotted=True)
-
-    def _decision(
-        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], slotted: bool
+        self,
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor | None],
+        norm_type: float,
+        slotted: bool = True,
     ) -> UnitDecision:
         """``grads`` holds None, ``slotted`` only, for a grad this rank does not hold."""
         excluded = {id(p) for p in self.exclude}
@@ -116,17 +106,21 @@ class AGC(UnitWiseRule):
         parts = torch.split(coefficients, [r.units for r in rows])
         for i, r, part, here in zip(chosen, rows, parts, present, strict=True):
             dim = params[i].dim()
-            if here and dim <= 1:
-                per_grad[i] = part.reshape(())
-            elif here:  # this rank's rows, broadcastable to its shard
-                per_grad[i] = part.narrow(0, r.start, r.count).reshape(
-                    (r.count,) + (1,) * (dim - 1)
-                )
+            if here:  # a 0- or 1-D grad's one unit; else this rank's rows, shaped to broadcast
+                shape = () if dim <= 1 else (r.count,) + (1,) * (dim - 1)
+                per_grad[i] = part.narrow(0, r.start, r.count).reshape(shape)
         shares = torch.split(found.grad_squares, [r.units for r in rows])
         whole_shares = torch.split(found.whole_squares, [1] * len(others))
         at = dict(zip(chosen + others, [*shares, *whole_shares], strict=True))
         squares = tuple(at[i] for i in range(len(at)))
-        norms, coefficients, thresholds = (
-            _held_units(t, rows, present) for t in (norms, coefficients, thresholds)
-        )
+        if not all(present):  # only the held tensors' units
+            units = [r.units for r in rows]
+            norms, coefficients, thresholds = (
+                torch.cat(
+                    [p for p, here in zip(torch.split(t, units), present, strict=True) if here]
+                )
+                if any(present)
+                else t.new_zeros(0)
+                for t in (norms, coefficients, thresholds)
+            )
         return UnitDecision(per_grad, norms, coefficients, thresholds, squares, found.check)

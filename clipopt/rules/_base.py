@@ -1,5 +1,4 @@
-"""The clip-rule protocol (:class:`ClipRule`) and the state rules and SpikeSkip share;
-``docs/adaptive.md``, "Writing a rule", says what the wrapper calls and when."""
+"""The clip-rule protocol and the state rules and SpikeSkip share (docs/adaptive.md)."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ class Stateful:
         """Raise ValueError where a loaded state could not be this rule's."""
 
     def prepare(self, norms: Tensor) -> None:
-        """Make the state for norms like ``norms`` before the first step (a compiled step
-        then compiles once); no-op once stepped."""
+        """Make the state for ``norms`` before the first step (compile once); no-op after."""
         if not self._stepped:
             self.state = self.init_state(norms)
             self._made_for = (tuple(norms.shape), norms.dtype, norms.device)
@@ -167,8 +165,7 @@ class Stateful:
 
 
 class ClipRule(Stateful):
-    """The protocol of an adaptive clip rule, passed as ``max_norm`` (docs/adaptive.md,
-    "Writing a rule"). One rule belongs to one optimizer."""
+    """An adaptive clip rule, passed as ``max_norm`` (docs/adaptive.md); one per optimizer."""
 
     per_tensor: bool = False
     extra_keys = ("last_threshold",)

@@ -1,4 +1,4 @@
-"""The unit-wise rule protocol (:class:`UnitWiseRule`) and its decision (:class:`UnitDecision`)."""
+"""The unit-wise rule protocol and its decision."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from clipopt.rules._base import ClipRule
 
 @dataclass(frozen=True)
 class UnitDecision:
-    """What a :class:`UnitWiseRule` decides for one step (docs/adaptive.md, "Unit-wise
-    rules", says each field).
+    """What a :class:`UnitWiseRule` decides for one step (docs/adaptive.md, "Unit-wise rules").
 
     Attributes:
       per_grad: one coefficient per grad, broadcastable to it, or None to leave it alone.
@@ -32,12 +31,9 @@ class UnitDecision:
 
 
 class UnitWiseRule(ClipRule):
-    """The protocol of a rule that clips parts ("units") of each grad against its
-    parameter, as AGC does, with no state across steps: the wrapper calls
-    :meth:`decide_units` instead of :meth:`~ClipRule.decide`, then
-    :meth:`~ClipRule.commit` with the units' norms, coefficients and thresholds. Its
-    coefficients never fold into a fused kernel.
-    """
+    """A stateless rule that clips parts ("units") of each grad against its parameter, as
+    AGC does: the wrapper calls :meth:`decide_units`, not :meth:`~ClipRule.decide`, then
+    :meth:`~ClipRule.commit`; never folded into a fused kernel."""
 
     def check_norm_type(self, norm_type: float) -> None:
         """Raise ``ValueError`` if the rule cannot measure in this order (default: any)."""
