@@ -11,10 +11,9 @@ from torch import Tensor
 
 GroupKey = tuple[torch.device, torch.dtype]
 
-# Large CPU grads (ROWS_FROM elements or more): the inf-norm by aminmax (5-10x faster);
-# a contiguous float32 grad's 1- and 2-norm over views of SPLIT (float32 error grows with
-# the view, not the grad); half-type and non-contiguous ones over rows of ROW in memory
-# order, half types widened CHUNK elements at a time into a float32 scratch.
+# CPU grads of ROWS_FROM elements or more: inf-norm by aminmax; 1-, 2-norms over views of
+# SPLIT (contiguous float32: error grows with the view) or rows of ROW (in memory order;
+# half types widened CHUNK elements at a time).
 ROW = 1024
 ROWS_FROM = 1 << 12
 CHUNK = 1 << 18
@@ -127,11 +126,8 @@ def grouped_total_norm(
     """:func:`total_norm`, and the groups it split ``tensors`` into."""
     groups = group(tensors)
     out_dtype = result_dtype([dtype for _, dtype in (*groups.dense, *groups.sparse)])
-    partials: list[Tensor] = []
-    for members in groups.dense.values():
-        partials += _partials(members, p, foreach)
-    for members in groups.sparse.values():
-        partials += _partials([t.coalesce().values() for t in members], p, foreach)
+    sparse = [[t.coalesce().values() for t in members] for members in groups.sparse.values()]
+    partials = [x for m in (*groups.dense.values(), *sparse) for x in _partials(m, p, foreach)]
     if not partials:
         device = tensors[0].device if tensors else None
         return torch.zeros((), dtype=out_dtype, device=device), groups

@@ -60,11 +60,8 @@ def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> 
         if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()):
             for t in tensors:  # refused before any is written, not midway by mul_
                 if t.is_inference():
-                    raise RuntimeError(
-                        f"cannot scale a grad of shape {tuple(t.shape)} in place: it is an "
-                        "inference tensor and inference mode is off (torch's mul_ refuses "
-                        "this too); clone it outside torch.inference_mode() first"
-                    )
+                    shape = tuple(t.shape)
+                    raise RuntimeError(f"cannot scale an inference-tensor grad {shape} in place")
         coef_here = coef_on.setdefault(device, coef.to(device))
         if foreach is False:
             for t in tensors:

@@ -16,11 +16,8 @@ from clipopt.rules._unit import UnitDecision, UnitWiseRule
 
 
 class AGC(UnitWiseRule):
-    """Adaptive Gradient Clipping (Brock et al., 2021): clip each unit's grad (a slice
-    along dim 0, or a whole 0- or 1-D tensor) at ``clipping * max(||W||, eps)``, ``W``
-    its weights, as timm's ``adaptive_clip_grad`` (docs/adaptive.md, "AGC"); off the CPU
-    its unit norms take one copy of the grads and weights, for a constant number of
-    launches ("Cost" there).
+    """Adaptive Gradient Clipping: clip each unit's grad (a slice along dim 0, or a whole
+    0- or 1-D tensor) at ``clipping * max(||W||, eps)``, as timm's ``adaptive_clip_grad``.
 
     Args:
       clipping: the largest ratio of a unit's grad norm to its weight norm, > 0.
@@ -50,11 +47,8 @@ class AGC(UnitWiseRule):
         ok = isinstance(exclude, Iterable) and not isinstance(exclude, (Tensor, str))
         found = list(exclude) if ok else []
         if not ok or any(not isinstance(t, Tensor) for t in found):
-            raise TypeError(
-                f"exclude must be an iterable of parameters (tensors, matched by identity), "
-                f"got {exclude!r} (names are not accepted); e.g. "
-                "exclude=model.fc.parameters(), or exclude=[p] for one parameter p"
-            )
+            got = f"got {exclude!r}; parameters, not names: e.g. exclude=[p]"
+            raise TypeError(f"exclude must be an iterable of tensors, {got}")
         self.exclude = list({id(t): t for t in found}.values())
 
     def config(self) -> dict[str, Any]:
@@ -88,18 +82,14 @@ class AGC(UnitWiseRule):
         others = [i for i, p in enumerate(params) if id(p) in excluded]
         for grad, param in ((grads[i], params[i]) for i in chosen):
             if grad is not None and (grad.is_sparse or grad.shape != param.shape):
-                raise ValueError(
-                    f"AGC needs dense grads shaped as their parameters, got a grad of shape "
-                    f"{tuple(grad.shape)} (sparse: {grad.is_sparse}) for a parameter of "
-                    f"shape {tuple(param.shape)}"
-                )
+                got = f"{tuple(grad.shape)} (sparse: {grad.is_sparse}) for {tuple(param.shape)}"
+                raise ValueError(f"AGC needs dense grads shaped as their parameters, got {got}")
         present = [grads[i] is not None for i in chosen]
         dtype = result_dtype([g.dtype for g in grads if g is not None])
         own, whole = [grads[i] for i in chosen], [grads[i] for i in others]
         found = whole_unit_norms(own, [params[i] for i in chosen], dtype, whole, strict=slotted)
         norms, rows = found.grads, found.rows
-        # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
-        # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.
+        # as timm: g * (max_norm / norm(g).clamp(min=1e-6)) where norm(g) >= max_norm
         thresholds = found.weights.clamp(min=self.eps).mul(self.clipping)
         coefficients = torch.where(norms < thresholds, 1.0, thresholds / norms.clamp(min=EPS))
         per_grad: list[Tensor | None] = [None] * len(grads)

@@ -55,8 +55,7 @@ def _clone(value: Any) -> Any:
 
 
 class Evaluation(NamedTuple):
-    """:meth:`ClipRule.evaluate`'s thresholds (shaped as the norms), state after the step,
-    and coefficients where they are not ``min(1, threshold / (norm + 1e-6))``."""
+    """:meth:`ClipRule.evaluate`'s thresholds, state after, and coefficients if not the usual."""
 
     thresholds: Tensor
     state: State
@@ -100,9 +99,6 @@ class Stateful:
             return self.init_state(norms)
         return self.state
 
-    def install(self, state: State) -> None:
-        self.state, self._stepped = state, True
-
     def state_dict(self) -> dict[str, Any]:
         """``{"type", "config", "state"}`` and the ``extra_keys``: tensors and plain values."""
         state = {k: self.state[k].clone() for k in self.state_keys} if self._stepped else {}
@@ -122,12 +118,11 @@ class Stateful:
             )
         for key in self.extra_keys:
             value, now = state_dict[key], getattr(self, key)
+            counter = isinstance(now, Tensor) and now.dtype == torch.int64
             if isinstance(now, int):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"{key} must be an int >= 0, got {value!r}")
-                continue
-            counter = isinstance(now, Tensor) and now.dtype == torch.int64
-            if counter or value is not None:
+            elif counter or value is not None:
                 if not isinstance(value, Tensor):
                     raise ValueError(f"{key} must be a tensor, got {value!r}")
                 checked(key, value, () if counter else None, floating=not counter)
@@ -179,9 +174,8 @@ class ClipRule(Stateful):
     def evaluate(
         self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
-        """This step's thresholds and state after it, from the 0-dim global norm (or with
-        ``per_tensor`` one norm per grad) and the state before; pure, no host read.
-        ``total_norm``: the whole model's norm where ``norms`` are one pipeline stage's."""
+        """Thresholds and state after the step from the global norm (``per_tensor``: one
+        per grad) and the state before; pure. ``total_norm``: the model's, under stages."""
         raise NotImplementedError
 
     def _same_grads(self, held: int, given: int) -> None:
@@ -205,7 +199,7 @@ class ClipRule(Stateful):
     def commit(self, norms: Tensor, coefficients: Tensor, thresholds: Tensor) -> None:
         """After the step: install the state :meth:`decide` evaluated."""
         if self._next is not None:
-            self.install(self._next)
+            self.state, self._stepped = self._next, True
             self._next = None
         self.last_threshold = thresholds
 

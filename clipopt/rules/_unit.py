@@ -15,11 +15,9 @@ class UnitDecision:
     """What a :class:`UnitWiseRule` decides for one step (docs/adaptive.md, "Unit-wise rules").
 
     Attributes:
-      per_grad: one coefficient per grad, broadcastable to it, or None to leave it alone.
-      norms, coefficients, thresholds: 1-D, one entry per unit, in the grads' order.
-      squares: optional, one 1-D tensor per grad summing to its squared L2 norm (whole
-        across ranks): the step then reads no grad again.
-      check: optional, a 0-dim tensor added to the step's norms (NaN: ranks disagree).
+      per_grad: a coefficient per grad, broadcastable to it, or None. norms, coefficients,
+      thresholds: 1-D, one per unit. squares: optional, a 1-D tensor per grad summing to
+      its squared L2 norm. check: optional, 0-dim, added to the norms (NaN: ranks disagree).
     """
 
     per_grad: list[Tensor | None]
@@ -48,6 +46,5 @@ class UnitWiseRule(ClipRule):
     def decide_slots(
         self, params: Sequence[Tensor], grads: Sequence[Tensor | None], norm_type: float
     ) -> UnitDecision | None:
-        """:meth:`decide_units` over every DTensor parameter, a grad or None each, for a
-        rule that measures across ranks; None (the default): it does not."""
+        """:meth:`decide_units` over every DTensor parameter (grad or None); None: unsupported."""
         return None
