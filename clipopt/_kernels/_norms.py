@@ -1,5 +1,4 @@
-"""Norms of lists of grads by torch's own ops, grouped by (device, dtype), no host read:
-a total p-norm is the p-norm of each group's 1-D partial p-norms (:func:`_partials`)."""
+"""Norms of grads by (device, dtype) group, no host read: the p-norm of partial p-norms."""
 
 from __future__ import annotations
 
@@ -12,10 +11,9 @@ from torch import Tensor
 
 GroupKey = tuple[torch.device, torch.dtype]
 
-# Large CPU grads (ROWS_FROM elements or more): the inf-norm by aminmax (5-10x faster);
-# a contiguous float32 grad's 1- and 2-norm over views of SPLIT (float32 error grows with
-# the view, not the grad); half-type and non-contiguous ones over rows of ROW in memory
-# order, half types widened CHUNK elements at a time into a float32 scratch.
+# CPU grads of ROWS_FROM elements or more: inf-norm by aminmax; 1-, 2-norms over views of
+# SPLIT (contiguous float32: error grows with the view) or rows of ROW (in memory order;
+# half types widened CHUNK elements at a time).
 ROW = 1024
 ROWS_FROM = 1 << 12
 CHUNK = 1 << 18
@@ -26,8 +24,7 @@ _DOUBLE = (torch.float64, torch.complex128)
 
 @dataclass(frozen=True)
 class Groups:
-    """Tensors by (device, dtype) in order of first appearance: dense, and sparse COO with
-    values."""
+    """Tensors by (device, dtype) in order of first appearance: dense, and non-empty sparse."""
 
     dense: dict[GroupKey, list[Tensor]]
     sparse: dict[GroupKey, list[Tensor]]
@@ -50,8 +47,7 @@ def result_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 
 def combine_dtype(device: torch.device) -> torch.dtype:
-    """float64 where the device has it (MPS has not): for partial norms, whose squares
-    leave float32's range though the norm does not, and for rules' state."""
+    """float64 where the device has it (not MPS): partial norms' squares, rules' state."""
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
@@ -61,8 +57,7 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 
 def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Tensor]:
-    """1-D partial norms of one (device, dtype) group of dense tensors: one per non-empty
-    tensor, unless a CPU one has ``ROWS_FROM`` elements or more (see ``ROW``)."""
+    """1-D partial norms of one (device, dtype) group: one per tensor but large CPU ones."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
@@ -82,11 +77,9 @@ def _partials(tensors: list[Tensor], p: float, foreach: bool | None) -> list[Ten
         elif not half and t.is_contiguous():
             views += t.view(-1).split(SPLIT)  # type: ignore[no-untyped-call]
         else:
-            if t.is_contiguous():
-                flat = t.view(-1)
-            else:  # in memory order: a view where the elements are dense (channels-last...)
-                order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
-                flat = t.permute(order).reshape(-1)
+            # in memory order: a view where the elements are dense (channels-last...)
+            order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+            flat = t.permute(order).reshape(-1)
             step = CHUNK if half else flat.numel()
             scratch = torch.empty(min(CHUNK, flat.numel())) if half else None
             for start in range(0, flat.numel(), step):
@@ -122,9 +115,8 @@ def _combine(partials: list[Tensor], p: float) -> Tensor:
 
 
 def total_norm(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
-    """The p-norm of all ``tensors`` (dense or sparse COO, any devices and dtypes), 0-dim
-    in :func:`result_dtype` on the first with values' device (a zero on the first's, or
-    the CPU's, with none)."""
+    """The 0-dim p-norm of all ``tensors`` (dense or sparse COO, any devices and dtypes) in
+    :func:`result_dtype`, on the first with values' device."""
     return grouped_total_norm(tensors, p, foreach)[0]
 
 
@@ -134,11 +126,8 @@ def grouped_total_norm(
     """:func:`total_norm`, and the groups it split ``tensors`` into."""
     groups = group(tensors)
     out_dtype = result_dtype([dtype for _, dtype in (*groups.dense, *groups.sparse)])
-    partials: list[Tensor] = []
-    for members in groups.dense.values():
-        partials += _partials(members, p, foreach)
-    for members in groups.sparse.values():
-        partials += _partials([t.coalesce().values() for t in members], p, foreach)
+    sparse = [[t.coalesce().values() for t in members] for members in groups.sparse.values()]
+    partials = [x for m in (*groups.dense.values(), *sparse) for x in _partials(m, p, foreach)]
     if not partials:
         device = tensors[0].device if tensors else None
         return torch.zeros((), dtype=out_dtype, device=device), groups
@@ -146,8 +135,7 @@ def grouped_total_norm(
 
 
 def per_tensor_norms(tensors: Sequence[Tensor], p: float, foreach: bool | None = None) -> Tensor:
-    """Each tensor's p-norm (0 if empty), measured as :func:`total_norm` does, in one 1-D
-    tensor on the first's device in :func:`result_dtype`."""
+    """Each tensor's p-norm (0 if empty) as :func:`total_norm`'s, 1-D on the first's device."""
     if not tensors:
         raise ValueError("per_tensor_norms needs at least one tensor")
     device, out_dtype = tensors[0].device, result_dtype([t.dtype for t in tensors])

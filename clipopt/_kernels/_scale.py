@@ -1,6 +1,4 @@
-"""The clip coefficient ``min(1, max_norm / (norm + EPS))``, defined here only, and the
-in-place scales of grads grouped by (device, dtype), on their devices; :func:`batched`
-chooses where per-tensor and unit-wise work runs in stacked ops."""
+"""The clip coefficient ``min(1, max_norm / (norm + EPS))`` and in-place scales of grads."""
 
 from __future__ import annotations
 
@@ -17,15 +15,13 @@ EPS = 1e-6
 
 
 def batched(device: torch.device) -> bool:
-    """Whether per-tensor and unit-wise work on ``device`` runs in stacked ops, a constant
-    number of launches for a buffer of the grads' size: off the CPU. On the CPU it runs
-    tensor by tensor, bit-exact with timm's and autoclip's references, with no buffer."""
+    """Stacked per-tensor work (constant launches) off the CPU; on it, tensor by tensor,
+    bit-exact with timm's and autoclip's references."""
     return device.type != "cpu"
 
 
 def runs(sizes: Sequence[tuple[int, int]], device: torch.device) -> Tensor:
-    """``count`` runs of ``length`` for each ``(length, count)``, one int64 vector on
-    ``device``: a non-blocking copy (no stream sync, no host read), a repeat_interleave."""
+    """``count`` runs of ``length`` for each ``(length, count)``, int64 on ``device``, no sync."""
     pairs = torch.tensor(sizes, dtype=torch.int64).view(-1, 2).to(device, non_blocking=True)
     return torch.repeat_interleave(pairs[:, 0], pairs[:, 1], output_size=sum(c for _, c in sizes))
 
@@ -36,15 +32,13 @@ def coefficient(threshold: float | Tensor, norm: Tensor) -> Tensor:
 
 
 def _beside(value: Tensor, other: Tensor) -> Tensor:
-    """``value`` on ``other``'s device; a CPU scalar is read by an add (``torch.where``
-    would copy it there, a blocking transfer)."""
+    """``value`` on ``other``'s device by an add (``torch.where`` would block on a copy)."""
     return value if value.device == other.device else other.new_zeros(()) + value
 
 
 def clip_coefficient(max_norm: float | Tensor, norm: Tensor) -> Tensor:
-    """:func:`coefficient` for a user's ``max_norm``: 1 for a tensor ``max_norm`` of inf;
-    NaN (the grads turn NaN, not silently wrong) for a tensor one not > 0, and below the
-    dtype's smallest normal, where its reciprocal, a fused step's ``grad_scale``, overflows."""
+    """:func:`coefficient` for a user's ``max_norm``: 1 for a tensor inf; NaN for a tensor
+    one not > 0, and below the smallest normal (its reciprocal, ``grad_scale``, overflows)."""
     coef = coefficient(max_norm, norm)
     invalid = (coef > 0) & (coef < torch.finfo(coef.dtype).tiny)
     if isinstance(max_norm, Tensor):
@@ -66,11 +60,8 @@ def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> 
         if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()):
             for t in tensors:  # refused before any is written, not midway by mul_
                 if t.is_inference():
-                    raise RuntimeError(
-                        f"cannot scale a grad of shape {tuple(t.shape)} in place: it is an "
-                        "inference tensor and inference mode is off (torch's mul_ refuses "
-                        "this too); clone it outside torch.inference_mode() first"
-                    )
+                    shape = tuple(t.shape)
+                    raise RuntimeError(f"cannot scale an inference-tensor grad {shape} in place")
         coef_here = coef_on.setdefault(device, coef.to(device))
         if foreach is False:
             for t in tensors:
@@ -83,11 +74,9 @@ def scale_groups_(groups: Groups, coef: Tensor, foreach: bool | None = None) -> 
 
 
 def scale_each_(grads: list[Tensor], coefficients: list[Tensor], foreach: bool | None) -> None:
-    """Multiply each grad in place by its own coefficient (broadcastable to it): one
-    ``_foreach_mul_`` per device and dtype unless ``foreach=False``, sparse grads one by
-    one. Where :func:`batched`, the coefficients of contiguous grads are first repeated
-    into one buffer of their size and dtype (CUDA's ``_foreach_mul_`` runs tensor by
-    tensor unless both lists are alike)."""
+    """Multiply each grad in place by its coefficient (broadcastable to it). Where
+    :func:`batched`, coefficients are repeated into one buffer shaped as the grads: CUDA's
+    ``_foreach_mul_`` runs tensor by tensor unless both lists are alike."""
     groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, (grad, c) in enumerate(zip(grads, coefficients, strict=True)):
         if grad.is_sparse or foreach is False:
@@ -102,13 +91,8 @@ def scale_each_(grads: list[Tensor], coefficients: list[Tensor], foreach: bool |
 
 def _leading(c: Tensor, t: Tensor) -> bool:
     """``c`` varies along leading dims of ``t`` only: each entry scales a run of ``t``."""
-    shape = (1,) * (t.dim() - c.dim()) + tuple(c.shape)
-    k = t.dim()
-    for d in range(t.dim()):  # not next(..., default): torch 2.6's dynamo cannot trace it
-        if shape[d] != t.shape[d]:
-            k = d
-            break
-    return t.numel() > 0 and all(s == 1 for s in shape[k:])
+    shape, n = (1,) * (t.dim() - c.dim()) + tuple(c.shape), t.dim()
+    return t.numel() > 0 and any(shape == (*t.shape[:k], *(1,) * (n - k)) for k in range(n + 1))
 
 
 def _repeated(coefficients: list[Tensor], like: list[Tensor]) -> list[Tensor]:
@@ -121,8 +105,7 @@ def _repeated(coefficients: list[Tensor], like: list[Tensor]) -> list[Tensor]:
 
 
 def grad_scale_of(max_norm: float | Tensor, norm: Tensor) -> Tensor:
-    """A fused optimizer's ``grad_scale``, ``1 / clip_coefficient(max_norm, norm)`` made
-    directly (but NaN for a non-finite norm with a tensor ``max_norm`` of inf)."""
+    """A fused step's ``grad_scale``, ``1 / clip_coefficient`` (NaN: bad norm, inf tensor max)."""
     scale = torch.clamp((norm + EPS) / max_norm, min=1.0)
     info = torch.finfo(scale.dtype)
     # Past 1 / tiny: NaN for a finite norm (sqrt of a negative), inf for an infinite one.

@@ -13,8 +13,8 @@ from clipopt.rules._base import ClipRule, Evaluation, State, checked, integer, n
 
 
 class AdaGC(ClipRule):
-    """AdaGC (Wang et al., ICML 2026): clip each tensor against an EMA of its own clipped
-    norms, as the authors' Megatron patch does (docs/adaptive.md, "AdaGC").
+    """AdaGC (Wang et al., 2026): clip each tensor against an EMA of its own clipped norms,
+    as the authors' Megatron patch does (docs/adaptive.md).
 
     Args:
       ratio: the relative threshold, > 0. beta: the EMA factor, in [0, 1).
@@ -73,15 +73,13 @@ class AdaGC(ClipRule):
         self._same_grads(gamma.numel(), norms.numel())
         n = norms.to(gamma.dtype)
         warming = count < self.warmup_steps
-        # Warm-up: the total p-norm clipped at warmup_max_norm; each tensor's threshold is
-        # where threshold / (n + eps) is that coefficient (inf if total + eps is 0).
+        # Warm-up clips the total norm; a tensor's threshold gives that coefficient.
         total = torch.linalg.vector_norm(n, norm_type) if total_norm is None else total_norm.to(n)
         raw = self.warmup_max_norm / (total + self.eps)
         shares = torch.where(total + self.eps > 0, raw * (n + self.eps), math.inf)
         counted = torch.isfinite(total)
         lowest = torch.where(counted, torch.minimum(gamma, n * raw.clamp(max=1.0)), gamma)
-        # After: clip each norm above ratio * gamma to it, then move the EMA; a gamma of
-        # inf (warmup_steps=0) starts from the norm, as the authors' code does.
+        # After: clip at ratio * gamma, then move the EMA; a gamma of inf starts at the norm.
         reference = torch.where(torch.isinf(gamma), n, gamma)
         limit = self.ratio * reference
         clip = n > limit

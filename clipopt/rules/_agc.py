@@ -8,28 +8,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clipopt._dist._units import Rows, whole_unit_norms
+from clipopt._dist._units import whole_unit_norms
 from clipopt._kernels._norms import result_dtype
 from clipopt._kernels._scale import EPS
 from clipopt.rules._base import number
 from clipopt.rules._unit import UnitDecision, UnitWiseRule
 
 
-def _held_units(values: Tensor, rows: Sequence[Rows], present: Sequence[bool]) -> Tensor:
-    """The entries of ``values`` (every tensor's units, in order) of the tensors present."""
-    if all(present):
-        return values
-    parts = torch.split(values, [r.units for r in rows])
-    kept = [part for part, here in zip(parts, present, strict=True) if here]
-    return torch.cat(kept) if kept else values.new_zeros(0)
-
-
 class AGC(UnitWiseRule):
-    """Adaptive Gradient Clipping (Brock et al., 2021): clip each unit's grad (a slice
-    along dim 0, or a whole 0- or 1-D tensor) at ``clipping * max(||W||, eps)``, ``W``
-    its weights, as timm's ``adaptive_clip_grad`` (docs/adaptive.md, "AGC"); off the CPU
-    its unit norms take one copy of the grads and weights, for a constant number of
-    launches ("Cost" there).
+    """Adaptive Gradient Clipping: clip each unit's grad (a slice along dim 0, or a whole
+    0- or 1-D tensor) at ``clipping * max(||W||, eps)``, as timm's ``adaptive_clip_grad``.
 
     Args:
       clipping: the largest ratio of a unit's grad norm to its weight norm, > 0.
@@ -59,11 +47,8 @@ class AGC(UnitWiseRule):
         ok = isinstance(exclude, Iterable) and not isinstance(exclude, (Tensor, str))
         found = list(exclude) if ok else []
         if not ok or any(not isinstance(t, Tensor) for t in found):
-            raise TypeError(
-                f"exclude must be an iterable of parameters (tensors, matched by identity), "
-                f"got {exclude!r} (names are not accepted); e.g. "
-                "exclude=model.fc.parameters(), or exclude=[p] for one parameter p"
-            )
+            got = f"got {exclude!r}; parameters, not names: e.g. exclude=[p]"
+            raise TypeError(f"exclude must be an iterable of tensors, {got}")
         self.exclude = list({id(t): t for t in found}.values())
 
     def config(self) -> dict[str, Any]:
@@ -82,15 +67,14 @@ class AGC(UnitWiseRule):
     def decide_units(
         self, params: Sequence[Tensor], grads: Sequence[Tensor], norm_type: float
     ) -> UnitDecision:
-        return self._decision(params, grads, slotted=False)
+        return self.decide_slots(params, grads, norm_type, slotted=False)
 
     def decide_slots(
-        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], norm_type: float
-    ) -> UnitDecision:
-        return self._decision(params, grads, slotted=True)
-
-    def _decision(
-        self, params: Sequence[Tensor], grads: Sequence[Tensor | None], slotted: bool
+        self,
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor | None],
+        norm_type: float,
+        slotted: bool = True,
     ) -> UnitDecision:
         """``grads`` holds None, ``slotted`` only, for a grad this rank does not hold."""
         excluded = {id(p) for p in self.exclude}
@@ -98,35 +82,35 @@ class AGC(UnitWiseRule):
         others = [i for i, p in enumerate(params) if id(p) in excluded]
         for grad, param in ((grads[i], params[i]) for i in chosen):
             if grad is not None and (grad.is_sparse or grad.shape != param.shape):
-                raise ValueError(
-                    f"AGC needs dense grads shaped as their parameters, got a grad of shape "
-                    f"{tuple(grad.shape)} (sparse: {grad.is_sparse}) for a parameter of "
-                    f"shape {tuple(param.shape)}"
-                )
+                got = f"{tuple(grad.shape)} (sparse: {grad.is_sparse}) for {tuple(param.shape)}"
+                raise ValueError(f"AGC needs dense grads shaped as their parameters, got {got}")
         present = [grads[i] is not None for i in chosen]
         dtype = result_dtype([g.dtype for g in grads if g is not None])
         own, whole = [grads[i] for i in chosen], [grads[i] for i in others]
         found = whole_unit_norms(own, [params[i] for i in chosen], dtype, whole, strict=slotted)
         norms, rows = found.grads, found.rows
-        # timm: max_norm = norm(p).clamp_(min=eps).mul_(clipping); g * (max_norm /
-        # norm(g).clamp(min=1e-6)) where norm(g) >= max_norm, g unchanged elsewhere.
+        # as timm: g * (max_norm / norm(g).clamp(min=1e-6)) where norm(g) >= max_norm
         thresholds = found.weights.clamp(min=self.eps).mul(self.clipping)
         coefficients = torch.where(norms < thresholds, 1.0, thresholds / norms.clamp(min=EPS))
         per_grad: list[Tensor | None] = [None] * len(grads)
         parts = torch.split(coefficients, [r.units for r in rows])
         for i, r, part, here in zip(chosen, rows, parts, present, strict=True):
             dim = params[i].dim()
-            if here and dim <= 1:
-                per_grad[i] = part.reshape(())
-            elif here:  # this rank's rows, broadcastable to its shard
-                per_grad[i] = part.narrow(0, r.start, r.count).reshape(
-                    (r.count,) + (1,) * (dim - 1)
-                )
+            if here:  # a 0- or 1-D grad's one unit; else this rank's rows, shaped to broadcast
+                shape = () if dim <= 1 else (r.count,) + (1,) * (dim - 1)
+                per_grad[i] = part.narrow(0, r.start, r.count).reshape(shape)
         shares = torch.split(found.grad_squares, [r.units for r in rows])
         whole_shares = torch.split(found.whole_squares, [1] * len(others))
         at = dict(zip(chosen + others, [*shares, *whole_shares], strict=True))
         squares = tuple(at[i] for i in range(len(at)))
-        norms, coefficients, thresholds = (
-            _held_units(t, rows, present) for t in (norms, coefficients, thresholds)
-        )
+        if not all(present):  # only the held tensors' units
+            units = [r.units for r in rows]
+            norms, coefficients, thresholds = (
+                torch.cat(
+                    [p for p, here in zip(torch.split(t, units), present, strict=True) if here]
+                )
+                if any(present)
+                else t.new_zeros(0)
+                for t in (norms, coefficients, thresholds)
+            )
         return UnitDecision(per_grad, norms, coefficients, thresholds, squares, found.check)

@@ -11,8 +11,7 @@ from torch import Tensor
 
 from clipopt.rules._base import ClipRule, Evaluation, State, checked, flag, integer, number
 
-# torch.quantile's rank q * (n - 1) is taken in float64 from torch 2.14 on, in the values'
-# dtype before: read once from torch, on values where the two differ.
+# torch.quantile's rank q * (n - 1) is in float64 from torch 2.14 on, the values' before.
 _RANKS_IN_FLOAT64 = float(torch.quantile(torch.tensor([0.0, 0.0, 1.0, 1.0]), 0.4)) != float(
     torch.tensor(3.0) * 0.4 - 1.0
 )
@@ -27,13 +26,11 @@ def _ranks(filled: Tensor, q: float, dtype: torch.dtype) -> Tensor:
 
 
 def replace_sorted(ordered: Tensor, leaving: Tensor, entering: Tensor) -> Tensor:
-    """Ascending rows ``ordered`` with ``leaving[r]`` (in row ``r``) taken out and
-    ``entering[r]`` (not NaN) put in, by two shifted copies: values moved, not computed.
-    A row needs a ``+inf`` once ``leaving`` is out."""
+    """Sorted rows with ``leaving[r]`` out and ``entering[r]`` (not NaN) in, by two shifted
+    copies; a row needs a ``+inf`` once ``leaving`` is out."""
     columns = torch.arange(ordered.shape[1], device=ordered.device)
     spare, result = torch.empty_like(ordered), torch.empty_like(ordered)
-    # The shifts run over the flat rows, so that every `out=` is contiguous (dynamo takes
-    # no other); a row's last slot reads the next row's first, then is reset.
+    # Shifts over the flat rows (dynamo takes only contiguous `out=`); last slots reset.
     flat, scratch, into_flat = ordered.reshape(-1), spare.view(-1), result.view(-1)
     out = torch.searchsorted(ordered, leaving[:, None])
     torch.where((columns >= out).view(-1)[:-1], flat[1:], flat[:-1], out=scratch[:-1])
@@ -45,9 +42,8 @@ def replace_sorted(ordered: Tensor, leaving: Tensor, entering: Tensor) -> Tensor
 
 
 class AutoClip(ClipRule):
-    """AutoClip (Seetharaman et al., 2020): clip at the ``percentile`` of the last
-    ``history`` finite pre-clip norms, as ``autoclip.torch.QuantileClip`` does
-    (docs/adaptive.md, "AutoClip").
+    """AutoClip (Seetharaman et al., 2020): clip at the ``percentile`` of the last ``history``
+    finite norms, as ``autoclip.torch.QuantileClip`` does.
 
     Args:
       percentile: in [0, 100]. history: how many past norms count, >= 1.
@@ -109,17 +105,14 @@ class AutoClip(ClipRule):
         else:  # after a load: each row's filled values ascending, then +inf
             columns = torch.arange(self.history, device=buffer.device)
             ordered = torch.where(columns < filled[:, None], buffer, math.inf).sort(dim=1).values
-        # torch.quantile's interpolation: rank = q * (n - 1), the values at its floor and
-        # ceiling, lerp by the fraction. Unfilled rows lerp 0s, not +infs: inductor folds a
-        # fresh history's inf - inf and fails ("sympy expression is NaN").
+        # torch.quantile's lerp; unfilled rows lerp 0s: inductor fails folding inf - inf.
         ranks = _ranks(filled, self.percentile / 100.0, buffer.dtype)
         below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
         some = filled > 0
         ends = torch.where(some[:, None], ordered.gather(1, torch.stack((below, above), 1)), 0)
         value = torch.lerp(ends[:, 0], ends[:, 1], (ranks - below.to(ranks.dtype)).to(buffer.dtype))
         thresholds = torch.where(some, value, math.inf).reshape(norms.shape)
-        # The norm enters the ring and the sorted copy; a full row's oldest leaves (else a
-        # +inf); a non-finite norm enters nowhere (what leaves comes back).
+        # A finite norm enters; a full row's oldest leaves (else a +inf leaves and returns).
         finite = torch.isfinite(rows)
         position = (count % self.history)[:, None]
         old = buffer.gather(1, position)[:, 0]

@@ -1,5 +1,4 @@
-"""The clip-rule protocol (:class:`ClipRule`) and the state rules and SpikeSkip share;
-``docs/adaptive.md``, "Writing a rule", says what the wrapper calls and when."""
+"""The clip-rule protocol and the state rules and SpikeSkip share (docs/adaptive.md)."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ def _clone(value: Any) -> Any:
 
 
 class Evaluation(NamedTuple):
-    """:meth:`ClipRule.evaluate`'s thresholds (shaped as the norms), state after the step,
-    and coefficients where they are not ``min(1, threshold / (norm + 1e-6))``."""
+    """:meth:`ClipRule.evaluate`'s thresholds, state after, and coefficients if not the usual."""
 
     thresholds: Tensor
     state: State
@@ -88,8 +86,7 @@ class Stateful:
         """Raise ValueError where a loaded state could not be this rule's."""
 
     def prepare(self, norms: Tensor) -> None:
-        """Make the state for norms like ``norms`` before the first step (a compiled step
-        then compiles once); no-op once stepped."""
+        """Make the state for ``norms`` before the first step (compile once); no-op after."""
         if not self._stepped:
             self.state = self.init_state(norms)
             self._made_for = (tuple(norms.shape), norms.dtype, norms.device)
@@ -101,9 +98,6 @@ class Stateful:
         if not self.state or (self._made_for not in (None, here) and not self._stepped):
             return self.init_state(norms)
         return self.state
-
-    def install(self, state: State) -> None:
-        self.state, self._stepped = state, True
 
     def state_dict(self) -> dict[str, Any]:
         """``{"type", "config", "state"}`` and the ``extra_keys``: tensors and plain values."""
@@ -124,12 +118,11 @@ class Stateful:
             )
         for key in self.extra_keys:
             value, now = state_dict[key], getattr(self, key)
+            counter = isinstance(now, Tensor) and now.dtype == torch.int64
             if isinstance(now, int):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"{key} must be an int >= 0, got {value!r}")
-                continue
-            counter = isinstance(now, Tensor) and now.dtype == torch.int64
-            if counter or value is not None:
+            elif counter or value is not None:
                 if not isinstance(value, Tensor):
                     raise ValueError(f"{key} must be a tensor, got {value!r}")
                 checked(key, value, () if counter else None, floating=not counter)
@@ -167,8 +160,7 @@ class Stateful:
 
 
 class ClipRule(Stateful):
-    """The protocol of an adaptive clip rule, passed as ``max_norm`` (docs/adaptive.md,
-    "Writing a rule"). One rule belongs to one optimizer."""
+    """An adaptive clip rule, passed as ``max_norm`` (docs/adaptive.md); one per optimizer."""
 
     per_tensor: bool = False
     extra_keys = ("last_threshold",)
@@ -182,9 +174,8 @@ class ClipRule(Stateful):
     def evaluate(
         self, norms: Tensor, state: State, *, norm_type: float, total_norm: Tensor | None
     ) -> Evaluation:
-        """This step's thresholds and state after it, from the 0-dim global norm (or with
-        ``per_tensor`` one norm per grad) and the state before; pure, no host read.
-        ``total_norm``: the whole model's norm where ``norms`` are one pipeline stage's."""
+        """Thresholds and state after the step from the global norm (``per_tensor``: one
+        per grad) and the state before; pure. ``total_norm``: the model's, under stages."""
         raise NotImplementedError
 
     def _same_grads(self, held: int, given: int) -> None:
@@ -208,7 +199,7 @@ class ClipRule(Stateful):
     def commit(self, norms: Tensor, coefficients: Tensor, thresholds: Tensor) -> None:
         """After the step: install the state :meth:`decide` evaluated."""
         if self._next is not None:
-            self.install(self._next)
+            self.state, self._stepped = self._next, True
             self._next = None
         self.last_threshold = thresholds
 

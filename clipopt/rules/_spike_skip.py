@@ -12,9 +12,8 @@ from clipopt.rules._base import State, Stateful, checked, integer, number
 
 
 class SpikeSkip(Stateful):
-    """Skip a step (parameters, optimizer state and grads untouched) whose pre-clip norm
-    has ``|norm - mean| / std > sigma`` over the last ``window`` finite norms:
-    ``skip_spikes=`` of ClippedOptimizer, OLMo-core's rule (docs/adaptive.md).
+    """Skip a step whose pre-clip norm has ``|norm - mean| / std > sigma`` over the last
+    ``window`` finite norms (``skip_spikes=``; OLMo-core's rule, docs/adaptive.md).
 
     Args:
       window: how many previous norms count, >= 2. sigma: > 0.
@@ -87,7 +86,8 @@ class SpikeSkip(Stateful):
         finite = torch.isfinite(value)
         slot = (count % self.window).reshape(1)
         buffer = buffer.scatter(0, slot, torch.where(finite, value, buffer.gather(0, slot)))
-        self.install({"buffer": buffer, "count": count + finite.to(torch.int64)})
+        self.state = {"buffer": buffer, "count": count + finite.to(torch.int64)}
+        self._stepped = True
         spikes = self.spike_count.to(norm.device)
         self.spike_count = spikes if spike is None else spikes + spike.to(torch.int64)
         self.steps_seen += 1

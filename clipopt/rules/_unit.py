@@ -1,4 +1,4 @@
-"""The unit-wise rule protocol (:class:`UnitWiseRule`) and its decision (:class:`UnitDecision`)."""
+"""The unit-wise rule protocol and its decision."""
 
 from __future__ import annotations
 
@@ -12,15 +12,12 @@ from clipopt.rules._base import ClipRule
 
 @dataclass(frozen=True)
 class UnitDecision:
-    """What a :class:`UnitWiseRule` decides for one step (docs/adaptive.md, "Unit-wise
-    rules", says each field).
+    """What a :class:`UnitWiseRule` decides for one step (docs/adaptive.md, "Unit-wise rules").
 
     Attributes:
-      per_grad: one coefficient per grad, broadcastable to it, or None to leave it alone.
-      norms, coefficients, thresholds: 1-D, one entry per unit, in the grads' order.
-      squares: optional, one 1-D tensor per grad summing to its squared L2 norm (whole
-        across ranks): the step then reads no grad again.
-      check: optional, a 0-dim tensor added to the step's norms (NaN: ranks disagree).
+      per_grad: a coefficient per grad, broadcastable to it, or None. norms, coefficients,
+      thresholds: 1-D, one per unit. squares: optional, a 1-D tensor per grad summing to
+      its squared L2 norm. check: optional, 0-dim, added to the norms (NaN: ranks disagree).
     """
 
     per_grad: list[Tensor | None]
@@ -32,12 +29,9 @@ class UnitDecision:
 
 
 class UnitWiseRule(ClipRule):
-    """The protocol of a rule that clips parts ("units") of each grad against its
-    parameter, as AGC does, with no state across steps: the wrapper calls
-    :meth:`decide_units` instead of :meth:`~ClipRule.decide`, then
-    :meth:`~ClipRule.commit` with the units' norms, coefficients and thresholds. Its
-    coefficients never fold into a fused kernel.
-    """
+    """A stateless rule that clips parts ("units") of each grad against its parameter, as
+    AGC does: the wrapper calls :meth:`decide_units`, not :meth:`~ClipRule.decide`, then
+    :meth:`~ClipRule.commit`; never folded into a fused kernel."""
 
     def check_norm_type(self, norm_type: float) -> None:
         """Raise ``ValueError`` if the rule cannot measure in this order (default: any)."""
@@ -52,6 +46,5 @@ class UnitWiseRule(ClipRule):
     def decide_slots(
         self, params: Sequence[Tensor], grads: Sequence[Tensor | None], norm_type: float
     ) -> UnitDecision | None:
-        """:meth:`decide_units` over every DTensor parameter, a grad or None each, for a
-        rule that measures across ranks; None (the default): it does not."""
+        """:meth:`decide_units` over every DTensor parameter (grad or None); None: unsupported."""
         return None

@@ -25,8 +25,7 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 class ZClip(ClipRule):
     """ZClip (Kumar et al., 2025): clip norms that are z-score outliers of an EMA of past
-    norms, as the ``zclip`` 1.0.0 package's ``ZClip`` does, with its arguments
-    (docs/adaptive.md, "ZClip").
+    norms, as the ``zclip`` 1.0.0 package's ``ZClip`` does, with its arguments.
 
     Args:
       alpha: the EMA factor, in (0, 1). z_thresh: > 0. eps: added to the std, >= 0.
