@@ -156,7 +156,9 @@ def measure_per_tensor(
         totals = [_combined(part, p, norms.dtype) for part, p in zip(parts, types, strict=True)]
     else:  # the parameters' dtype, as the norms of the ranks (and stages) with grads
         zero = torch.zeros((), dtype=_norms.result_dtype([q.dtype for q in flatten(slots)]))
-        return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
+        if pp_group is None:
+            return Measurement(zero, [zero] * len(grads), None, zero.new_zeros(0), flat_names)
+        totals, norms = [zero] * len(types), zero.new_zeros(0)  # the stages still combine
     return _assembled(totals, norms, len(grads), orders, flat_names, pp_group)
 
 
