@@ -39,7 +39,7 @@ WING_FLOORS: dict[str, list[set[str]]] = {
     "_dist": [
         {"_mesh"},
         {"_stages"},
-        {"_per_tensor", "_reduce", "_units"},
+        {"_reduce", "_units"},
         {"_deepspeed"},
     ],
     # the protocol, the unit-wise protocol, then every rule (a module not named is a rule)
