@@ -143,8 +143,8 @@ class ClippedOptimizer(OptimizerShell):
             raise TypeError(f"track_tensor_norms must be a bool, got {track_tensor_norms!r}")
         local = isinstance(rule, UnitWiseRule) or (rule is not None and rule.per_tensor)
         if (local or track_tensor_norms) and process_group is not None:
-            why = "track_tensor_norms=True and per-tensor or unit-wise rules need unsplit params"
-            raise ValueError(f"{why}, not a process_group")
+            why = "track_tensor_norms=True and per-tensor or unit-wise rules need unsplit"
+            raise ValueError(f"{why} parameters, not a process_group")
         if skip_spikes is not None and not isinstance(skip_spikes, SpikeSkip):
             raise TypeError(f"skip_spikes must be a clipopt.SpikeSkip or None, got {skip_spikes!r}")
         check_foreach(foreach)
